@@ -1,0 +1,170 @@
+"""The public op: validation -> dispatch -> one backend, and back through one autograd Function."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+from .dispatch.registry import Backend, Decision, FwdInputs, decide, select
+from .dispatch.spec import CallSpec
+from .validation import validate
+from .varlen import VarlenMeta
+
+
+@dataclass
+class GDNContext:
+    """What :func:`chunk_gated_delta_rule_bwd` needs from :func:`chunk_gated_delta_rule_fwd`."""
+
+    backend: Backend
+    spec: CallSpec
+    saved: Sequence[Any]
+    aux: Any
+    input_dtypes: tuple  # dtypes of q, k, v, g, beta, initial_state (None when absent)
+
+
+def _empty_call(spec: CallSpec, v, initial_state):
+    """T == 0 (or B == 0): nothing to compute; the state passes through unchanged."""
+    B, T, Hv, V = v.shape
+    o = v.new_zeros(B, T, Hv, V)
+    if initial_state is not None:
+        ht = initial_state.clone()
+    else:
+        sd = torch.float64 if v.dtype == torch.float64 else torch.float32
+        ht = torch.zeros(spec.num_seqs, Hv, spec.K, V, dtype=sd, device=v.device)
+    return o, ht
+
+
+def _run_forward(be: Backend, spec: CallSpec, q, k, v, g, beta, scale, initial_state, meta, options):
+    inputs = FwdInputs(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(),
+                       beta=beta.contiguous(), scale=scale,
+                       initial_state=None if initial_state is None else initial_state.contiguous(),
+                       cu_seqlens=None if meta is None else meta.cu_seqlens, varlen=meta,
+                       output_final_state=spec.output_final_state, use_qk_l2norm=spec.use_qk_l2norm,
+                       options=dict(options or {}))
+    return be.forward(spec, inputs)
+
+
+def _cast_grads(grads, dtypes):
+    out = []
+    for gr, dt in zip(grads, dtypes):
+        out.append(None if gr is None or dt is None else gr.to(dt))
+    return tuple(out)
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, g, beta, initial_state, be, spec, scale, meta, options):
+        o, ht, saved, aux = _run_forward(be, spec, q, k, v, g, beta, scale, initial_state, meta, options)
+        ctx.save_for_backward(*saved)
+        ctx.be, ctx.spec, ctx.aux = be, spec, aux
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+                      None if initial_state is None else initial_state.dtype)
+        if ht is None:
+            ht = o.new_empty(0)
+            ctx.mark_non_differentiable(ht)
+        return o, ht
+
+    @staticmethod
+    def backward(ctx, do, dht):
+        saved = ctx.saved_tensors
+        if dht is not None and dht.numel() == 0:
+            dht = None
+        grads = ctx.be.backward(ctx.spec, saved, ctx.aux, do.contiguous(),
+                                None if dht is None else dht.contiguous())
+        return _cast_grads(grads, ctx.dtypes) + (None,) * 5
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: Optional[float] = None,
+    initial_state: Optional[torch.Tensor] = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    *,
+    varlen_meta: Optional[VarlenMeta] = None,
+    backend_options: Optional[dict] = None,
+):
+    """Chunked gated delta rule (GDN) with autograd; returns ``(o, final_state)``.
+
+    Args (FLA's names and layouts):
+        q, k: ``[B, T, Hqk, K]``; v: ``[B, T, Hv, V]`` with ``Hv % Hqk == 0`` (value head ``h`` reads
+            query/key head ``h // (Hv // Hqk)``).  One dtype for the three.
+        g: ``[B, T, Hv]`` log-space decay (float32 recommended); beta: ``[B, T, Hv]``.
+        scale: defaults to ``K ** -0.5``.
+        initial_state: ``[N, Hv, K, V]`` float32, N = B or the number of sequences.
+        output_final_state: also return the ``[N, Hv, K, V]`` float32 state after the last token.
+        use_qk_l2norm_in_kernel: L2-normalise q and k over K inside the op.
+        cu_seqlens: int32 ``[N+1]`` sequence offsets of a packed batch (then B must be 1).
+        backend: ``"auto"`` or a backend name (see ``flashqla.explain``); a named backend never falls back.
+        varlen_meta: ``flashqla.prepare_varlen(cu_seqlens)``, to keep the op free of host syncs.
+        backend_options: backend-specific switches (documented by each backend).
+
+    Returns:
+        ``o`` ``[B, T, Hv, V]`` in v's dtype, and the final state (None unless ``output_final_state``).
+    """
+    spec, scale, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                 use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta)
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        o, ht = _empty_call(spec, v, initial_state)
+        return o, (ht if output_final_state else None)
+    be, _ = select(spec, backend)
+    o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, be, spec, scale, meta, backend_options)
+    return o, (ht if output_final_state else None)
+
+
+def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+                               use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *,
+                               varlen_meta=None, backend_options=None, for_backward: bool = True):
+    """Forward only, for callers that manage their own autograd: returns ``(o, final_state, ctx)``.
+
+    Pass ``ctx`` to :func:`chunk_gated_delta_rule_bwd`.  With ``for_backward=True`` dispatch only picks a
+    backend that has a backward.
+    """
+    spec, scale, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                 use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=for_backward)
+    if q.shape[0] == 0 or q.shape[1] == 0:
+        raise ValueError("chunk_gated_delta_rule_fwd needs at least one token (q.shape[0] and q.shape[1] > 0)")
+    be, _ = select(spec, backend)
+    with torch.no_grad():
+        o, ht, saved, aux = _run_forward(be, spec, q, k, v, g, beta, scale, initial_state, meta, backend_options)
+    ctx = GDNContext(be, spec, tuple(saved), aux, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
+                                                    None if initial_state is None else initial_state.dtype))
+    return o, ht, ctx
+
+
+def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[torch.Tensor] = None):
+    """Backward of :func:`chunk_gated_delta_rule_fwd`: returns ``(dq, dk, dv, dg, dbeta, dh0)``."""
+    if not isinstance(ctx, GDNContext):
+        raise TypeError(f"ctx must be the GDNContext returned by chunk_gated_delta_rule_fwd, got {type(ctx).__name__}")
+    if not ctx.spec.needs_grad:
+        raise ValueError("this forward ran with for_backward=False; run it again with for_backward=True")
+    if dht is not None and not ctx.spec.output_final_state:
+        raise ValueError("dht given but the forward did not output the final state")
+    with torch.no_grad():
+        grads = ctx.backend.backward(ctx.spec, ctx.saved, ctx.aux, do.contiguous(),
+                                     None if dht is None else dht.contiguous())
+    return _cast_grads(grads, ctx.input_dtypes)
+
+
+def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+            use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *, varlen_meta=None,
+            needs_grad: Optional[bool] = None, print_it: bool = False) -> Decision:
+    """Which backend this call would use, and every backend's verdict with its reason.
+
+    Takes the op's arguments (nothing is computed).  ``str(result)`` is a readable table; ``result.chosen``
+    the chosen name (None if none can serve), ``result.candidates`` the verdicts.
+    """
+    spec, _, _ = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
+                          use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=needs_grad)
+    d = decide(spec, backend)
+    if print_it:
+        print(d)
+    return d
