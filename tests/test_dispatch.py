@@ -1,0 +1,181 @@
+"""Dispatch rules with faked devices (no GPU needed), registration of a toy backend, explain()."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashqla
+from flashqla.dispatch import Backend, BackendUnavailableError, fake_device, match_priority, register_backend, \
+    unregister_backend
+from flashqla.reference import chunk_gated_delta_rule_ref
+from flashqla.testing import Case, make_inputs, run_case
+
+
+def _inputs(dtype=torch.float32, K=64, **kw):
+    x = make_inputs(Case("d", 2, 4, K, K, B=1, T=40, **kw), dtype)
+    return x["q"], x["k"], x["v"], x["g"], x["beta"]
+
+
+def test_priority_patterns():
+    pr = {"sm_90": 30, "sm_9x": 20, "sm_80+": 10, "cuda": 1}
+    assert match_priority(pr, "sm_90", (9, 0)) == 30
+    assert match_priority(pr, "sm_91", (9, 1)) == 20
+    assert match_priority(pr, "sm_86", (8, 6)) == 10
+    assert match_priority(pr, "sm_100", (10, 0)) == 10
+    assert match_priority(pr, "sm_75", (7, 5)) == 1
+    assert match_priority({"sm_80+": 10}, "sm_75", (7, 5)) is None
+    assert match_priority(pr, "cpu", None) is None
+
+
+def test_cpu_explain_names_chosen_and_rejects_gpu_backends():
+    d = flashqla.explain(*_inputs())
+    chosen = d.chosen
+    native_ok, _ = flashqla.get_backend("cpu").available()
+    assert chosen == ("cpu" if native_ok else "reference")
+    reasons = d.reasons()
+    for gpu in ("tilelang", "cutlass", "triton"):
+        assert gpu in reasons and reasons[gpu], f"no reason given for {gpu}"
+        verdict = next(c.verdict for c in d.candidates if c.name == gpu)
+        assert verdict in ("not for this device", "rejected")
+    assert "chosen" in str(d) and "cpu" in str(d)
+
+
+@pytest.mark.parametrize("cap,order", [((9, 0), ["tilelang", "cutlass", "triton", "reference"]),
+                                       ((8, 0), ["triton", "reference"]),
+                                       ((8, 9), ["triton", "reference"]),
+                                       ((10, 0), ["triton", "reference"])])
+def test_gpu_order_with_faked_capability(cap, order):
+    with fake_device("cuda", cap):
+        d = flashqla.explain(*_inputs(torch.bfloat16, K=128))
+    ranked = [c.name for c in d.candidates if c.priority is not None]
+    assert ranked == order, str(d)
+    assert d.spec.device.arch == f"sm_{cap[0]}{cap[1]}"
+
+
+class ToyBackend(Backend):
+    """Serves a fake future architecture by running the chunked reference (a test double, never shipped)."""
+
+    name = "toy"
+    priorities = {"sm_120": 1000}
+    calls = 0
+
+    def supports(self, spec):
+        return (spec.K == 64, "toy serves K=64 only")
+
+    def forward(self, spec, x):
+        ToyBackend.calls += 1
+        o, ht = chunk_gated_delta_rule_ref(x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state,
+                                           x.output_final_state, x.use_qk_l2norm,
+                                           None if x.varlen is None else x.varlen.cu_seqlens_cpu)
+        return o, ht, (), None
+
+
+@pytest.fixture
+def toy():
+    b = register_backend(ToyBackend())
+    ToyBackend.calls = 0
+    yield b
+    unregister_backend("toy")
+
+
+def test_registered_toy_backend_is_chosen_for_its_arch(toy):
+    args = _inputs()
+    with fake_device("cuda", (12, 0)):
+        d = flashqla.explain(*args)
+        assert d.chosen == "toy", str(d)
+        o, _ = flashqla.chunk_gated_delta_rule(*args)
+    assert ToyBackend.calls == 1
+    ref, _ = chunk_gated_delta_rule_ref(*args)
+    torch.testing.assert_close(o, ref)
+    # not chosen on other architectures, and its own rejection reason is reported
+    with fake_device("cuda", (9, 0)):
+        assert flashqla.explain(*args).chosen != "toy"
+    with fake_device("cuda", (12, 0)):
+        d = flashqla.explain(*_inputs(K=32))
+        assert d.chosen != "toy" and "K=64 only" in d.reasons()["toy"]
+
+
+def test_new_arch_priority_for_existing_backend():
+    ref = flashqla.get_backend("reference")
+    with fake_device("cuda", (12, 1)):
+        before = flashqla.explain(*_inputs())
+        register_backend(ref, {"sm_121": 5000}, replace=True)
+        try:
+            after = flashqla.explain(*_inputs())
+        finally:
+            from flashqla.dispatch import registry
+            registry._EXTRA_PRIORITIES.pop("reference", None)
+    assert next(c.priority for c in after.candidates if c.name == "reference") == 5000
+    assert next(c.priority for c in before.candidates if c.name == "reference") == 0
+
+
+def test_named_backend_never_falls_back(toy):
+    args = _inputs(K=32)
+    with fake_device("cuda", (12, 0)):
+        with pytest.raises(BackendUnavailableError, match="K=64 only"):
+            flashqla.chunk_gated_delta_rule(*args, backend="toy")
+    with pytest.raises(ValueError, match="unknown backend"):
+        flashqla.chunk_gated_delta_rule(*args, backend="nope")
+    with fake_device("cuda", (7, 5)):  # triton serves SM80+ only
+        with pytest.raises(BackendUnavailableError, match="'triton' cannot serve"):
+            flashqla.chunk_gated_delta_rule(*args, backend="triton")
+
+
+def test_env_override_and_disable(monkeypatch, toy):
+    args = _inputs()
+    monkeypatch.setenv("FLASHQLA_BACKEND", "reference")
+    d = flashqla.explain(*args)
+    assert d.chosen == "reference" and "FLASHQLA_BACKEND" in str(d)
+    monkeypatch.setenv("FLASHQLA_BACKEND", "toy")
+    flashqla.chunk_gated_delta_rule(*args)  # asked by name, toy runs on any device it supports
+    assert ToyBackend.calls == 1
+    with pytest.raises(BackendUnavailableError, match="FLASHQLA_BACKEND"):
+        flashqla.chunk_gated_delta_rule(*_inputs(K=32))  # ... and never falls back when it cannot
+    monkeypatch.delenv("FLASHQLA_BACKEND")
+    monkeypatch.setenv("FLASHQLA_DISABLE", "cpu")
+    d = flashqla.explain(*args)
+    assert d.chosen == "reference" and "FLASHQLA_DISABLE" in d.reasons()["cpu"]
+
+
+class LazyBackend(Backend):
+    """Returns unwritten (torch.empty) outputs: the suite's poisoning must catch it."""
+
+    name = "lazy"
+    priorities = {}
+    has_backward = False
+
+    def forward(self, spec, x):
+        o, ht = chunk_gated_delta_rule_ref(x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state,
+                                           x.output_final_state, x.use_qk_l2norm,
+                                           None if x.varlen is None else x.varlen.cu_seqlens_cpu)
+        lazy = torch.empty_like(o)
+        lazy[:, : o.shape[1] // 2] = o[:, : o.shape[1] // 2]  # forgets the second half
+        return lazy, ht, (), None
+
+
+def test_harness_catches_unwritten_outputs():
+    register_backend(LazyBackend())
+    try:
+        res = run_case(flashqla.chunk_gated_delta_rule, Case("c", 1, 2, 16, 16, B=1, T=80), "lazy",
+                       torch.float32, grads=False)
+    finally:
+        unregister_backend("lazy")
+    assert not res.ok and "o" in res.failures
+
+
+def test_harness_catches_wrong_math():
+    class Wrong(LazyBackend):
+        name = "wrong"
+
+        def forward(self, spec, x):
+            o, ht, s, a = ToyBackend.forward(self, spec, x)
+            return o * 1.001, ht, s, a
+
+    register_backend(Wrong())
+    try:
+        res = run_case(flashqla.chunk_gated_delta_rule, Case("c", 1, 2, 16, 16, B=1, T=80), "wrong",
+                       torch.float32, grads=False)
+    finally:
+        unregister_backend("wrong")
+    assert res.failures.keys() == {"o"}
