@@ -109,6 +109,9 @@ def chunk_gated_delta_rule(
 
     Returns:
         ``o`` ``[B, T, Hv, V]`` in v's dtype, and the final state (None unless ``output_final_state``).
+
+    Non-finite inputs are not scanned (that would cost a pass over the inputs and a host sync): a NaN or Inf
+    reaches the outputs and state of the sequence (and head) it sits in, never those of another sequence.
     """
     spec, scale, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta)
