@@ -1,0 +1,3 @@
+"""placeholder"""
+def add_parser(sub):
+    sub.add_parser("info")
