@@ -1,0 +1,106 @@
+"""Triton implementation of :func:`flashqla.decode.gated_delta_rule_decode` (see ``kernel.py``).
+
+This package is not a chunk-op backend (it does not register with the dispatch registry); the decode
+op's own dispatch in :mod:`flashqla.decode` calls :func:`available`, :func:`supports` and :func:`run`.
+Triton is imported lazily, on the first call of ``available()`` or ``run()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+NAME = "triton"
+_STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_IO_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256
+
+
+@functools.lru_cache(maxsize=None)
+def _import_kernel():
+    from . import kernel
+    return kernel
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def available():
+    """``(ok, reason)``: triton importable.  Never raises."""
+    try:
+        import triton  # noqa: F401
+    except Exception as exc:  # pragma: no cover - depends on the install
+        return False, f"triton is not importable ({type(exc).__name__}: {exc})"
+    try:
+        _import_kernel()
+    except Exception as exc:  # pragma: no cover
+        return False, f"the decode kernel failed to import ({type(exc).__name__}: {exc})"
+    return True, f"triton {triton.__version__}" + (" (interpreter)" if interpreting() else "")
+
+
+def supports(device: torch.device, io_dtype, g_dtype, beta_dtype, state_dtype, K: int, V: int):
+    """``(ok, reason)`` for one call, from its device, dtypes and head dims."""
+    if device.type == "cuda":
+        if torch.version.hip is None:
+            major, _ = torch.cuda.get_device_capability(device)
+            if major < 8:
+                return False, f"needs an NVIDIA GPU of SM80 or newer, got sm_{major}x"
+    elif device.type == "cpu":
+        if not interpreting():
+            return False, "CPU tensors need TRITON_INTERPRET=1 (the Triton interpreter)"
+    else:
+        return False, f"device type {device.type!r} is not supported"
+    if io_dtype not in _IO_DTYPES:
+        return False, f"q/k/v dtype {io_dtype} not supported (float32, bfloat16, float16)"
+    for nm, dt in (("g", g_dtype), ("beta", beta_dtype)):
+        if dt not in _IO_DTYPES:
+            return False, f"{nm} dtype {dt} not supported (float32, bfloat16, float16)"
+    if state_dtype not in _STATE_DTYPES:
+        return False, f"state dtype {state_dtype} not supported (float32, bfloat16, float16)"
+    if K > MAX_HEAD_DIM or V > MAX_HEAD_DIM:
+        return False, f"head dims K = {K}, V = {V} over {MAX_HEAD_DIM}"
+    return True, "ok"
+
+
+def _block_sizes(K: int, V: int) -> tuple[int, int]:
+    import triton
+    BK = triton.next_power_of_2(K)
+    # Keep the fp32 state tile at <= 4096 values (32 registers per thread at 4 warps).
+    BV = min(triton.next_power_of_2(V), 32 if BK <= 128 else 16)
+    return BK, BV
+
+
+def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: bool, state_vk: bool):
+    """Launch the kernel; ``state`` is updated in place.  Inputs are validated by the caller: the last
+    dim of q/k/v is contiguous, the inner two dims of ``state`` are contiguous."""
+    kern = _import_kernel()
+    B, T, Hqk, K = q.shape
+    Hv, V = v.shape[2], v.shape[3]
+    P = state.shape[0]
+    o = torch.empty(B, T, Hv, V, dtype=v.dtype, device=v.device)
+    if B == 0 or T == 0:
+        return o
+    BK, BV = _block_sizes(K, V)
+    has_idx = state_indices is not None
+    grid = (triton_cdiv(V, BV), Hv, B)
+    kern.gdn_decode_kernel[grid](
+        q, k, v, g, beta, o, state, state_indices if has_idx else state,
+        T, P, float(scale),
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        g.stride(0), g.stride(1), g.stride(2),
+        beta.stride(0), beta.stride(1), beta.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        state.stride(0), state.stride(1),
+        K=K, V=V, GROUP=Hv // Hqk, BK=BK, BV=BV, STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
+        HAS_INDICES=has_idx, num_warps=4 if BK * BV >= 2048 else 2, num_stages=1,
+    )
+    return o
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
