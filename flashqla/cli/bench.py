@@ -138,15 +138,19 @@ def _safe_version(be) -> str:
         return ""
 
 
-def default_backends(device_type: str) -> list:
-    """Registered backends that are available; the slow reference only on the CPU."""
+def default_backends(device: torch.device) -> list:
+    """Registered backends that are available and declare a priority for this device's architecture;
+    the slow reference only on the CPU."""
     import flashqla
+    from flashqla.dispatch import detect, priority_of
+    info = detect(device)
     out = []
     for name in flashqla.list_backends():
-        if name == "reference" and device_type != "cpu":
+        if name == "reference" and device.type != "cpu":
             continue
+        be = flashqla.get_backend(name)
         try:
-            ok, _ = flashqla.get_backend(name).available()
+            ok = be.available()[0] and priority_of(be, info.arch, info.capability) is not None
         except Exception:
             ok = False
         if ok:
@@ -173,7 +177,7 @@ def make_call(op, x: dict, mode: str):
     def fwdbwd():
         with torch.enable_grad():
             o, _ = op(*leaves, cu, meta, False)
-            return list(torch.autograd.grad(o, leaves, do))
+            return list(torch.autograd.grad(o, leaves, do, allow_unused=True))
     return fwdbwd
 
 
@@ -205,16 +209,17 @@ def time_cuda(fns, min_time_s: float, max_reps: int, use_graph: bool) -> dict:
                 f()
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    graph, note, keep = None, "", None
+    graph, note, held = None, "", []
     if use_graph:
         try:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
-                keep = [f() for f in fns]  # noqa: F841  (outputs live in the graph's pool)
+                held.append([f() for f in fns])  # the outputs live in the graph's pool
             graph.replay()
             torch.cuda.synchronize()
         except Exception as exc:
-            graph, keep = None, None
+            graph = None
+            held.clear()
             note = f"graph capture failed ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''})"
             torch.cuda.synchronize()
 
@@ -240,7 +245,8 @@ def time_cuda(fns, min_time_s: float, max_reps: int, use_graph: bool) -> dict:
         ends[i].record()
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) / len(fns) for s, e in zip(starts, ends))
-    del graph, keep
+    graph = None  # frees the graph's memory pool before the next implementation runs
+    held.clear()
     return {"ms": statistics.median(times), "min_ms": times[0], "reps": reps,
             "method": "graph" if not note else "eager", "note": note}
 
@@ -306,7 +312,7 @@ def run_bench(args) -> int:
         rows = rows[: args.max_rows]
 
     backends = ([b for b in args.backends.split(",") if b] if args.backends is not None
-                else default_backends(device.type))
+                else default_backends(device))
     if args.baselines is None:
         baselines = ["fla", "flashqla"] if device.type == "cuda" else ["reference"]
     else:
@@ -348,7 +354,7 @@ def run_bench(args) -> int:
     print(render_text(meta, results, impls))
     if out_dir:
         note = write_outputs(out_dir, stem, meta, results, impls, plot=not args.no_plot)
-        print(f"\nwrote {out_dir / stem}.json, .csv, .md" + (f", .png" if note is None else f" ({note})"))
+        print(f"\nwrote {out_dir / stem}.json, .csv, .md" + (", .png" if note is None else f" ({note})"))
     errors = sum(1 for r in results for v in r["results"].values() if v.get("status") == "error")
     if errors:
         print(f"bench: {errors} (row, implementation) pairs failed; their errors are in the JSON",
@@ -553,7 +559,7 @@ def _header(meta) -> str:
     impl = ", ".join(f"{i['name']} {i['version']}".strip() for i in meta["impls"] if not i["skipped"])
     return (f"flashqla bench --preset {meta['preset']} ({meta['mode']}, {meta['dtype']}, K=V=128) on "
             f"{d.get('name', d['type'])}: {impl}\n"
-            f"ceilings: copy {c['copy_gbps']:.0f} GB/s, matmul {c['matmul_tflops']:.1f} TFLOP/s "
+            f"ceilings: copy {c['copy_gbps']:.0f} GB/s, matmul {c['matmul_tflops']:.3g} TFLOP/s "
             f"({c['matmul_dtype']}); floor = max(FLOPs/peak, bytes/bw); speedup = baseline ms / backend ms; "
             f"* = timed eager")
 

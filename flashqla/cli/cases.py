@@ -1,9 +1,9 @@
-"""Inputs, the correctness cases of ``check`` and the row presets of ``bench``.
+"""Inputs and the row presets of ``bench`` (``check`` uses the shared suite's cases, flashqla.testing).
 
 Inputs follow the usual GDN recipe: q, k L2-normalised over K (unless the case tests the fused
 L2 norm, then they are plain Gaussian), v Gaussian, ``g = logsigmoid(randn)`` (times a factor for the
 strong-decay case) in float32, ``beta = sigmoid(randn)``.  Sequences are packed (B = 1 plus int32
-``cu_seqlens``) unless a case says otherwise.
+``cu_seqlens``).
 """
 
 from __future__ import annotations
@@ -67,65 +67,6 @@ def _cumsum(xs):
     for x in xs:
         s += x
         yield s
-
-
-# --------------------------------------------------------------------------------------------------
-# correctness cases (check)
-
-
-@dataclass(frozen=True)
-class Case:
-    name: str
-    Hqk: int
-    Hv: int
-    seqlens: Optional[tuple] = None     # packed (varlen) when given
-    batch: int = 1                      # else `batch` sequences of T tokens
-    T: int = 0
-    h0: bool = False
-    final: bool = True
-    l2norm: bool = False                # use_qk_l2norm_in_kernel (q, k then not pre-normalised)
-    g_scale: float = 1.0
-    about: str = ""
-
-    def inputs(self, dtype, device, seed: int = 0) -> dict:
-        return make_inputs(list(self.seqlens) if self.seqlens is not None else None, self.Hqk, self.Hv,
-                           dtype=dtype, device=device, batch=self.batch, T=self.T, h0=self.h0,
-                           normalize_qk=not self.l2norm, g_scale=self.g_scale, seed=seed)
-
-    def describe(self) -> str:
-        shape = (f"varlen {list(self.seqlens)}" if self.seqlens is not None else f"B={self.batch} T={self.T}")
-        feats = [f"{self.Hqk}/{self.Hv}", shape]
-        if self.h0:
-            feats.append("h0")
-        if self.final:
-            feats.append("ht")
-        if self.l2norm:
-            feats.append("l2norm")
-        if self.g_scale != 1.0:
-            feats.append(f"g*{self.g_scale:g}")
-        return " ".join(feats)
-
-
-def check_cases(device_type: str = "cpu") -> list[Case]:
-    """The correctness cases; CUDA runs get somewhat longer sequences (the float64 oracle is the cost)."""
-    big = device_type == "cuda"
-    long_ = 700 if big else 130
-    return [
-        Case("varlen-0-1-odd", 2, 4, seqlens=(0, 1, 67, 0, long_, 1), h0=True,
-             about="empty, single-token and odd-length sequences in one packed batch, with h0 and ht"),
-        Case("fixed-batch", 2, 2, batch=2, T=100 if not big else 300,
-             about="B=2 equal-length sequences without cu_seqlens"),
-        Case("gva", 2, 8, seqlens=(150, 33) if not big else (400, 129), h0=False,
-             about="grouped value attention, 4 value heads per q/k head"),
-        Case("h0", 2, 2, seqlens=(129, 64) if not big else (513, 64), h0=True,
-             about="initial state in, final state out, lengths around the chunk size"),
-        Case("l2norm", 1, 2, seqlens=(200,) if not big else (600,), l2norm=True,
-             about="fused q/k L2 norm on un-normalised inputs (differentiated through)"),
-        Case("strong-decay", 2, 4, seqlens=(130, 70) if not big else (390, 200), h0=True, g_scale=8.0,
-             about="g = 8*logsigmoid(randn): cumulative decay far below exp(-88) within a chunk"),
-        Case("no-final", 1, 1, seqlens=(100,) if not big else (333,), final=False,
-             about="output_final_state=False"),
-    ]
 
 
 # --------------------------------------------------------------------------------------------------

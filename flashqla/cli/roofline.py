@@ -16,7 +16,7 @@ Bytes (each tensor moved once; what an ideal fused kernel must read or write)::
 
 Floor = max(FLOPs / peak matmul rate, bytes / copy bandwidth).  The two ceilings are measured once
 per device (a large device-to-device copy, counting read + write; a large dense matmul on random
-data in the benchmark dtype: bf16 on GPU, float32 on CPU) and cached as JSON in
+data in the benchmark dtype: bf16 on GPU, float32 on CPU; the best of several repetitions) and cached as JSON in
 ``$FLASHQLA_CACHE_DIR`` (default ``~/.cache/flashqla``).  ``% of roofline`` = floor / measured time.
 """
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import time
 from pathlib import Path
 
@@ -79,7 +78,7 @@ def _key(device: torch.device) -> str:
     return f"cpu|{os.cpu_count()} cpus|torch {torch.__version__}|threads {torch.get_num_threads()}"
 
 
-def _median_cuda_ms(fn, reps: int, warmup: int) -> float:
+def _best_cuda_ms(fn, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
@@ -91,10 +90,10 @@ def _median_cuda_ms(fn, reps: int, warmup: int) -> float:
         b.record()
         b.synchronize()
         times.append(a.elapsed_time(b))
-    return statistics.median(times)
+    return min(times)  # a ceiling: the best of the repetitions
 
 
-def _median_cpu_ms(fn, reps: int, warmup: int) -> float:
+def _best_cpu_ms(fn, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
     times = []
@@ -102,7 +101,7 @@ def _median_cpu_ms(fn, reps: int, warmup: int) -> float:
         t0 = time.perf_counter()
         fn()
         times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return min(times)  # a ceiling: the best of the repetitions
 
 
 def measure_ceilings(device: torch.device) -> dict:
@@ -110,28 +109,28 @@ def measure_ceilings(device: torch.device) -> dict:
         n = 1 << 29                                  # 1 GiB of bf16, far beyond L2
         x = torch.empty(n, dtype=torch.bfloat16, device=device).normal_()
         y = torch.empty_like(x)
-        ms = _median_cuda_ms(lambda: y.copy_(x), reps=20, warmup=3)
+        ms = _best_cuda_ms(lambda: y.copy_(x), reps=20, warmup=3)
         copy_gbps = 2 * x.numel() * 2 / (ms * 1e-3) / 1e9
         del x, y
         m = 8192
         a = torch.randn(m, m, dtype=torch.bfloat16, device=device)
         b = torch.randn(m, m, dtype=torch.bfloat16, device=device)
-        ms = _median_cuda_ms(lambda: a @ b, reps=10, warmup=3)
+        ms = _best_cuda_ms(lambda: a @ b, reps=10, warmup=3)
         tflops = 2 * m ** 3 / (ms * 1e-3) / 1e12
         del a, b
         torch.cuda.empty_cache()
-        how = "cuda: 1 GiB bf16 copy_ (read+write) median of 20; 8192^3 bf16 randn matmul median of 10"
+        how = "cuda: 1 GiB bf16 copy_ (read+write) best of 20; 8192^3 bf16 randn matmul best of 10"
         dtype = "bfloat16"
     else:
         x = torch.randn(1 << 25)                     # 128 MiB float32
         y = torch.empty_like(x)
-        ms = _median_cpu_ms(lambda: y.copy_(x), reps=5, warmup=1)
+        ms = _best_cpu_ms(lambda: y.copy_(x), reps=10, warmup=1)
         copy_gbps = 2 * x.numel() * 4 / (ms * 1e-3) / 1e9
         m = 1024
         a, b = torch.randn(m, m), torch.randn(m, m)
-        ms = _median_cpu_ms(lambda: a @ b, reps=5, warmup=1)
+        ms = _best_cpu_ms(lambda: a @ b, reps=10, warmup=1)
         tflops = 2 * m ** 3 / (ms * 1e-3) / 1e12
-        how = "cpu: 128 MiB float32 copy_ (read+write) median of 5; 1024^3 float32 matmul median of 5"
+        how = "cpu: 128 MiB float32 copy_ (read+write) best of 10; 1024^3 float32 matmul best of 10"
         dtype = "float32"
     return {"copy_gbps": round(copy_gbps, 1), "matmul_tflops": round(tflops, 3), "matmul_dtype": dtype,
             "method": how, "measured_at": time.strftime("%Y-%m-%d %H:%M:%S")}
