@@ -1,14 +1,95 @@
-"""Backend "tilelang" (work in progress: registered so that dispatch and explain() know of it)."""
+"""Backend "tilelang": TileLang kernels for Hopper (sm_90: wgmma, TMA, warp-specialised pipelines).
+
+Forward = two kernels (see their module docstrings):
+
+* ``chunk_intra_sm90`` — per (chunk, value head): gate cumsum, ``A = beta (k k^T) exp(G_i - G_j)``,
+  the unit-lower inverse, ``w`` and ``u``;
+* ``chunk_fwd_sm90`` — per (sequence, value head, V block): the serial state recurrence with the
+  chunk output computed in the same pass, so chunk states touch HBM only when a backward needs them.
+
+Compile keys hold the head dims, dtypes and flags only; token counts, batch, sequences and head counts
+are symbolic, so new shapes never recompile (``_compile.compile_count()`` counts builds).  Compiled
+kernels are cached in memory and on disk by TileLang (``TILELANG_CACHE_DIR``).
+
+Serves: a CUDA device of capability exactly 9.0, K = V = 128, q/k/v bfloat16 or float16, g and beta
+of any float dtype (g is computed in fp32), varlen, GVA, initial/final state, fused q/k L2 norm.
+"""
+
+from __future__ import annotations
+
+import importlib.util
 
 from ...dispatch.registry import Backend, register_backend
 
+_SUPPORTED_DTYPES = ("bfloat16", "float16")
+_FLOATS = ("float16", "bfloat16", "float32", "float64")
+# The recurrence kernel puts sequences on grid.z.
+_MAX_SEQS = 65535
 
-class _Pending(Backend):
+
+class TileLangBackend(Backend):
     name = "tilelang"
+    description = "TileLang kernels for Hopper (wgmma, TMA, warp specialisation)"
     priorities = {"sm_90": 30}
+    has_backward = False
+
+    _import_verdict = None
+
+    def _tilelang_importable(self):
+        if TileLangBackend._import_verdict is None:
+            if importlib.util.find_spec("tilelang") is None:
+                TileLangBackend._import_verdict = (False, "the tilelang package is not installed "
+                                                          "(pip install tilelang==0.1.15)")
+            else:
+                try:
+                    import tilelang  # noqa: F401
+                    TileLangBackend._import_verdict = (True, f"tilelang {tilelang.__version__}")
+                except Exception as exc:  # a broken install must not break dispatch
+                    TileLangBackend._import_verdict = (False, f"importing tilelang failed: "
+                                                              f"{type(exc).__name__}: {exc}")
+        return TileLangBackend._import_verdict
 
     def available(self):
-        return False, "the tilelang kernels are not implemented in this build yet"
+        try:
+            import torch
+            if not torch.cuda.is_available():
+                return False, "no CUDA device (the tilelang kernels need an sm_90 GPU)"
+        except Exception as exc:
+            return False, f"torch.cuda check failed: {exc}"
+        return self._tilelang_importable()
+
+    def version(self) -> str:
+        ok, why = self._tilelang_importable()
+        return why if ok else ""
+
+    def supports(self, spec):
+        dev = spec.device
+        if dev.type != "cuda":
+            return False, f"needs a CUDA device, got {dev.type}"
+        if dev.capability is None or tuple(dev.capability) != (9, 0):
+            return False, (f"the kernels are built for sm_90a (Hopper, capability 9.0); this device is "
+                           f"{dev.arch}")
+        if spec.K != 128 or spec.V != 128:
+            return False, f"head dims K = V = 128 only, got K = {spec.K}, V = {spec.V}"
+        if spec.dtype not in _SUPPORTED_DTYPES:
+            return False, f"q/k/v must be bfloat16 or float16, got {spec.dtype}"
+        if spec.g_dtype not in _FLOATS or spec.beta_dtype not in _FLOATS:
+            return False, f"g and beta must be floating, got {spec.g_dtype} / {spec.beta_dtype}"
+        if spec.state_layout != "KV":
+            return False, f"state layout [N, Hv, K, V] only, got {spec.state_layout}"
+        if spec.num_seqs > _MAX_SEQS:
+            return False, f"at most {_MAX_SEQS} sequences per call, got {spec.num_seqs}"
+        return True, "sm_90, K = V = 128, 16-bit q/k/v"
+
+    def forward(self, spec, x):
+        from . import ops
+
+        save = bool(spec.needs_grad)
+        res = ops.forward(x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.varlen,
+                          x.output_final_state, x.use_qk_l2norm, save)
+        saved = ()
+        aux = None
+        return res.o, res.ht, saved, aux
 
 
-register_backend(_Pending())
+register_backend(TileLangBackend())
