@@ -1,0 +1,47 @@
+"""Chunk output (forward): parallel over chunks.
+
+Grid: ``(total_chunks, Hv, V // BV)``; one program per (chunk, value head, V-block), 4 warps
+(8 at BV = 128).  With BV = V the [64, 64] score tile is computed once per (chunk, head).
+
+    o = scale * ( exp(G) * (q S)  +  ((q k^T) * exp(G_r - G_j), j <= r) v_new )
+
+``S`` is the chunk's start state (written by the state kernel, input dtype), ``v_new`` the corrected
+values.  The causal mask is applied *before* the exp so the masked half never overflows.
+Reads q, k [64, K], S [K, BV], v_new [64, BV]; writes o [64, BV] in v's dtype.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import BT, L2_EPS, chunk_coords, gdiff, l2n, load_cols, load_gate, load_rows, load_state, mm, store_cols
+
+
+@triton.jit(do_not_specialize=["T", "NT", "TT"])
+def chunk_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_ptr, scale,
+                        T, NT, TT, Hqk, Hv,
+                        K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                        USE_L2: tl.constexpr, IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    h = tl.program_id(1)
+    v0 = tl.program_id(2) * BV
+    hk = h // (Hv // Hqk)
+    DT: tl.constexpr = vn_ptr.dtype.element_ty
+    n, t0, L = chunk_coords(pid, cu_ptr, cidx_ptr, T, NT, IS_VARLEN, BT)
+    r = tl.arange(0, BT)
+    valid = r < L
+
+    q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS)
+    k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS)
+    gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv * TT, BT, 0)
+    S = load_state(h_ptr, (pid.to(tl.int64) * Hv + h) * K * V, K, V, v0, BV)
+    vn = load_cols(vn_ptr, t0, L, h, Hv, V, BT, v0, BV)
+
+    o = mm(q, S, IEEE, DT) * tl.exp(gh + gl)[:, None]
+    m = (r[:, None] >= r[None, :]) & valid[:, None]
+    a = mm(q, tl.trans(k), IEEE, DT)
+    d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
+    a = tl.where(m, a * tl.exp(tl.where(m, d, 0.0)), 0.0)
+    o += mm(a, vn, IEEE, DT)
+    store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV)

@@ -1,0 +1,219 @@
+"""Shared Triton helpers of the "triton" backend: chunk coordinates, tile loads, dots, the 16x16 inverse.
+
+Conventions used by every kernel of this package
+------------------------------------------------
+* Chunk size ``BT = 64`` tokens; a chunk is a row block ``r = 0..63``, rows ``r >= L`` (past the end
+  of the sequence) are padding: they load as zeros (``g`` and ``beta`` too), so a padded token is an exact
+  no-op of the recurrence, and the chunk-local cumulative gate ``G`` of a padded row equals the one of
+  the last real row.
+* Token-major tensors ``[B, T, H, D]`` are addressed by a *global token index* ``t = b*T + local``
+  (``B == 1`` and ``t = cu_seqlens[n] + local`` for varlen): element ``(t, h, d)`` sits at
+  ``(t*H + h)*D + d``.  Offsets are int64 so ``B*T*H*D >= 2**31`` is fine.
+* Chunk ids: parallel kernels run one program per chunk ``pid`` (all chunks of all sequences, in
+  order).  Non-varlen: ``pid = b*NT + i``; varlen: ``chunk_indices[pid] = (n, i)``.  The per-chunk
+  state buffers are indexed by ``pid`` (it equals ``chunk_offsets[n] + i``).
+* ``IEEE`` (constexpr) is True for float32 inputs: every dot then runs in full fp32
+  (``input_precision="ieee"``), which is what makes the fp32 tests meet 1e-4 against float64.  Otherwise
+  the operands are cast to the input dtype (bf16/fp16) with fp32 accumulation, as FLA does.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+CHUNK = 64                      # chunk size (tokens), host side
+BT = tl.constexpr(CHUNK)        # the same, for kernels (globals must be constexpr objects)
+L2_EPS = tl.constexpr(1e-6)     # the l2norm option: x * rsqrt(sum(x^2) + eps)
+
+
+@triton.jit
+def mm(a, b, IEEE: tl.constexpr, DT: tl.constexpr):
+    """a @ b with fp32 accumulation: full fp32 when IEEE, else operands in DT (bf16/fp16)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT))
+
+
+@triton.jit
+def mmf(a, b, IEEE: tl.constexpr):
+    """a @ b of fp32 operands: full fp32 when IEEE, else tf32 (10-bit mantissa, 2x bf16's precision)
+    for the triangular solves, whose results are rounded to the input dtype anyway."""
+    if IEEE:
+        return tl.dot(a, b, input_precision="ieee")
+    else:
+        return tl.dot(a, b, input_precision="tf32")
+
+
+@triton.jit
+def mm32(a, b):
+    """a @ b in full fp32 (the small 16x16 products of the triangular inverse: cheap, and accuracy counts)."""
+    return tl.dot(a, b, input_precision="ieee")
+
+
+@triton.jit
+def chunk_coords(pid, cu_ptr, cidx_ptr, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """(sequence n, global token of the chunk's first row t0 [int64], valid rows L) of chunk ``pid``."""
+    if IS_VARLEN:
+        n = tl.load(cidx_ptr + pid * 2).to(tl.int32)
+        i = tl.load(cidx_ptr + pid * 2 + 1).to(tl.int32)
+        bos = tl.load(cu_ptr + n).to(tl.int64)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+    else:
+        n = pid // NT
+        i = pid % NT
+        bos = n.to(tl.int64) * T
+        eos = bos + T
+    t0 = bos + i.to(tl.int64) * BT
+    L = tl.minimum(eos - t0, BT).to(tl.int32)
+    return n, t0, L
+
+
+@triton.jit
+def seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN: tl.constexpr, BT: tl.constexpr):
+    """(bos, eos, number of chunks, id of the first chunk) of sequence ``n`` (bos/eos/id int64)."""
+    if IS_VARLEN:
+        bos = tl.load(cu_ptr + n).to(tl.int64)
+        eos = tl.load(cu_ptr + n + 1).to(tl.int64)
+        nt = tl.cdiv(eos - bos, BT).to(tl.int32)
+        cbase = tl.load(coff_ptr + n).to(tl.int64)
+    else:
+        bos = n.to(tl.int64) * T
+        eos = bos + T
+        nt = NT
+        cbase = n.to(tl.int64) * NT
+    return bos, eos, nt, cbase
+
+
+@triton.jit
+def load_rows(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0):
+    """Tile [R, D] (fp32) of rows ``row0 .. row0+R`` of chunk-relative tokens, zero past ``L``."""
+    r = row0 + tl.arange(0, R)
+    d = tl.arange(0, D)
+    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_rows(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0):
+    r = row0 + tl.arange(0, R)
+    d = tl.arange(0, D)
+    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
+
+
+@triton.jit
+def load_cols(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr):
+    """Tile [R, BC] (fp32): columns ``c0 .. c0+BC`` of a [*, H, D] tensor, zero past ``L``."""
+    r = tl.arange(0, R)
+    d = c0 + tl.arange(0, BC)
+    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_cols(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr):
+    r = tl.arange(0, R)
+    d = c0 + tl.arange(0, BC)
+    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
+
+
+@triton.jit
+def load_vec(ptr, t0, L, head, H, R: tl.constexpr, row0):
+    """Per-token scalars [R] (fp32) of a [*, H] tensor, zero past ``L``."""
+    r = row0 + tl.arange(0, R)
+    return tl.load(ptr + (t0 + r).to(tl.int64) * H + head, mask=r < L, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def store_vec(ptr, x, t0, L, head, H, R: tl.constexpr):
+    r = tl.arange(0, R)
+    tl.store(ptr + (t0 + r).to(tl.int64) * H + head, x.to(ptr.dtype.element_ty), mask=r < L)
+
+
+@triton.jit
+def load_gate(G_ptr, t0, L, h, TT, GS, R: tl.constexpr, row0):
+    """Chunk-local cumulative gate (hi, lo) [R] of rows row0.. from the buffer of the prep kernel.
+
+    The buffer is ``[2, Hv, TT]`` fp32: plane 0 the fp32 rounding ``hi`` of the fp64 cumsum, plane 1
+    (at offset ``GS = Hv*TT``) the remainder ``lo``.  Padded rows read the last real row (index
+    clamped), which is what the recurrence sees: their gate is 0.
+    """
+    r = row0 + tl.arange(0, R)
+    p = G_ptr + h.to(tl.int64) * TT + t0 + tl.minimum(r, L - 1)
+    return tl.load(p), tl.load(p + GS)
+
+
+@triton.jit
+def load_gate_last(G_ptr, t0, L, h, TT, GS):
+    """(hi, lo) of the cumulative gate at the chunk's last real row."""
+    p = G_ptr + h.to(tl.int64) * TT + t0 + L - 1
+    return tl.load(p), tl.load(p + GS)
+
+
+@triton.jit
+def gdiff(hi_a, lo_a, hi_b, lo_b):
+    """G_a - G_b from (hi, lo) pairs.
+
+    When G_a and G_b are close (the only case where exp(G_a - G_b) is not ~0), ``hi_a - hi_b`` is exact
+    (Sterbenz) and the remainders restore what rounding G to fp32 lost, so the decay between nearby
+    tokens stays accurate even when |G| ~ 1e5 (g = -1e4 gates); a plain fp32 G would be off by
+    ulp(|G|) in the exponent.
+    """
+    return (hi_a - hi_b) + (lo_a - lo_b)
+
+
+@triton.jit
+def l2n(x, USE_L2: tl.constexpr, EPS: tl.constexpr):
+    """Row-wise x * rsqrt(sum(x^2) + eps) when USE_L2 (rows of zeros stay zero)."""
+    if USE_L2:
+        return x * tl.rsqrt(tl.sum(x * x, 1) + EPS)[:, None]
+    else:
+        return x
+
+
+@triton.jit
+def load_state(ptr, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr):
+    """Tile [K, BV] (fp32) of a [.., K, V] state at element offset ``base`` (int64)."""
+    dk = tl.arange(0, K)
+    dv = v0 + tl.arange(0, BV)
+    return tl.load(ptr + base + dk[:, None] * V + dv[None, :]).to(tl.float32)
+
+
+@triton.jit
+def store_state(ptr, x, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr):
+    dk = tl.arange(0, K)
+    dv = v0 + tl.arange(0, BV)
+    tl.store(ptr + base + dk[:, None] * V + dv[None, :], x.to(ptr.dtype.element_ty))
+
+
+@triton.jit
+def _inv16_row(A, X, i, r):
+    """One forward-substitution step: row i of X = (I + A)^-1 from rows < i (A strictly lower)."""
+    a = tl.sum(tl.where(r[:, None] == i, A, 0.0), 0)              # A[i, :]
+    xi = tl.sum(a[:, None] * X, 0)                                 # sum_j A[i, j] X[j, :]
+    e = tl.where(r == i, 1.0, 0.0)
+    return tl.where(r[:, None] == i, (e - xi)[None, :], X)
+
+
+@triton.jit
+def inv16x4(A0, A1, A2, A3):
+    """(I + A_b)^-1 of four strictly-lower 16x16 fp32 blocks, by row-wise forward substitution.
+
+    The four substitutions are independent; running them in one loop gives the scheduler four
+    chains to overlap.  Each step is a masked row extraction and a 16x16 multiply-reduce.
+    """
+    r = tl.arange(0, 16)
+    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
+    X0 = eye
+    X1 = eye
+    X2 = eye
+    X3 = eye
+    for i in tl.static_range(1, 16):
+        X0 = _inv16_row(A0, X0, i, r)
+        X1 = _inv16_row(A1, X1, i, r)
+        X2 = _inv16_row(A2, X2, i, r)
+        X3 = _inv16_row(A3, X3, i, r)
+    return X0, X1, X2, X3

@@ -1,0 +1,146 @@
+"""Host side of the "triton" backend: buffer allocation and kernel launches (no host syncs).
+
+Forward (3 launches)::
+
+    chunk_prep_kernel    (chunks, Hv)          -> w, u, G            [+ Tinv for the backward]
+    chunk_state_fwd_kernel (N*Hv, V/BV)        -> h (chunk start states), v_new, final state
+    chunk_output_kernel  (chunks, Hv, V/BVo)   -> o
+
+Every size a launch needs is known on the host without reading device memory (the number of chunks
+comes from ``chunk_indices.shape``), so forward and backward can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+
+from .common import CHUNK
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _fix_interpreter_index() -> None:
+    """Work around triton-lang/triton#9171 (Triton <= 3.6 interpreter + numpy >= 2.4).
+
+    The interpreter turns a scalar tensor into a Python int with ``int(ndarray_of_shape_1)``, which
+    numpy 2.4 refuses, so ``range(n)`` over a runtime ``n`` fails inside interpreted kernels.  The fix
+    (merged upstream) takes the single element explicitly.  Applied only in interpreter mode, and only
+    once; it changes nothing about compiled kernels.
+    """
+    try:
+        import triton.runtime.interpreter as interp
+    except Exception:  # pragma: no cover - layout of a future triton
+        return
+    orig = getattr(interp, "_patch_lang_tensor", None)
+    if orig is None or getattr(orig, "_flashqla_index_fix", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._flashqla_index_fix = True
+    interp._patch_lang_tensor = patched
+
+
+if interpreting():
+    _fix_interpreter_index()
+
+
+class Geometry:
+    """Sizes and chunk metadata of one call (host ints and device tensors only)."""
+
+    def __init__(self, q, v, meta):
+        B, T, Hqk, K = q.shape
+        self.B, self.T, self.Hqk, self.K = B, T, Hqk, K
+        self.Hv, self.V = v.shape[2], v.shape[3]
+        self.TT = B * T
+        self.varlen = meta is not None
+        if meta is not None:
+            self.N = meta.num_seqs
+            self.NT = 0                       # unused by varlen kernels
+            self.chunks = int(meta.chunk_indices.shape[0])
+            self.cu, self.coff, self.cidx = meta.cu_seqlens, meta.chunk_offsets, meta.chunk_indices
+        else:
+            self.N = B
+            self.NT = triton.cdiv(T, CHUNK)
+            self.chunks = B * self.NT
+            # never dereferenced when IS_VARLEN is False; any device tensor will do
+            self.cu = self.coff = self.cidx = q
+        self.ieee = q.dtype == torch.float32
+
+
+def _sm_count(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 0
+
+
+def _state_bv(geo: Geometry, device) -> int:
+    """V-block of the serial state kernels: 64 when that already fills the GPU, else 32 (twice the
+    programs for the latency-bound long-sequence / few-head case)."""
+    if geo.V < 64:
+        return geo.V
+    sms = _sm_count(device)
+    if sms and geo.N * geo.Hv * (geo.V // 64) < sms:
+        return 32
+    return 64
+
+
+def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
+    from .chunk_prep import chunk_prep_kernel
+
+    dev = k.device
+    w = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=k.dtype, device=dev)
+    u = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev)
+    G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)   # (hi, lo) planes
+    Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev) if store_t else None
+    chunk_prep_kernel[(geo.chunks, geo.Hv)](
+        k, v, g, beta, w, u, G, Tm if store_t else G, geo.cu, geo.cidx,
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
+        num_warps=4)
+    return w, u, G, Tm
+
+
+def state_fwd(geo: Geometry, k, w, u, G, h0, output_final_state: bool, use_l2: bool):
+    from .chunk_state import chunk_state_fwd_kernel
+
+    dev = k.device
+    h = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=k.dtype, device=dev)
+    vn = torch.empty_like(u)
+    ht = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if output_final_state else None
+    BV = _state_bv(geo, dev)
+    chunk_state_fwd_kernel[(geo.N * geo.Hv, triton.cdiv(geo.V, BV))](
+        k, w, u, G, h0 if h0 is not None else h, ht if ht is not None else h, h, vn, geo.cu, geo.coff,
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
+        STORE_HT=ht is not None, IEEE=geo.ieee, num_warps=4)
+    return h, vn, ht
+
+
+def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype):
+    from .chunk_output import chunk_output_kernel
+
+    o = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=out_dtype, device=q.device)
+    BV = geo.V
+    chunk_output_kernel[(geo.chunks, geo.Hv, triton.cdiv(geo.V, BV))](
+        q, k, G, h, vn, o, geo.cu, geo.cidx, float(scale),
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, IEEE=geo.ieee,
+        num_warps=8 if geo.K * BV >= 128 * 128 else 4)
+    return o
+
+
+def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool):
+    """Returns ``(o, final_state or None)``."""
+    geo = Geometry(q, v, meta)
+    w, u, G, _ = prep(geo, k, v, g, beta, use_l2, store_t=False)
+    h, vn, ht = state_fwd(geo, k, w, u, G, h0, output_final_state, use_l2)
+    o = output(geo, q, k, G, h, vn, scale, use_l2, v.dtype)
+    return o, ht
