@@ -10,7 +10,7 @@
 #                    every step gets a timeout from what is left, so the packing at the end always happens
 #     BENCH_ARGS     extra arguments for every `flashqla bench` (e.g. "--backends triton --baselines fla")
 #     TESTS          gpu (default: `pytest -m gpu`, then the rest of the suite if time allows) | all | none
-#     CHECK          1 (default) runs `python -m flashqla check --device cuda`; 0 skips it
+#     CHECK          1 (default) runs `python -m flashqla check --device cuda $CHECK_ARGS`; 0 skips it
 #     PYTHON         default python3
 #     SKIP_INSTALL=1 use the source tree as it is (no pip install)
 #
@@ -92,7 +92,7 @@ fi
 
 if [ "${CHECK:-1}" = 1 ]; then
   banner "flashqla check --device cuda"
-  timeout "$(step_timeout 240)" "$PY" -m flashqla check --device cuda 2>&1 | tee "$WORK/logs/check.txt"
+  timeout -s INT -k 15 "$(step_timeout 240)" "$PY" -m flashqla check --device cuda ${CHECK_ARGS:-} 2>&1 | tee "$WORK/logs/check.txt"
   rc=${PIPESTATUS[0]}
   say ""; say "## check (rc $rc$([ "$rc" = 124 ] && echo ', timed out'))"; say '```'; cat "$WORK/logs/check.txt" >> "$SUMMARY"; say '```'
 fi
@@ -104,7 +104,7 @@ for p in "${PRESETS[@]}"; do
   fi
   banner "bench --preset $p (timeout ${t}s)"
   # SIGINT first: bench then prints and writes what it measured; KILL 15 s later if it hangs.
-  # shellcheck disable=SC2086
+    # shellcheck disable=SC2086
   timeout -s INT -k 15 "$t" "$PY" -m flashqla bench --preset "$p" --out "$WORK/bench" ${BENCH_ARGS:-} \
     2> >(tee "$WORK/logs/bench_$p.err" >&2) | tee "$WORK/logs/bench_$p.txt"
   rc=${PIPESTATUS[0]}

@@ -57,6 +57,32 @@ def _decide(case, inputs, name: str, grads: bool):
     return False, ok, why
 
 
+def oracle_on(case, inputs: dict, device) -> dict:
+    """:func:`flashqla.testing.oracle` (float64 recurrence, with gradients), computed on ``device``: on a GPU
+    the token loop is launch-bound and far faster than the CPU's float64 for the longer CUDA cases."""
+    from flashqla.reference import recurrent_gated_delta_rule_ref
+    f64 = {n: inputs[n].detach().to(device, torch.float64).requires_grad_() for n in ("q", "k", "v", "g", "beta")}
+    h0 = inputs["initial_state"]
+    h0 = None if h0 is None else h0.detach().to(device, torch.float64).requires_grad_()
+    cu = inputs["cu_seqlens"]
+    with torch.enable_grad():
+        o, ht = recurrent_gated_delta_rule_ref(
+            f64["q"], f64["k"], f64["v"], f64["g"], f64["beta"], scale=case.scale, initial_state=h0,
+            output_final_state=case.ht, use_qk_l2norm_in_kernel=case.l2norm,
+            cu_seqlens=None if cu is None else cu.cpu(), compute_dtype=torch.float64)
+        outs, couts = [o], [inputs["do"].detach().to(device, torch.float64)]
+        if case.ht:
+            outs.append(ht)
+            couts.append(inputs["dht"].detach().to(device, torch.float64))
+        wrt = [f64[n] for n in ("q", "k", "v", "g", "beta")] + ([h0] if h0 is not None else [])
+        grads = torch.autograd.grad(outs, wrt, couts, allow_unused=True)
+    names = ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if h0 is not None else [])
+    res = {"o": o.detach().cpu(), "ht": None if ht is None else ht.detach().cpu()}
+    for n, t, w in zip(names, grads, wrt):
+        res[n] = (torch.zeros_like(w) if t is None else t).detach().cpu()
+    return res
+
+
 def run_check(args) -> int:
     import flashqla
     from flashqla import testing
@@ -83,73 +109,81 @@ def run_check(args) -> int:
     rows, records, refs = [], [], {}
     n_pass = n_fail = n_skip = 0
     t_start = time.perf_counter()
-    for name in names:
-        try:
-            be = flashqla.get_backend(name)
-        except ValueError as exc:
-            print(f"check: {exc}", file=sys.stderr)
-            return 2
-        try:
-            ok, why = be.available()
-        except Exception as exc:
-            ok, why = False, f"available() raised {type(exc).__name__}: {exc}"
-        if not ok:
-            rows.append([name, "-", "-", "unavailable"] + ["-"] * len(COLUMNS) + [why])
-            records.append({"backend": name, "status": "unavailable", "reason": why})
-            n_skip += 1
-            continue
-        for case in cases:
-            inputs = testing.make_inputs(case, dtype, device, seed=args.seed)
-            want_grads = bool(be.has_backward) and not args.no_grad
+    interrupted = False
+    try:
+        for name in names:
             try:
-                with_grads, fwd_ok, why = _decide(case, inputs, name, want_grads)
+                be = flashqla.get_backend(name)
+            except ValueError as exc:
+                print(f"check: {exc}", file=sys.stderr)
+                return 2
+            try:
+                ok, why = be.available()
             except Exception as exc:
-                with_grads, fwd_ok, why = False, False, f"explain raised {type(exc).__name__}: {exc}"
-            key = testing.tolerance_key(dtype, device.type, exact)
-            if not fwd_ok:
-                rows.append([name, case.name, key, "skip"] + ["-"] * len(COLUMNS) + [why])
-                records.append({"backend": name, "case": case.name, "status": "skip", "reason": why})
+                ok, why = False, f"available() raised {type(exc).__name__}: {exc}"
+            if not ok:
+                rows.append([name, "-", "-", "unavailable"] + ["-"] * len(COLUMNS) + [why])
+                records.append({"backend": name, "status": "unavailable", "reason": why})
                 n_skip += 1
                 continue
-            note = "" if with_grads or not want_grads else f"forward only ({why})"
-            if not be.has_backward:
-                note = "forward only (no backward)"
-            t0 = time.perf_counter()
-            try:
-                if case.name not in refs:
-                    refs[case.name] = testing.oracle(case, inputs, grads=True)
-                res = testing.run_case(flashqla.chunk_gated_delta_rule, case, name, dtype, device,
-                                       grads=with_grads, exact_fp32=exact, seed=args.seed, ref=refs[case.name])
-            except Exception as exc:
-                msg = f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
-                rows.append([name, case.name, key, "ERROR"] + ["-"] * len(COLUMNS) + [msg])
-                records.append({"backend": name, "case": case.name, "status": "error", "reason": msg})
-                n_fail += 1
-                continue
-            dt = time.perf_counter() - t0
-            status = "pass" if res.ok else "FAIL"
-            n_pass += res.ok
-            n_fail += not res.ok
-            cells = [_fmt(res.errors.get(c), res.tolerances.get(c, 0.0)) for c in COLUMNS]
-            if not res.ok:
-                bad = ", ".join(f"{k} {e:.2e} > {t:g}" for k, (e, t) in res.failures.items())
-                note = (note + "; " if note else "") + bad
-            rows.append([name, case.name, key, status] + cells + [(f"{dt:.1f}s " + note).strip()])
-            records.append({"backend": name, "case": case.name, "dtype": key, "status": status.lower(),
-                            "errors": res.errors, "tolerances": res.tolerances, "seconds": dt, "note": note})
+            for case in cases:
+                inputs = testing.make_inputs(case, dtype, device, seed=args.seed)
+                want_grads = bool(be.has_backward) and not args.no_grad
+                try:
+                    with_grads, fwd_ok, why = _decide(case, inputs, name, want_grads)
+                except Exception as exc:
+                    with_grads, fwd_ok, why = False, False, f"explain raised {type(exc).__name__}: {exc}"
+                key = testing.tolerance_key(dtype, device.type, exact)
+                if not fwd_ok:
+                    rows.append([name, case.name, key, "skip"] + ["-"] * len(COLUMNS) + [why])
+                    records.append({"backend": name, "case": case.name, "status": "skip", "reason": why})
+                    n_skip += 1
+                    continue
+                note = "" if with_grads or not want_grads else f"forward only ({why})"
+                if not be.has_backward:
+                    note = "forward only (no backward)"
+                try:
+                    if case.name not in refs:
+                        refs[case.name] = oracle_on(case, inputs, device)
+                    t0 = time.perf_counter()  # the backend's time, not the oracle's
+                    res = testing.run_case(flashqla.chunk_gated_delta_rule, case, name, dtype, device,
+                                           grads=with_grads, exact_fp32=exact, seed=args.seed, ref=refs[case.name])
+                except Exception as exc:
+                    msg = f"raised {type(exc).__name__}: {str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ''}"
+                    rows.append([name, case.name, key, "ERROR"] + ["-"] * len(COLUMNS) + [msg])
+                    records.append({"backend": name, "case": case.name, "status": "error", "reason": msg})
+                    n_fail += 1
+                    continue
+                dt = time.perf_counter() - t0
+                status = "pass" if res.ok else "FAIL"
+                n_pass += res.ok
+                n_fail += not res.ok
+                cells = [_fmt(res.errors.get(c), res.tolerances.get(c, 0.0)) for c in COLUMNS]
+                if not res.ok:
+                    bad = ", ".join(f"{k} {e:.2e} > {t:g}" for k, (e, t) in res.failures.items())
+                    note = (note + "; " if note else "") + bad
+                rows.append([name, case.name, key, status] + cells + [(f"{dt:.1f}s " + note).strip()])
+                print(f"check: {name} {case.name}: {status} ({dt:.1f}s)", file=sys.stderr, flush=True)
+                records.append({"backend": name, "case": case.name, "dtype": key, "status": status.lower(),
+                                "errors": res.errors, "tolerances": res.tolerances, "seconds": dt, "note": note})
+    except KeyboardInterrupt:  # SIGINT (e.g. `timeout -s INT`): report what was checked
+        interrupted = True
 
     headers = ["backend", "case", "dtype", "status"] + list(COLUMNS) + ["note"]
     align = [False, False, False, False] + [True] * len(COLUMNS) + [False]
     print(f"flashqla check on {device.type} ({str(dtype).replace('torch.', '')}, K=V={d}): relative L2 error vs "
           f"the float64 oracle; ht = final state; ! = over tolerance")
     print(text_table(headers, rows, align_right=align))
-    print(f"\n{n_pass} passed, {n_fail} failed, {n_skip} skipped ({time.perf_counter() - t_start:.1f}s)")
+    print(f"\n{n_pass} passed, {n_fail} failed, {n_skip} skipped ({time.perf_counter() - t_start:.1f}s)"
+          + (" [interrupted]" if interrupted else ""))
     if args.json:
         with open(args.json, "w") as fh:
             json.dump({"device": device.type, "dtype": str(dtype), "head_dim": d, "results": records}, fh,
                       indent=1, default=str)
     if n_fail:
         return 1
+    if interrupted:
+        return 130
     if n_pass == 0:
         print("check: nothing was checked (no requested backend could serve any case)", file=sys.stderr)
         return 2
