@@ -120,7 +120,7 @@ class CPPlan:
         if not self.enabled:
             return f"context parallelism off: {self.reason}"
         lens = [x for s in self.segments if len(s) > 1 for x in s]
-        speed = f"; model {self.cost_plain / self.cost_cp:.2f}x faster" if self.cost_cp > 0 else ""
+        speed = f"; model speedup {self.cost_plain / self.cost_cp:.2f}x" if self.cost_cp > 0 else ""
         return (f"context parallelism on: {self.split_sequences} of {n} sequence(s) split into "
                 f"{sum(len(s) for s in self.segments if len(s) > 1)} segments of {min(lens)}..{max(lens)} "
                 f"tokens (at most {self.max_segments} per sequence; {self.num_segments} segments in one "
@@ -502,18 +502,19 @@ class _Engine:
         return M[last] @ starts[last] + S_loc[last]
 
     def chain_products(self, M, chains: list) -> torch.Tensor:
-        """M of each whole chain (product of its rows, latest on the left)."""
+        """M of each whole chain (product of its rows, latest on the left), chains batched."""
         lay = self.layout
-        out = []
-        for i in chains:
-            r0, n = lay.row0[i], lay.chain_len(i)
-            acc = M[r0]
-            for r in range(r0 + 1, r0 + n):
-                acc = M[r] @ acc
-            out.append(acc)
-        if not out:
+        if not chains:
             return M.new_zeros(0, *M.shape[1:])
-        return torch.stack(out, 0)
+        r0 = [lay.row0[i] for i in chains]
+        ns = [lay.chain_len(i) for i in chains]
+        acc = M[torch.tensor(r0, device=M.device)].clone()
+        for p in range(1, max(ns)):
+            sel = [j for j in range(len(chains)) if ns[j] > p]
+            si = torch.tensor(sel, device=M.device)
+            rows = torch.tensor([r0[j] + p for j in sel], device=M.device)
+            acc[si] = M[rows] @ acc[si]
+        return acc
 
     def scan_backward(self, M, dh0_loc, terminal):
         """Given every row's local dh0 (backward with dht = 0) and each chain's end-state cotangent
