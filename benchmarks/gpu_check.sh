@@ -12,7 +12,15 @@
 #     TESTS          gpu (default: `pytest -m gpu`, then the rest of the suite if time allows) | all | none
 #     CHECK          1 (default) runs `python -m flashqla check --device cuda $CHECK_ARGS`; 0 skips it
 #     PYTHON         default python3
+#     SAVE_CACHES=1  also return the compiled-kernel caches as $OUT/kcache.tar.gz (gpu_save_caches of .gpu/setup.sh)
 #     SKIP_INSTALL=1 use the source tree as it is (no pip install)
+#
+# examples:
+#     bash benchmarks/gpu_check.sh                                   # install, info, tests, check, bench quick
+#     TESTS=none CHECK=0 bash benchmarks/gpu_check.sh qwen35-fwd     # benchmarks only
+#     BENCH_ARGS="--backends triton --filter 16/32" TESTS=none bash benchmarks/gpu_check.sh qwen35-fwd qwen35-bwd
+# Baselines: FLA and FlashQLA may be missing from the device image; carry their wheels in .whl/ (fla-core, einops,
+# flash-qla; pure Python) and this script installs them into /tmp/site.
 #
 # What comes back (the device returns at most 8 files from $OUT):
 #     $OUT/gpu_check.log    everything printed
@@ -113,6 +121,7 @@ for p in "${PRESETS[@]}"; do
 done
 
 banner "pack"
+if [ "${SAVE_CACHES:-0}" = 1 ] && declare -F gpu_save_caches >/dev/null; then gpu_save_caches; fi
 tar czf "$OUT/results.tar.gz" -C "$WORK" bench logs 2>/dev/null
 cp "$SUMMARY" "$OUT/summary.md"
 ls -la "$OUT"

@@ -274,3 +274,13 @@ def test_roofline_counts():
     ceil = {"copy_gbps": 1000.0, "matmul_tflops": 100.0}
     assert roofline.floor_ms(1e12, 1e9, ceil) == pytest.approx(10.0)   # compute-bound: 1e12 / 1e14 s
     assert roofline.floor_ms(1e6, 1e10, ceil) == pytest.approx(10.0)   # memory-bound: 1e10 / 1e12 s
+
+
+def test_bench_plot_when_matplotlib_is_there(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench"
+    rc = main(["bench", "--preset", "quick", "--out", str(out), "--min-time", "0.01", "--max-reps", "2",
+               "--no-progress", "--backends", "reference", "--max-rows", "1"])
+    assert rc == 0
+    png = (out / "bench_quick_fwd.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
