@@ -104,3 +104,51 @@ def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: boo
 
 def triton_cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
+
+
+_TT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+def compile_for_target(capability: tuple = (9, 0), K: int = 128, V: int = 128, group: int = 2,
+                       io_dtype=torch.bfloat16, g_dtype=torch.float32, state_dtype=torch.float32,
+                       state_vk: bool = True, use_qk_l2norm: bool = True, has_indices: bool = True):
+    """Compile the kernel for a CUDA target without a GPU (compile-only checks).
+
+    The arguments mirror one launch; integer arguments get the divisibility-by-16 attribute a real launch
+    with model-sized heads gets (except those the kernel keeps out of specialisation), so the code is
+    the code a GPU would run.  Returns triton's CompiledKernel (``.asm["ptx"]``, ``.asm["cubin"]``).
+    """
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from triton.runtime.jit import JITFunction
+
+    fn = _import_kernel().gdn_decode_kernel
+    if not isinstance(fn, JITFunction):
+        # Under TRITON_INTERPRET=1 the decorator made an interpreter wrapper: build the compiler's view of
+        # the same Python function (the interpreter only patches triton.language while it runs).
+        fn = JITFunction(fn.fn, **fn.kwargs)
+    BK, BV = _block_sizes(K, V)
+    ptr = {"q_ptr": io_dtype, "k_ptr": io_dtype, "v_ptr": io_dtype, "o_ptr": io_dtype, "beta_ptr": io_dtype,
+           "g_ptr": g_dtype, "state_ptr": state_dtype}
+    const = dict(K=K, V=V, GROUP=group, BK=BK, BV=BV, STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
+                 HAS_INDICES=bool(has_indices))
+    unaligned = {"T", "P", "sq_b", "sk_b", "sv_b", "sg_b", "sbt_b", "so_b", "sg_h", "sbt_h", "scale"}
+    sig, attrs = {}, {}
+    for i, n in enumerate(fn.arg_names):
+        if n in const:
+            sig[n] = "constexpr"
+            continue
+        if n == "idx_ptr":
+            sig[n] = "*i32"
+        elif n in ptr:
+            sig[n] = "*" + _TT[ptr[n]]
+        else:
+            sig[n] = "fp32" if n == "scale" else "i32"
+        if n not in unaligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    num_warps = 4 if BK * BV >= 2048 else 2
+    cap = capability[0] * 10 + capability[1]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=1))

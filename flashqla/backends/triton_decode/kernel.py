@@ -8,9 +8,10 @@ Roles: each program
   1. reads its pool row ``idx = state_indices[b]`` (``b`` without indices); ``idx < 0`` is a padded slot
      (and, for memory safety only, so is ``idx >= P``): the program writes zeros to its output rows and
      never touches the pool;
-  2. loads the state tile ``S[K, BV]`` of row ``idx``, head ``h`` into registers as fp32 (from the
-     ``[K, V]`` layout, or from ``[V, K]`` with ``STATE_VK``, the layout serving engines use: the tile is the
-     same, only the pointer arithmetic is transposed);
+  2. loads the state tile of row ``idx``, head ``h`` into registers as fp32, in the pool's own orientation:
+     ``S[BK, BV]`` from the ``[K, V]`` layout, ``S^T[BV, BK]`` from ``[V, K]`` (``STATE_VK``, the layout
+     serving engines use), so the contiguous dim is the fast one (vector loads; in VK the reductions over
+     K stay inside a warp);
   3. walks the T tokens: ``S *= exp(g_t)``; ``delta = beta_t (v_t - S^T k_t)``; ``S += k_t delta^T``;
      ``o_t = S^T (scale q_t)`` -- the token recurrence of :mod:`flashqla.reference`, all in fp32, with the
      optional q/k L2 norm fused (each program sees all of K, so it can normalise on its own);
@@ -80,12 +81,16 @@ def gdn_decode_kernel(
         b_base = beta_ptr + i_b.to(tl.int64) * sbt_b + i_h * sbt_h
 
         s_base = state_ptr + idx * ss_p + i_h.to(tl.int64) * ss_h
+        # The tile keeps the pool's memory orientation, so its contiguous dim is the fast one in
+        # registers: VK -> S^T tile [BV, BK] (K contiguous; the K reductions stay inside a warp),
+        # KV -> S tile [BK, BV] (V contiguous).
         if STATE_VK:
-            s_ptrs = s_base + offs_v[None, :] * K + offs_k[:, None]
+            s_ptrs = s_base + offs_v[:, None] * K + offs_k[None, :]
+            s_mask = mask_v[:, None] & mask_k[None, :]
         else:
             s_ptrs = s_base + offs_k[:, None] * V + offs_v[None, :]
-        s_mask = mask_k[:, None] & mask_v[None, :]
-        S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)   # [BK, BV]
+            s_mask = mask_k[:, None] & mask_v[None, :]
+        S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
 
         # A while loop rather than range(T): same code on the GPU, and the Triton interpreter (with
         # numpy 2) cannot iterate range() over a runtime scalar.
@@ -102,10 +107,16 @@ def gdn_decode_kernel(
                 b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, axis=0) + 1e-6)
             b_q = b_q * scale
             S = S * tl.exp(b_g)
-            pred = tl.sum(S * b_k[:, None], axis=0)                    # S^T k      [BV]
-            delta = (b_v - pred) * b_beta
-            S = S + b_k[:, None] * delta[None, :]                      # rank-1 update
-            b_o = tl.sum(S * b_q[:, None], axis=0)                     # S^T q      [BV]
+            if STATE_VK:
+                pred = tl.sum(S * b_k[None, :], axis=1)                # S^T k      [BV]
+                delta = (b_v - pred) * b_beta
+                S = S + delta[:, None] * b_k[None, :]                  # rank-1 update
+                b_o = tl.sum(S * b_q[None, :], axis=1)                 # S^T q      [BV]
+            else:
+                pred = tl.sum(S * b_k[:, None], axis=0)
+                delta = (b_v - pred) * b_beta
+                S = S + b_k[:, None] * delta[None, :]
+                b_o = tl.sum(S * b_q[:, None], axis=0)
             tl.store(o_base + t * so_t + offs_v, b_o.to(o_ptr.dtype.element_ty), mask=mask_v)
             t += 1
 
