@@ -46,7 +46,8 @@ def _params():
             if subset is not None and case.name not in subset:
                 continue
             pid = f"{name}-{dev}-{str(dt).replace('torch.', '')}-{case.name}"
-            out.append(pytest.param(name, dev, dt, exact, case, id=pid))
+            marks = [pytest.mark.gpu] if dev == "cuda" else []
+            out.append(pytest.param(name, dev, dt, exact, case, id=pid, marks=marks))
     return out
 
 
