@@ -53,6 +53,7 @@ class Impl:
     op: Optional[Callable] = None  # op(q, k, v, g, beta, cu, meta, output_final_state) -> (o, ht)
     version: str = ""
     skip_reason: str = ""          # set when it cannot run at all (not importable)
+    eager_reason: str = ""         # set when it is known not to be capturable: timed eagerly, no capture tried
 
     @property
     def is_flashqla_backend(self) -> bool:
@@ -119,6 +120,9 @@ def _load_flash_qla():
 
 
 EXTERNAL_BASELINES = {"fla": _load_fla, "flashqla": _load_flash_qla}
+# Known host syncs: a capture attempt would fail, and a failed capture can leave a library's caches
+# holding tensors of the discarded graph pool, so these are timed eagerly from the start.
+EAGER_ONLY = {"flashqla": "FlashQLA's automatic CP plans on the host (reads g), which a CUDA graph cannot hold"}
 
 
 def build_impls(backends, baselines) -> list:
@@ -132,7 +136,7 @@ def build_impls(backends, baselines) -> list:
         if b in EXTERNAL_BASELINES:
             try:
                 op, ver = EXTERNAL_BASELINES[b]()
-                impls.append(Impl(b, "baseline", op, ver))
+                impls.append(Impl(b, "baseline", op, ver, eager_reason=EAGER_ONLY.get(b, "")))
             except Exception as exc:
                 impls.append(Impl(b, "baseline", None, "", f"not importable: {type(exc).__name__}: "
                                                             f"{str(exc).splitlines()[0] if str(exc) else ''}"))
@@ -270,10 +274,10 @@ def time_cuda(fns, min_time_s: float, max_reps: int, use_graph: bool) -> dict:
         ends[i].record()
     torch.cuda.synchronize()
     times = sorted(s.elapsed_time(e) / len(fns) for s, e in zip(starts, ends))
+    method = "graph" if graph is not None else "eager"
     graph = None  # frees the graph's memory pool before the next implementation runs
     held.clear()
-    return {"ms": statistics.median(times), "min_ms": times[0], "reps": reps,
-            "method": "graph" if not note else "eager", "note": note}
+    return {"ms": statistics.median(times), "min_ms": times[0], "reps": reps, "method": method, "note": note}
 
 
 def time_cpu(fns, min_time_s: float, max_reps: int) -> dict:
@@ -484,7 +488,9 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
             del outs
             prog.status(f"time {im.name} | {row.name()}")
             if device.type == "cuda":
-                r.update(time_cuda(fns, min_time, max_reps, use_graph=not args.no_graph))
+                r.update(time_cuda(fns, min_time, max_reps, use_graph=not args.no_graph and not im.eager_reason))
+                if im.eager_reason and not args.no_graph:
+                    r["method"], r["note"] = "eager", im.eager_reason
             else:
                 r.update(time_cpu(fns, min_time, max_reps))
             r["pct_roofline"] = 100.0 * floor / r["ms"] if r["ms"] > 0 else float("nan")
@@ -553,8 +559,10 @@ def table_rows(results, impls):
     return headers, body
 
 
-def _notes(results, impls) -> list:
+def _notes(results, impls, mode: str = "fwd") -> list:
     notes = []
+    # two correct bf16 implementations differ by a few 1e-3 in o, by up to ~3e-2 in dg / dbeta
+    agree_tol = 2e-2 if mode == "fwd" else 6e-2
     for im in impls:
         if im.skip_reason:
             notes.append(f"{im.name}: skipped ({im.skip_reason})")
@@ -572,7 +580,7 @@ def _notes(results, impls) -> list:
                 if key not in seen:
                     seen.add(key)
                     notes.append(f"{name} timed eager (*): {r['note']}")
-            if r.get("status") == "ok" and isinstance(r.get("agree"), float) and r["agree"] > 2e-2:
+            if r.get("status") == "ok" and isinstance(r.get("agree"), float) and r["agree"] > agree_tol:
                 notes.append(f"{name} on {rec['label']}: output differs from {r['agree_with']} by rel-L2 "
                              f"{r['agree']:.2e}")
     return notes
@@ -598,7 +606,7 @@ def _header(meta) -> str:
 def render_text(meta, results, impls) -> str:
     headers, body = table_rows(results, impls)
     out = [_header(meta), text_table(headers, body)]
-    notes = _notes(results, impls)
+    notes = _notes(results, impls, meta["mode"])
     if notes:
         out.append("notes:\n" + "\n".join(f"  - {n}" for n in notes))
     return "\n".join(out)
@@ -608,7 +616,7 @@ def render_markdown(meta, results, impls) -> str:
     headers, body = table_rows(results, impls)
     out = [f"### {meta['preset']} ({meta['mode']})", "", _header(meta).replace("\n", "  \n"), "",
            markdown_table(headers, body)]
-    notes = _notes(results, impls)
+    notes = _notes(results, impls, meta["mode"])
     if notes:
         out += ["", *[f"- {n}" for n in notes]]
     return "\n".join(out) + "\n"
