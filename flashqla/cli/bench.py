@@ -543,7 +543,7 @@ def table_rows(results, impls):
     shown = [im for im in impls if not im.skip_reason]
     pairs = _pairs(impls)
     headers = ["heads", "seqlens", "tokens"] + [f"{im.name} ms" for im in shown] + \
-              [f"{a}/{b} x" for a, b in pairs] + ["floor ms"] + [f"{im.name} %roof" for im in shown]
+              [f"{a} vs {b} x" for a, b in pairs] + ["GFLOP", "MB", "floor ms"] + [f"{im.name} %roof" for im in shown]
     body = []
     for rec in results:
         row = [f"{rec['Hqk']}/{rec['Hv']}", rec["label"].split(" ", 1)[1], rec["tokens"]]
@@ -551,7 +551,7 @@ def table_rows(results, impls):
         for a, b in pairs:
             s = rec["speedup"].get(a, {}).get(b)
             row.append("-" if s is None else f"{s:.2f}")
-        row.append(f"{rec['floor_ms']:.3f}")
+        row += [f"{rec['flops'] / 1e9:.1f}", f"{rec['bytes'] / 1e6:.1f}", f"{rec['floor_ms']:.3f}"]
         for im in shown:
             r = rec["results"].get(im.name, {})
             row.append(f"{r['pct_roofline']:.0f}%" if r.get("status") == "ok" else "-")
@@ -599,7 +599,7 @@ def _header(meta) -> str:
     return (f"flashqla bench --preset {meta['preset']} ({meta['mode']}, {meta['dtype']}, K=V=128) on "
             f"{d.get('name', d['type'])}: {impl}\n"
             f"ceilings: copy {c['copy_gbps']:.0f} GB/s, matmul {c['matmul_tflops']:.3g} TFLOP/s "
-            f"({c['matmul_dtype']}); floor = max(FLOPs/peak, bytes/bw); speedup = baseline ms / backend ms; "
+            f"({c['matmul_dtype']}); floor = max(FLOPs/peak, bytes/bw); "A vs B x" = speedup of A over B = B ms / A ms; "
             f"* = timed eager")
 
 
