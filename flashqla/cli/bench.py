@@ -599,7 +599,7 @@ def _header(meta) -> str:
     return (f"flashqla bench --preset {meta['preset']} ({meta['mode']}, {meta['dtype']}, K=V=128) on "
             f"{d.get('name', d['type'])}: {impl}\n"
             f"ceilings: copy {c['copy_gbps']:.0f} GB/s, matmul {c['matmul_tflops']:.3g} TFLOP/s "
-            f"({c['matmul_dtype']}); floor = max(FLOPs/peak, bytes/bw); "A vs B x" = speedup of A over B = B ms / A ms; "
+            f"({c['matmul_dtype']}); floor = max(FLOPs/peak, bytes/bw); 'A vs B x' = speedup of A over B = B ms / A ms; "
             f"* = timed eager")
 
 
