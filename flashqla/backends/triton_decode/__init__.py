@@ -85,7 +85,7 @@ def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: boo
         return o
     BK, BV = _block_sizes(K, V)
     has_idx = state_indices is not None
-    grid = (triton_cdiv(V, BV), Hv, B)
+    grid = (B * triton_cdiv(V, BV), Hv)
     kern.gdn_decode_kernel[grid](
         q, k, v, g, beta, o, state, state_indices if has_idx else state,
         T, P, float(scale),
@@ -96,7 +96,7 @@ def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: boo
         beta.stride(0), beta.stride(1), beta.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         state.stride(0), state.stride(1),
-        K=K, V=V, GROUP=Hv // Hqk, BK=BK, BV=BV, STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
+        K=K, V=V, GROUP=Hv // Hqk, BK=BK, BV=BV, NV=triton_cdiv(V, BV), STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
         HAS_INDICES=has_idx, num_warps=4 if BK * BV >= 2048 else 2, num_stages=1,
     )
     return o
@@ -122,17 +122,15 @@ def compile_for_target(capability: tuple = (9, 0), K: int = 128, V: int = 128, g
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from triton.runtime.jit import JITFunction
-
+    if interpreting():
+        # triton.language consults the interpreter flag while generating code, so a process that has it
+        # set cannot compile (run this in a subprocess without TRITON_INTERPRET).
+        raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset")
     fn = _import_kernel().gdn_decode_kernel
-    if not isinstance(fn, JITFunction):
-        # Under TRITON_INTERPRET=1 the decorator made an interpreter wrapper: build the compiler's view of
-        # the same Python function (the interpreter only patches triton.language while it runs).
-        fn = JITFunction(fn.fn, **fn.kwargs)
     BK, BV = _block_sizes(K, V)
     ptr = {"q_ptr": io_dtype, "k_ptr": io_dtype, "v_ptr": io_dtype, "o_ptr": io_dtype, "beta_ptr": io_dtype,
            "g_ptr": g_dtype, "state_ptr": state_dtype}
-    const = dict(K=K, V=V, GROUP=group, BK=BK, BV=BV, STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
+    const = dict(K=K, V=V, GROUP=group, BK=BK, BV=BV, NV=triton_cdiv(V, BV), STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
                  HAS_INDICES=bool(has_indices))
     unaligned = {"T", "P", "sq_b", "sk_b", "sv_b", "sg_b", "sbt_b", "so_b", "sg_h", "sbt_h", "scale"}
     sig, attrs = {}, {}

@@ -1,8 +1,8 @@
 """Triton decode / verify kernel for the gated delta rule on a state pool (small T, state in registers).
 
-Grid: ``(cdiv(V, BV), Hv, B)``: one program per (value block, value head, batch row).  The value block
-goes first so that the programs sharing one q/k head and one batch row are launched next to each other
-and hit the same q/k lines in L2.
+Grid: ``(B * cdiv(V, BV), Hv)``: one program per (batch row, value block) x value head.  The batch row
+and value block share grid axis 0 (limit 2^31 - 1, where axes 1/2 stop at 65535), value blocks of one
+row adjacent, so the programs reading one row's q/k run next to each other and share its L2 lines.
 
 Roles: each program
   1. reads its pool row ``idx = state_indices[b]`` (``b`` without indices); ``idx < 0`` is a padded slot
@@ -28,7 +28,7 @@ copy; o ``[B, T, Hv, V]`` contiguous; pool ``[P, Hv, K, V]`` or ``[P, Hv, V, K]`
 on its two outer dims and contiguous inner two.  Pool offsets are computed in int64 (big pools exceed
 2^31 elements).
 
-Compile key (constexpr): K, V, BK, BV, GROUP (Hv // Hqk), STATE_VK, USE_L2NORM, HAS_INDICES, plus the pointer
+Compile key (constexpr): K, V, BK, BV, NV = cdiv(V, BV), GROUP (Hv // Hqk), STATE_VK, USE_L2NORM, HAS_INDICES, plus the pointer
 dtypes; never B, T or P.  Host syncs: none, so a launch can be captured in a CUDA graph.
 """
 
@@ -53,12 +53,13 @@ def gdn_decode_kernel(
     sbt_b, sbt_t, sbt_h,
     so_b, so_t, so_h,
     ss_p, ss_h,
-    K: tl.constexpr, V: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    K: tl.constexpr, V: tl.constexpr, GROUP: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, NV: tl.constexpr,
     STATE_VK: tl.constexpr, USE_L2NORM: tl.constexpr, HAS_INDICES: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
+    i_bv = tl.program_id(0)
     i_h = tl.program_id(1)
-    i_b = tl.program_id(2)
+    i_b = i_bv // NV
+    i_v = i_bv % NV
     i_hk = i_h // GROUP
 
     offs_k = tl.arange(0, BK)
