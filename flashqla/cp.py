@@ -36,6 +36,11 @@ Cost: two forward passes and two backward passes of the backend plus the ``M`` p
 each; it pays when the sequential scan dominates (see :func:`segment_plan`, whose constants are rough
 guesses meant to be calibrated on the GPU).
 
+Memory beyond the plain op: one fp32 ``K x K`` matrix per (segment of a split sequence, value head), kept for
+the backward; start states and end states per segment (``[segments, Hv, K, V]`` fp32); the gathered copy of
+the non-last segments' inputs for pass (1); temporaries of the ``M`` computation bounded by
+``memory_budget`` (256 MiB by default, the chunk block shrinks to fit).
+
 Everything here goes through the public backend contract (``select(spec)`` -> ``backend.forward`` /
 ``backend.backward``), so every backend gets CP for free.  Backends must tolerate two ``backward`` calls on
 one ``saved`` (none of ours mutates it).
@@ -43,7 +48,6 @@ one ``saved`` (none of ours mutates it).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
@@ -458,11 +462,19 @@ class _Engine:
             _, ht, _, _, _, _ = self.forward_call(*sub, cu, None, True, False)
         return ht.to(self.sd)
 
-    def transition(self, x) -> torch.Tensor:
+    def transition(self, x, rows: Optional[list] = None) -> torch.Tensor:
+        """M of every row ([rows, Hv, K, K]); with ``rows`` only those are computed, the rest are I."""
         q, k, v, g, beta = x
+        ranges = self.layout.row_ranges()
         with torch.no_grad():
-            return transition_matrices(k, g, beta, self.layout.row_ranges(), self.l2norm,
-                                       compute_dtype=self.sd)
+            if rows is None:
+                return transition_matrices(k, g, beta, ranges, self.l2norm, compute_dtype=self.sd)
+            K, Hv = k.shape[3], g.shape[2]
+            M = torch.eye(K, dtype=self.sd, device=k.device).expand(len(ranges), Hv, K, K).contiguous()
+            if rows:
+                M[torch.tensor(rows, device=k.device)] = transition_matrices(
+                    k, g, beta, [ranges[r] for r in rows], self.l2norm, compute_dtype=self.sd)
+            return M
 
     # -- scans over the rows of each chain ------------------------------------------------------------
     def _steps(self, forward: bool):
@@ -563,13 +575,15 @@ class _CPFunction(torch.autograd.Function):
         N = cfg.num_seqs
         # (1) + (2): local end states of the non-last segments of split sequences, and every row's M.
         row_segs = lay.row_segments()
-        nonlast = [s for i, c in enumerate(lay.chains) for s in row_segs[lay.row0[i]:lay.row0[i] + lay.chain_len(i) - 1]]
+        nonlast_rows = [r for i in range(len(lay.chains))
+                        for r in range(lay.row0[i], lay.row0[i] + lay.chain_len(i) - 1)]
+        nonlast = [row_segs[r] for r in nonlast_rows]
         S_nonlast = eng.local_states(x, nonlast)
         S_loc = torch.zeros(lay.rows, Hv, K, V, dtype=eng.sd, device=dev)
         if nonlast:
-            rowpos = {s: r for r, s in enumerate(row_segs)}
-            S_loc[torch.tensor([rowpos[s] for s in nonlast], device=dev)] = S_nonlast
-        M = eng.transition(x)
+            S_loc[torch.tensor(nonlast_rows, device=dev)] = S_nonlast
+        # The forward scan reads M of the non-last rows, the backward scan that of the non-first rows.
+        M = eng.transition(x, None if cfg.needs_grad else nonlast_rows)
         # (3): the segment scan.
         if h0 is not None:
             chain_start = h0[torch.tensor(lay.chains, device=dev)].to(eng.sd)

@@ -118,7 +118,7 @@ def _local(dc: DCase, x, rank):
     return t, h0, kw, dht
 
 
-def _worker(rank, world, port, cases, backend, outdir, dist_backend):
+def _worker(rank, world, port, cases, backends, outdir, dist_backend):
     try:
         os.environ["NCCL_NVLS_ENABLE"] = "0"
         torch.set_num_threads(1)
@@ -130,7 +130,7 @@ def _worker(rank, world, port, cases, backend, outdir, dist_backend):
         dist.init_process_group(dist_backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world, timeout=timedelta(seconds=TIMEOUT_S - 30))
         results = {}
-        for dc in cases:
+        for backend, dc in [(b, c) for b in backends for c in cases]:
             x = _inputs(dc)
             t, h0, kw, dht = _local(dc, x, rank)
             leaves = [t[n].to(dev).requires_grad_() for n in ("q", "k", "v", "g", "beta")]
@@ -149,7 +149,7 @@ def _worker(rank, world, port, cases, backend, outdir, dist_backend):
             res = {"o": o.detach().cpu(), "ht": None if ht is None else ht.detach().cpu()}
             for n, gr, w in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, wrt):
                 res[n] = (torch.zeros_like(w) if gr is None else gr).detach().cpu()
-            results[dc.name] = res
+            results[(backend, dc.name)] = res
         dist.barrier()
         dist.destroy_process_group()
         torch.save(results, os.path.join(outdir, f"rank{rank}.pt"))
@@ -165,12 +165,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(world, cases, backend, dist_backend="gloo"):
+def _launch(world, cases, backends, dist_backend="gloo"):
     import torch.multiprocessing as mp
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as outdir:
         port = _free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world, port, cases, backend, outdir, dist_backend))
+        procs = [ctx.Process(target=_worker, args=(r, world, port, cases, backends, outdir, dist_backend))
                  for r in range(world)]
         for p in procs:
             p.start()
@@ -268,22 +268,24 @@ def _plain_fn(backend):
     return fn
 
 
-def _check(dc, got, backend):
+def _check(dc, got, backends):
     x = _inputs(dc)
     n0 = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         oracle = _chained(dc, x, _oracle_fn, torch.float64)
-        plain = _chained(dc, x, _plain_fn(backend), torch.float32)
+        for backend in backends:
+            plain = _chained(dc, x, _plain_fn(backend), torch.float32)
+            for r in range(dc.world):
+                mine = got[r][(backend, dc.name)]
+                for ref, what in ((oracle, "float64 oracle"), (plain, f"single-process {backend} op")):
+                    errs = {n: rel_l2(mine[n], ref[r][n]) for n in ref[r] if ref[r][n].numel()}
+                    bad = {n: e for n, e in errs.items() if not e <= TOL}
+                    assert not bad, f"{backend} {dc.name} rank {r} vs {what}: {bad} (all {errs})"
+                    for n in ref[r]:
+                        assert mine[n].shape == ref[r][n].shape, (backend, dc.name, r, n)
     finally:
         torch.set_num_threads(n0)
-    for r in range(dc.world):
-        for ref, what in ((oracle, "float64 oracle"), (plain, f"single-process {backend} op")):
-            errs = {n: rel_l2(got[r][dc.name][n], ref[r][n]) for n in ref[r] if ref[r][n].numel()}
-            bad = {n: e for n, e in errs.items() if not e <= TOL}
-            assert not bad, f"{dc.name} rank {r} vs {what}: {bad} (all {errs})"
-            for n in ref[r]:
-                assert got[r][dc.name][n].shape == ref[r][n].shape, (dc.name, r, n)
 
 
 def _backends():
@@ -296,10 +298,10 @@ def _backends():
 
 @pytest.mark.parametrize("world,cases", [(2, CASES_2), (3, CASES_3)], ids=["2ranks", "3ranks"])
 def test_gloo_matches_single_process(world, cases):
-    for backend in _backends():
-        got = _launch(world, cases, backend)
-        for dc in cases:
-            _check(dc, got, backend)
+    backends = _backends()
+    got = _launch(world, cases, backends)
+    for dc in cases:
+        _check(dc, got, backends)
 
 
 def test_single_process_without_group_is_cp():
@@ -313,8 +315,8 @@ def test_single_process_without_group_is_cp():
     o, ht = chunk_gated_delta_rule_distributed(*leaves, initial_state=h0, output_final_state=True,
                                                backend="reference", segments=dc.segments, **kw)
     grads = torch.autograd.grad([o, ht], leaves + [h0], [t["do"], dht])
-    got = [{dc.name: dict(zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), [o, ht, *grads]))}]
-    _check(dc, got, "reference")
+    got = [{("reference", dc.name): dict(zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0"), [o, ht, *grads]))}]
+    _check(dc, got, ["reference"])
     with pytest.raises(ValueError, match="seq_ids"):
         chunk_gated_delta_rule_distributed(*leaves, cu_seqlens=kw["cu_seqlens"], backend="reference")
     with pytest.raises(ValueError, match="increasing"):
@@ -327,6 +329,6 @@ def test_single_process_without_group_is_cp():
 def test_nccl_matches_single_process():
     cases = [replace(CASES_2[0], splits=(1030, 1700)), replace(CASES_2[1], splits=(600, 900),
                                                                  seqlens=(150, 1000, 350))]
-    got = _launch(2, cases, "reference", dist_backend="nccl")
+    got = _launch(2, cases, ["reference"], dist_backend="nccl")
     for dc in cases:
-        _check(dc, got, "reference")
+        _check(dc, got, ["reference"])
