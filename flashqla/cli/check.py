@@ -103,7 +103,13 @@ def run_check(args) -> int:
                   f"{', '.join(c.name for c in cases)}", file=sys.stderr)
             return 2
         cases = [c for c in cases if c.name in want]
-    names = args.backend or flashqla.list_backends()
+    if args.backend:
+        names = args.backend
+    else:  # every backend that declares a priority for this device (named ones are checked regardless)
+        from flashqla.dispatch import detect, priority_of
+        info = detect(device)
+        names = [n for n in flashqla.list_backends()
+                 if priority_of(flashqla.get_backend(n), info.arch, info.capability) is not None]
     exact = device.type == "cpu"
 
     rows, records, refs = [], [], {}
@@ -194,7 +200,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("check", help="correctness of every available backend vs the float64 oracle",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--backend", action="append", nargs="+", default=None, metavar="NAME",
-                   help="backend(s) to check (repeatable; default: every registered one)")
+                   help="backend(s) to check (repeatable; default: every one with a priority for the device)")
     p.add_argument("--device", choices=["cpu", "cuda"], default=None, help="default: cuda when present")
     p.add_argument("--dtype", choices=["float64", "float32", "bfloat16", "float16"], default=None,
                    help="q/k/v dtype (default bfloat16 on cuda, float32 on cpu)")
