@@ -81,13 +81,13 @@ TESTS="${TESTS:-gpu}"
 say ""; say "## tests"
 if [ "$TESTS" != "none" ] && "$PY" -m pytest --version >/dev/null 2>&1; then
   banner "pytest -m gpu"
-  timeout "$(step_timeout 300)" "$PY" -m pytest -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$WORK/logs/pytest_gpu.log"
+  timeout -s INT -k 15 "$(step_timeout 300)" "$PY" -m pytest -m gpu -x -q -p no:cacheprovider 2>&1 | tee "$WORK/logs/pytest_gpu.log"
   rc=${PIPESTATUS[0]}
   say "- pytest -m gpu: rc $rc: $(tail -1 "$WORK/logs/pytest_gpu.log")"
   t=$(step_timeout 240)
   if [ "$TESTS" = "all" ] || [ "$t" -gt 200 ]; then
     banner "pytest (the rest of the suite)"
-    timeout "$t" "$PY" -m pytest -m "not gpu" -x -q -p no:cacheprovider 2>&1 | tee "$WORK/logs/pytest_rest.log"
+    timeout -s INT -k 15 "$t" "$PY" -m pytest -m "not gpu" -x -q -p no:cacheprovider 2>&1 | tee "$WORK/logs/pytest_rest.log"
     rc=${PIPESTATUS[0]}
     say "- pytest -m 'not gpu': rc $rc$([ "$rc" = 124 ] && echo ' (timed out)'): $(tail -1 "$WORK/logs/pytest_rest.log")"
   else
@@ -130,7 +130,7 @@ echo
 echo "==================== SUMMARY ===================="
 echo "$INSTALL"
 grep -E "^- pytest" "$SUMMARY" || true
-[ -f "$WORK/logs/check.txt" ] && tail -3 "$WORK/logs/check.txt"
+[ -f "$WORK/logs/check.txt" ] && { grep -E "  (FAIL|ERROR)  " "$WORK/logs/check.txt" | head -20; grep -E "passed, .* failed" "$WORK/logs/check.txt" | sed "s/^/check: /"; }
 "$PY" "$ROOT/benchmarks/summarize.py" "$WORK/bench" 2>&1 || true
 echo "total $(( $(date +%s) - START ))s; full tables in \$OUT/summary.md, raw results in \$OUT/results.tar.gz"
 sleep 1  # let tee flush the log
