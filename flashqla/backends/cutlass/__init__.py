@@ -1,14 +1,307 @@
-"""Backend "cutlass" (work in progress: registered so that dispatch and explain() know of it)."""
+"""Backend "cutlass": CuTe DSL (nvidia-cutlass-dsl 4.3.x) kernels for Hopper (sm_90a).
+
+Forward = two kernels per call:
+
+1. :mod:`.chunk_prep_sm90` -- per (64-token chunk, value head): cumulative gate, ``A = beta (k k^T) decay``,
+   ``T = (I + A)^-1`` (fp32 blocked forward substitution), ``-w = -T beta Gamma k``, ``u = T beta v``,
+   the causal decayed ``Aqk = scale q k^T``.  TMA loads + warpgroup MMA.
+2. :mod:`.chunk_fwd_sm90` -- per (sequence, value head, V block): the serial recurrence over chunks, the
+   state in registers (transposed, as the A operand of wgmma), a TMA producer warp feeding a two-stage
+   mbarrier pipeline.
+
+Inputs are bf16 q/k/v, fp32 g, bf16 or fp32 beta, K = V = 128, fp32 states; varlen via the device
+``cu_seqlens`` / ``chunk_offsets`` / ``chunk_indices`` of :class:`flashqla.varlen.VarlenMeta` (a dense batch
+gets the same metadata built on the device; no host sync either way).  ``use_qk_l2norm`` normalises q
+and k with a PyTorch pre-pass (fp32 math, bf16 result).
+
+Compiled kernels are cached in memory by (kernel, arch, head dims, dtypes, variant) -- sequence lengths,
+batch and head counts are runtime ``Int32`` arguments of the compiled function, so a new length never
+recompiles.  Each compilation also leaves its PTX and cubin under ``$FLASHQLA_CACHE_DIR`` (default
+``~/.cache/flashqla/cutlass``) next to a ``key.json``; a new process compiles again (CuTe DSL 4.3 can
+only reload a compiled host launcher through ``export_to_c`` plus a C toolchain).
+:func:`compile_count` says how many compilations this process did.
+
+``backend_options``: ``{"num_wg": 1 | 2}`` forces the recurrence kernel's V block (64 or 128 value
+columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import importlib.util
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
 
 from ...dispatch.registry import Backend, register_backend
 
+log = logging.getLogger("flashqla")
 
-class _Pending(Backend):
+ARCH = "sm_90a"
+BT = 64
+_INT32_MAX = 2 ** 31 - 1
+
+_lock = threading.Lock()
+_compiled: dict = {}
+_compile_counter = [0]
+_meta_cache: dict = {}
+
+
+def compile_count() -> int:
+    """Number of kernel compilations done by this process (tests read it to prove caching)."""
+    return _compile_counter[0]
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("FLASHQLA_CACHE_DIR", os.path.join(os.path.expanduser("~"), ".cache", "flashqla",
+                                                                    "cutlass")))
+
+
+def dsl_version():
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------- compile
+def _cute():
+    import cutlass  # noqa: F401
+    import cutlass.cute as cute
+    return cute
+
+
+def _ptr(dtype_name: str, address: int, align: int):
+    import cutlass
+    import cutlass.cute as cute
+    from cutlass.cute.runtime import make_ptr
+    dt = {"bfloat16": cutlass.BFloat16, "float32": cutlass.Float32, "int32": cutlass.Int32}[dtype_name]
+    return make_ptr(dt, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def _example_args(kind: str, key: tuple):
+    """Arguments with the right types (addresses and sizes are placeholders) for ``cute.compile``."""
+    import cutlass
+    import cuda.bindings.driver as cuda
+    i32, f32 = cutlass.Int32, cutlass.Float32
+    bf = lambda: _ptr("bfloat16", 1 << 12, 16)  # noqa: E731
+    fp = lambda: _ptr("float32", 1 << 12, 16)  # noqa: E731
+    ip = lambda: _ptr("int32", 1 << 12, 4)  # noqa: E731
+    if kind == "prep":
+        beta = _ptr(key[2], 1 << 12, 4 if key[2] == "float32" else 2)
+        return (bf(), bf(), bf(), _ptr("float32", 1 << 12, 4), beta, bf(), bf(), bf(), fp(), ip(), ip(),
+                i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), cuda.CUstream(0))
+    if kind == "fwd":
+        return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), ip(), ip(),
+                i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), i32(0), i32(0), cuda.CUstream(0))
+    raise KeyError(kind)
+
+
+def _make_kernel(kind: str, key: tuple):
+    if kind == "prep":
+        from .chunk_prep_sm90 import ChunkPrepSm90
+        K, V, beta = key
+        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"))
+    if kind == "fwd":
+        from .chunk_fwd_sm90 import ChunkFwdSm90
+        K, V, num_wg, stages = key
+        return ChunkFwdSm90(K, V, num_wg=num_wg, stages=stages)
+    raise KeyError(kind)
+
+
+def compile_kernel(kind: str, key: tuple, arch: str = ARCH, keep_dir=None):
+    """Compile (or fetch from the in-memory cache) kernel ``kind`` for ``key`` and ``arch``.
+
+    Passing the arch as a compile option (never through ``CUTE_DSL_ARCH``) makes this work without a GPU
+    driver when the option differs from the detected arch: that is how the CPU tests cross-compile.
+    Returns the compiled function (``__ptx__`` / ``__cubin__`` hold the artifacts).
+    """
+    full_key = (kind, arch) + tuple(key)
+    fn = _compiled.get(full_key)
+    if fn is not None:
+        return fn
+    with _lock:
+        fn = _compiled.get(full_key)
+        if fn is not None:
+            return fn
+        cute = _cute()
+        digest = hashlib.sha1(repr((full_key, dsl_version())).encode()).hexdigest()[:16]
+        out = Path(keep_dir) if keep_dir is not None else cache_dir() / f"{kind}-{arch}-{digest}"
+        opts = f"--gpu-arch {arch}"
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "key.json").write_text(json.dumps({"key": [str(x) for x in full_key],
+                                                      "nvidia-cutlass-dsl": dsl_version()}))
+            opts += f" --keep-ptx --keep-cubin --dump-dir {out}"
+        except OSError as exc:  # an unwritable cache dir must not stop the kernels
+            log.warning("flashqla cutlass: cannot keep artifacts in %s (%s)", out, exc)
+        kernel = _make_kernel(kind, key)
+        log.info("flashqla cutlass: compiling %s %s for %s", kind, key, arch)
+        fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
+        _compile_counter[0] += 1
+        _compiled[full_key] = fn
+        return fn
+
+
+# ---------------------------------------------------------------------------------------------- runtime
+def _dense_meta(B: int, T: int, device):
+    """cu_seqlens / chunk_offsets / chunk_indices of B equal sequences of length T, built on the device."""
+    key = (B, T, str(device))
+    m = _meta_cache.get(key)
+    if m is None:
+        nc = (T + BT - 1) // BT
+        ar = torch.arange(B + 1, device=device, dtype=torch.int32)
+        cu = ar * T
+        co = ar * nc
+        seq = torch.arange(B, device=device, dtype=torch.int32).repeat_interleave(nc)
+        cid = torch.arange(nc, device=device, dtype=torch.int32).repeat(B)
+        ci = torch.stack([seq, cid], 1).contiguous()
+        m = (cu, co, ci, B, B * nc)
+        if len(_meta_cache) > 64:
+            _meta_cache.clear()
+        _meta_cache[key] = m
+    return m
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """TMA needs 16-byte aligned base addresses; a contiguous view at an odd offset gets copied."""
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+
+def _stream():
+    import cuda.bindings.driver as cuda
+    return cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+
+
+class CutlassBackend(Backend):
     name = "cutlass"
+    description = "CuTe DSL (nvidia-cutlass-dsl 4.3) Hopper kernels: TMA + wgmma + mbarrier pipeline"
     priorities = {"sm_90": 20}
+    has_backward = False
+    _avail = None
+
+    def version(self) -> str:
+        return dsl_version() or ""
 
     def available(self):
-        return False, "the cutlass kernels are not implemented in this build yet"
+        if CutlassBackend._avail is None:
+            CutlassBackend._avail = self._probe()
+        return CutlassBackend._avail
+
+    @staticmethod
+    def _probe():
+        try:
+            if importlib.util.find_spec("cutlass") is None:
+                return False, "nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.3.5)"
+            ver = dsl_version()
+            if ver is None:
+                return False, "a 'cutlass' module is importable but it is not nvidia-cutlass-dsl"
+            if not ver.startswith("4.3."):
+                return False, f"nvidia-cutlass-dsl {ver} is installed; this backend is written for 4.3.x (4.3.5)"
+            if not torch.cuda.is_available():
+                return False, "no CUDA device"
+            return True, f"nvidia-cutlass-dsl {ver}"
+        except Exception as exc:  # never raise from available()
+            return False, f"probe failed: {type(exc).__name__}: {exc}"
+
+    def supports(self, spec):
+        if spec.device.type != "cuda" or spec.device.capability != (9, 0):
+            return False, f"needs an sm_90 (Hopper) GPU, got {spec.device.arch}"
+        if spec.dtype != "bfloat16":
+            return False, f"q/k/v must be bfloat16, got {spec.dtype}"
+        if spec.K != 128 or spec.V != 128:
+            return False, f"head dims must be K = V = 128, got K = {spec.K}, V = {spec.V}"
+        if spec.g_dtype != "float32":
+            return False, f"g must be float32, got {spec.g_dtype}"
+        if spec.beta_dtype not in ("bfloat16", "float32"):
+            return False, f"beta must be bfloat16 or float32, got {spec.beta_dtype}"
+        if spec.state_dtype not in (None, "float32"):
+            return False, f"initial_state must be float32, got {spec.state_dtype}"
+        # 32-bit index arithmetic inside the kernels (inputs and the chunk-major workspaces)
+        if (spec.tokens + BT * spec.num_seqs) * spec.Hv * 128 > _INT32_MAX:
+            return False, "too large for the kernels' 32-bit indexing ((tokens + 64 N) * Hv * 128 >= 2^31)"
+        return True, "bf16, K = V = 128 on sm_90"
+
+    # ------------------------------------------------------------------------------------------ forward
+    def forward(self, spec, x):
+        q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
+        if x.use_qk_l2norm:
+            q, k = _l2norm(q), _l2norm(k)
+        B, T, Hqk, K = q.shape
+        Hv, V = v.shape[2], v.shape[3]
+        dev = q.device
+        if x.varlen is not None:
+            meta = x.varlen
+            cu, co, ci = meta.cu_seqlens, meta.chunk_offsets, meta.chunk_indices
+            N, C = meta.num_seqs, meta.total_chunks
+        else:
+            cu, co, ci, N, C = _dense_meta(B, T, dev)
+        o = torch.empty(B, T, Hv, V, dtype=v.dtype, device=dev)
+        ht = torch.empty(N, Hv, K, V, dtype=torch.float32, device=dev) if x.output_final_state else None
+        h0 = x.initial_state
+        if C == 0:  # only empty sequences: nothing to compute, the state passes through
+            o.zero_()
+            if ht is not None:
+                if h0 is not None:
+                    ht.copy_(h0)
+                else:
+                    ht.zero_()
+            return o, ht, (), None
+
+        num_wg = int(x.options.get("num_wg", 0)) if x.options else 0
+        if num_wg not in (1, 2):
+            num_wg = 2 if N * Hv >= max(spec.device.sm_count, 1) else 1
+        prep = compile_kernel("prep", (K, V, spec.beta_dtype))
+        fwd = compile_kernel("fwd", (K, V, num_wg, 2))
+
+        q, k, v = (_aligned(t) for t in (q, k, v))
+        if h0 is not None:
+            h0 = _aligned(h0)
+        ws_w = torch.empty(C, Hv, BT, K, dtype=torch.bfloat16, device=dev)
+        ws_u = torch.empty(C, Hv, V, BT, dtype=torch.bfloat16, device=dev)
+        ws_a = torch.empty(C, Hv, BT, BT, dtype=torch.bfloat16, device=dev)
+        ws_g = torch.empty(C, Hv, BT, dtype=torch.float32, device=dev)
+        self._launch_prep(prep, q, k, v, g, beta, ws_w, ws_u, ws_a, ws_g, cu, ci, B * T, C, N, Hqk, Hv,
+                          x.scale, spec.beta_dtype)
+        self._launch_fwd(fwd, q, k, ws_w, ws_u, ws_a, ws_g, h0, ht, o, cu, co, B * T, C, N, Hqk, Hv, x.scale)
+        return o, ht, (), None
+
+    @staticmethod
+    def _launch_prep(fn, q, k, v, g, beta, ws_w, ws_u, ws_a, ws_g, cu, ci, TT, C, N, Hqk, Hv, scale, beta_dtype):
+        import cutlass
+        P = _ptr
+        fn(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16), P("bfloat16", v.data_ptr(), 16),
+           P("float32", g.data_ptr(), 4), P(beta_dtype, beta.data_ptr(), 4 if beta_dtype == "float32" else 2),
+           P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
+           P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
+           P("int32", cu.data_ptr(), 4), P("int32", ci.data_ptr(), 4),
+           cutlass.Int32(TT), cutlass.Int32(C), cutlass.Int32(N), cutlass.Int32(Hqk), cutlass.Int32(Hv),
+           cutlass.Float32(scale), _stream())
+
+    @staticmethod
+    def _launch_fwd(fn, q, k, ws_w, ws_u, ws_a, ws_g, h0, ht, o, cu, co, TT, C, N, Hqk, Hv, scale):
+        import cutlass
+        P = _ptr
+        dummy = ws_g.data_ptr()  # never dereferenced when the matching flag is 0
+        fn(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16),
+           P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
+           P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
+           P("float32", h0.data_ptr() if h0 is not None else dummy, 16),
+           P("float32", ht.data_ptr() if ht is not None else dummy, 16),
+           P("bfloat16", o.data_ptr(), 16), P("int32", cu.data_ptr(), 4), P("int32", co.data_ptr(), 4),
+           cutlass.Int32(TT), cutlass.Int32(C), cutlass.Int32(N), cutlass.Int32(Hqk), cutlass.Int32(Hv),
+           cutlass.Float32(scale), cutlass.Int32(int(h0 is not None)), cutlass.Int32(int(ht is not None)),
+           _stream())
 
 
-register_backend(_Pending())
+register_backend(CutlassBackend())

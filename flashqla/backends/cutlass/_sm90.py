@@ -1,0 +1,83 @@
+"""Small SM90 building blocks shared by the CuTe DSL kernels of this backend.
+
+Only imported from inside the kernel modules, i.e. after ``cutlass`` imported fine.
+
+* :func:`fence_operand` -- an empty inline-asm "register fence" on every value of a fragment, so the
+  compiler cannot move reads or writes of accumulator / operand registers across ``wgmma`` issue and
+  ``wgmma.wait_group`` (the registers of an in-flight ``wgmma`` belong to the tensor core).
+* :func:`acc_as_a_operand` -- re-type an fp32 accumulator fragment ``[M, N]`` as the bf16 register
+  A-operand ``[M, K=N]`` of a following warpgroup MMA.  For 16-bit types the C fragment of
+  ``m64nNk16`` and the A fragment of ``m64nXk16`` hold the same (row, column) pairs in the same order,
+  so this is a value-wise conversion plus a layout re-interpretation (no data movement).
+* :func:`wg_gemm` -- one warpgroup GEMM over all K blocks of the operand fragments.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass._mlir.dialects import llvm
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.cutlass_dsl import T
+
+NUM_THREADS_PER_WG = 128
+
+
+@cute.jit
+def _fence_f32(x: cutlass.Float32) -> cutlass.Float32:
+    return cutlass.Float32(
+        llvm.inline_asm(T.f32(), [x.ir_value()], "", "=f,0", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def _fence_u32(x: cutlass.Uint32) -> cutlass.Uint32:
+    return cutlass.Uint32(
+        llvm.inline_asm(T.i32(), [x.ir_value()], "", "=r,0", has_side_effects=True,
+                        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT))
+
+
+@cute.jit
+def fence_operand(frag: cute.Tensor):
+    if cutlass.const_expr(frag.element_type is cutlass.Float32):
+        for i in cutlass.range_constexpr(cute.size(frag)):
+            frag[i] = _fence_f32(frag[i])
+    else:
+        as_u32 = cute.recast_tensor(frag, cutlass.Uint32)
+        for i in cutlass.range_constexpr(cute.size(as_u32)):
+            as_u32[i] = _fence_u32(as_u32[i])
+
+
+def _c_layout_as_a_layout(c_layout, a_value_layout):
+    """((vals), MMA_M, MMA_N) accumulator layout -> ((a vals), MMA_M, (MMA_N, k blocks per C column block))."""
+    return cute.make_layout(
+        (a_value_layout, c_layout.shape[1],
+         (c_layout.shape[2], cute.size(c_layout, mode=[0]) // cute.size(a_value_layout))),
+        stride=(c_layout.stride[0], c_layout.stride[1],
+                (c_layout.stride[2], cute.size(a_value_layout, mode=[2]) * c_layout.stride[0][2])),
+    )
+
+
+@cute.jit
+def acc_as_a_operand(acc: cute.Tensor, tiled_mma_next: cute.TiledMma, dtype) -> cute.Tensor:
+    op = cute.make_rmem_tensor_like(
+        _c_layout_as_a_layout(acc.layout, tiled_mma_next.tv_layout_A.shape[1]), dtype)
+    op_as_acc = cute.make_tensor(op.iterator, acc.layout)
+    op_as_acc.store(acc.load().to(dtype))
+    return op
+
+
+@cute.jit
+def convert_into(dst: cute.Tensor, acc: cute.Tensor):
+    """dst (an A-operand fragment made by acc_as_a_operand for the same acc layout) <- acc, converted."""
+    view = cute.make_tensor(dst.iterator, acc.layout)
+    view.store(acc.load().to(dst.element_type))
+
+
+@cute.jit
+def wg_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a_frag: cute.Tensor, b_frag: cute.Tensor,
+            zero_init: cutlass.Constexpr[bool]):
+    """acc (+)= A @ B^T over every K block of the fragments (issue only: no fence/commit/wait)."""
+    for kb in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
+        tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and kb == 0))
+        cute.gemm(tiled_mma, acc, a_frag[None, None, kb], b_frag[None, None, kb], acc)

@@ -1,0 +1,327 @@
+"""Intra-chunk preparation (SM90, CuTe DSL): everything of a 64-token chunk that does not need the state.
+
+Per (chunk, value head), with ``G`` the chunk-local cumulative gate, ``Gamma = exp(G)`` and rows past
+the end of the sequence treated as zero (g = beta = 0, k = v = 0)::
+
+    A    = beta_i (k_i . k_j) exp(G_i - G_j)   for j < i, else 0          (fp32, shared memory)
+    T    = (I + A)^-1                                                     (fp32 blocked forward substitution)
+    -w   = -(T diag(beta Gamma)) k             u = (T diag(beta)) v       (wgmma, A operand in registers)
+    Aqk  = scale (q_t . k_s) exp(G_t - G_s)    for s <= t < valid, else 0
+
+Outputs (chunk-major, zero-padded so that the recurrence kernel reads whole TMA tiles): ``-w``
+[c, h, 64, K], ``u^T`` [c, h, V, 64], ``Aqk`` [c, h, 64, 64] (bf16) and ``G`` [c, h, 64] (fp32).  The
+negation of w lets the recurrence accumulate ``vn^T = u^T + H (-w)^T`` straight onto ``u^T``.
+
+Grid: ``(total_chunks, Hv)``; block: one warpgroup (128 threads).  Thread 0 issues the TMA loads of the
+q, k (head ``h // (Hv/Hqk)``) and v tiles (64 x 128 bf16, 128B swizzle) on one mbarrier while threads
+0..63 load g and beta and form the cumulative gate.  Rows past the sequence end (another sequence's
+tokens, or TMA zero fill past the tensor end) are zeroed in shared memory before any product.
+
+Inverse: the four 16x16 diagonal blocks are inverted by forward substitution, one column per thread;
+then the off-diagonal blocks by block distance d = 1, 2, 3: ``P = A[i, j:i] T[j:i, j]`` and
+``T[i, j] = -T[i, i] P`` (two barrier-separated phases each).
+
+Shared memory (~84 KiB, two CTAs per SM): q, k, v tiles 3 x 16 KiB; A and T fp32 64 x 68 each plus the
+3 x 16 x 16 fp32 P scratch, re-used at the end as the bf16 staging tiles of -w (64 x 136) and u^T
+(128 x 72) for 128-bit global stores.
+"""
+
+from __future__ import annotations
+
+import cuda.bindings.driver as cuda
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils as utils
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ._sm90 import fence_operand, wg_gemm
+
+BT = 64
+PITCH = 68          # fp32 row pitch of A and T
+W_PITCH = 136       # bf16 row pitch of the -w staging tile
+U_PITCH = 72        # bf16 row pitch of the u^T staging tile
+
+
+class ChunkPrepSm90:
+    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False):
+        assert K == 128 and V == 128
+        self.K, self.V = K, V
+        self.beta_fp32 = beta_fp32
+        self.threads = 128
+        self.scratch_f32 = 2 * BT * PITCH + 3 * 256
+        assert self.scratch_f32 * 4 >= (BT * W_PITCH + V * U_PITCH) * 2
+
+    @cute.jit
+    def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer,
+                 g_ptr: cute.Pointer, beta_ptr: cute.Pointer,
+                 w_ptr: cute.Pointer, u_ptr: cute.Pointer, a_ptr: cute.Pointer, gc_ptr: cute.Pointer,
+                 cu_ptr: cute.Pointer, ci_ptr: cute.Pointer,
+                 total_tokens: cutlass.Int32, total_chunks: cutlass.Int32, num_seqs: cutlass.Int32,
+                 hqk: cutlass.Int32, hv: cutlass.Int32, scale: cutlass.Float32, stream: cuda.CUstream):
+        K, V = self.K, self.V
+        bf16 = cutlass.BFloat16
+        mQ = cute.make_tensor(q_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K)))
+        mK = cute.make_tensor(k_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K)))
+        mV = cute.make_tensor(v_ptr, cute.make_layout((total_tokens, V, hv), stride=(hv * V, 1, V)))
+        mg = cute.make_tensor(g_ptr, cute.make_layout((total_tokens, hv), stride=(hv, 1)))
+        mb = cute.make_tensor(beta_ptr, cute.make_layout((total_tokens, hv), stride=(hv, 1)))
+        rows = total_chunks * hv
+        mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, K), stride=(K, 1)))
+        mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(BT, 1)))
+        mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
+        mGc = cute.make_tensor(gc_ptr, cute.make_layout((rows * BT,), stride=(1,)))
+        mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
+        mCi = cute.make_tensor(ci_ptr, cute.make_layout((total_chunks, 2), stride=(2, 1)))
+
+        atom128 = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
+        l_t = cute.tile_to_shape(atom128, (BT, K), order=(0, 1))
+        g2s = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, l_t, (BT, K))
+        tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, l_t, (BT, K))
+        tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, l_t, (BT, V))
+        self.tx_bytes = 3 * BT * K * 2
+
+        @cute.struct
+        class SharedStorage:
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_t)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_t)], 1024]
+            sV: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_t)], 1024]
+            scratch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.scratch_f32], 128]
+            sGraw: cute.struct.MemRange[cutlass.Float32, BT]
+            sG: cute.struct.MemRange[cutlass.Float32, BT]
+            sB: cute.struct.MemRange[cutlass.Float32, BT]
+
+        self.shared_storage = SharedStorage
+        group = hv // hqk
+        self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mg, mb, mW, mU, mA, mGc, mCu, mCi,
+                    hv, group, scale, l_t).launch(
+            grid=(total_chunks, hv, 1), block=(self.threads, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
+               tma_v: cute.CopyAtom, tV: cute.Tensor, mg: cute.Tensor, mb: cute.Tensor,
+               mW: cute.Tensor, mU: cute.Tensor, mA: cute.Tensor, mGc: cute.Tensor,
+               mCu: cute.Tensor, mCi: cute.Tensor, hv: cutlass.Int32, group: cutlass.Int32,
+               scale: cutlass.Float32, l_t: cute.ComposedLayout):
+        K, V = self.K, self.V
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        nthr = self.threads
+        tidx, _, _ = cute.arch.thread_idx()
+        warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        chunk, head, _ = cute.arch.block_idx()
+
+        smem = utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        mbar = storage.mbar.data_ptr()
+        sQ = storage.sQ.get_tensor(l_t.outer, swizzle=l_t.inner)
+        sK = storage.sK.get_tensor(l_t.outer, swizzle=l_t.inner)
+        sV = storage.sV.get_tensor(l_t.outer, swizzle=l_t.inner)
+        sK_mn = storage.sK.get_tensor(cute.select(l_t, mode=[1, 0]).outer, swizzle=l_t.inner)
+        sV_mn = storage.sV.get_tensor(cute.select(l_t, mode=[1, 0]).outer, swizzle=l_t.inner)
+        # un-swizzled aliases: a whole token row is whole 128-byte lines, which the swizzle only permutes
+        # internally, so zeroing full rows through them is exact
+        sQ_raw = cute.make_tensor(storage.sQ.data_ptr(), l_t.outer)
+        sK_raw = cute.make_tensor(storage.sK.data_ptr(), l_t.outer)
+        sV_raw = cute.make_tensor(storage.sV.data_ptr(), l_t.outer)
+        base = storage.scratch.data_ptr()
+        sAf = cute.make_tensor(base, cute.make_layout((BT, BT), stride=(PITCH, 1)))
+        sT = cute.make_tensor(base + BT * PITCH, cute.make_layout((BT, BT), stride=(PITCH, 1)))
+        sP = cute.make_tensor(base + 2 * BT * PITCH, cute.make_layout((3, 16, 16), stride=(256, 16, 1)))
+        # staging tiles for the outputs, over the same scratch (used only after A, T, P are dead)
+        base_bf = cute.recast_ptr(base, dtype=bf16)
+        sWst = cute.make_tensor(base_bf, cute.make_layout((BT, K), stride=(W_PITCH, 1)))
+        sUst = cute.make_tensor(base_bf + BT * W_PITCH, cute.make_layout((V, BT), stride=(U_PITCH, 1)))
+        sUst_c = cute.make_tensor(base_bf + BT * W_PITCH, cute.make_layout((BT, V), stride=(1, U_PITCH)))
+        sGraw = storage.sGraw.get_tensor(cute.make_layout((BT,)))
+        sG = storage.sG.get_tensor(cute.make_layout((BT,)))
+        sB = storage.sB.get_tensor(cute.make_layout((BT,)))
+
+        seq = mCi[chunk, 0]
+        cidx = mCi[chunk, 1]
+        bos = mCu[seq]
+        eos = mCu[seq + 1]
+        tok = bos + cidx * BT
+        valid = cutlass.min(eos - tok, BT)
+        qk_head = head // group
+        row = chunk * hv + head
+
+        if tidx == 0:
+            cute.arch.mbarrier_init(mbar, 1)
+            cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        if warp_idx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            cpasync.prefetch_descriptor(tma_v)
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.tx_bytes)
+            for atom, tt, s_t, hh in ((tma_q, tQ, sQ, qk_head), (tma_k, tK, sK, qk_head), (tma_v, tV, sV, head)):
+                gt = cute.zipped_divide(cute.domain_offset((tok, 0), tt[None, None, hh]), (BT, K))[((None, None), (0, 0))]
+                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_t, 0, 2),
+                                               cute.group_modes(gt, 0, 2))
+                cute.copy(atom, tg, ts, tma_bar_ptr=mbar)
+
+        # gates: rows past the sequence end count as g = beta = 0
+        if tidx < BT:
+            gval = f32(0.0)
+            bval = f32(0.0)
+            if tidx < valid:
+                gval = f32(mg[tok + tidx, head])
+                bval = f32(mb[tok + tidx, head])
+            sGraw[tidx] = gval
+            sB[tidx] = bval
+        cute.arch.sync_threads()
+        if tidx < BT:
+            acc = f32(0.0)
+            for j in cutlass.range_constexpr(BT):
+                if j <= tidx:
+                    acc = acc + sGraw[j]
+            sG[tidx] = acc
+            mGc[row * BT + tidx] = acc
+
+        cute.arch.mbarrier_wait(mbar, 0)
+        if valid < BT:
+            for idx in cutlass.range((BT - valid) * K // nthr + 1, unroll=1):
+                e = idx * nthr + tidx
+                r = valid + e // K
+                if r < BT:
+                    sQ_raw[r, e % K] = bf16(0.0)
+                    sK_raw[r, e % K] = bf16(0.0)
+                    sV_raw[r, e % V] = bf16(0.0)
+            cute.arch.fence_view_async_shared()
+        cute.arch.sync_threads()   # also publishes sG / sB
+
+        # ---------------------------------------------------------------- k k^T and q k^T
+        mma_ss = sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, f32, (1, 1, 1), (64, BT))
+        thr_ss = mma_ss.get_slice(tidx)
+        tKa = thr_ss.make_fragment_A(thr_ss.partition_A(sK))
+        tQa = thr_ss.make_fragment_A(thr_ss.partition_A(sQ))
+        tKb = thr_ss.make_fragment_B(thr_ss.partition_B(sK))
+        acc_kk = thr_ss.make_fragment_C(thr_ss.partition_shape_C((BT, BT)))
+        acc_qk = thr_ss.make_fragment_C(thr_ss.partition_shape_C((BT, BT)))
+        cC = thr_ss.partition_C(cute.make_identity_tensor((BT, BT)))
+        warpgroup.fence()
+        wg_gemm(mma_ss, acc_kk, tKa, tKb, True)
+        wg_gemm(mma_ss, acc_qk, tQa, tKb, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_kk)
+        fence_operand(acc_qk)
+
+        for i in cutlass.range_constexpr(cute.size(acc_kk)):
+            r, cc = cC[i]
+            gr = sG[r]
+            gc = sG[cc]
+            val = f32(0.0)
+            if cc < r:
+                val = sB[r] * acc_kk[i] * cute.math.exp(gr - gc, fastmath=True)
+            sAf[r, cc] = val
+            qv = f32(0.0)
+            if cc <= r:
+                if r < valid:
+                    qv = scale * acc_qk[i] * cute.math.exp(gr - gc, fastmath=True)
+            mA[row * BT + r, cc] = bf16(qv)
+        # T starts as the identity's zero part: every entry not written below stays 0
+        for e in cutlass.range_constexpr(BT * BT // nthr):
+            idx = e * nthr + tidx
+            sT[idx // BT, idx % BT] = f32(0.0)
+        cute.arch.sync_threads()
+
+        # ---------------------------------------------------------------- T = (I + A)^-1
+        if tidx < BT:
+            b = tidx // 16
+            c = tidx % 16
+            x = cute.make_rmem_tensor((16,), f32)
+            for r in cutlass.range_constexpr(16):
+                acc = f32(0.0)
+                for j in cutlass.range_constexpr(r):
+                    acc = acc + sAf[16 * b + r, 16 * b + j] * x[j]
+                val = -acc
+                if r == c:
+                    val = f32(1.0)
+                if r < c:
+                    val = f32(0.0)
+                x[r] = val
+            for r in cutlass.range_constexpr(16):
+                sT[16 * b + r, 16 * b + c] = x[r]
+        cute.arch.sync_threads()
+        for d in cutlass.range_constexpr(1, 4):
+            n_el = (4 - d) * 256
+            for e in cutlass.range_constexpr(n_el // nthr):
+                p = e // 2
+                i_blk = p + d
+                j_blk = p
+                rc = (e % 2) * nthr + tidx
+                r = rc // 16
+                cc = rc % 16
+                acc = f32(0.0)
+                for xk in cutlass.range_constexpr(16 * j_blk, 16 * i_blk):
+                    acc = acc + sAf[16 * i_blk + r, xk] * sT[xk, 16 * j_blk + cc]
+                sP[p, r, cc] = acc
+            cute.arch.sync_threads()
+            for e in cutlass.range_constexpr(n_el // nthr):
+                p = e // 2
+                i_blk = p + d
+                j_blk = p
+                rc = (e % 2) * nthr + tidx
+                r = rc // 16
+                cc = rc % 16
+                acc = f32(0.0)
+                for y in cutlass.range_constexpr(16):
+                    acc = acc + sT[16 * i_blk + r, 16 * i_blk + y] * sP[p, y, cc]
+                sT[16 * i_blk + r, 16 * j_blk + cc] = -acc
+            cute.arch.sync_threads()
+
+        # ---------------------------------------------------------------- -w = -(T beta Gamma) k, u = (T beta) v
+        mma_rs = sm90_utils.make_trivial_tiled_mma(
+            bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, f32, (1, 1, 1), (64, K),
+            warpgroup.OperandSource.RMEM)
+        thr_rs = mma_rs.get_slice(tidx)
+        cA = thr_rs.partition_A(cute.make_identity_tensor((BT, BT)))
+        a_tb = cute.make_rmem_tensor(cA.shape, bf16)
+        a_tbg = cute.make_rmem_tensor(cA.shape, bf16)
+        for i in cutlass.range_constexpr(cute.size(a_tb)):
+            r, cc = cA[i]
+            tb = sT[r, cc] * sB[cc]
+            a_tb[i] = bf16(tb)
+            a_tbg[i] = bf16(tb * cute.math.exp(sG[cc], fastmath=True))
+        tKm = thr_rs.make_fragment_B(thr_rs.partition_B(sK_mn))
+        tVm = thr_rs.make_fragment_B(thr_rs.partition_B(sV_mn))
+        acc_w = thr_rs.make_fragment_C(thr_rs.partition_shape_C((BT, K)))
+        acc_u = thr_rs.make_fragment_C(thr_rs.partition_shape_C((BT, V)))
+        cute.arch.sync_threads()   # every thread is done with A, T, P: the scratch becomes staging
+        fence_operand(a_tb)
+        fence_operand(a_tbg)
+        warpgroup.fence()
+        wg_gemm(mma_rs, acc_w, a_tbg, tKm, True)
+        wg_gemm(mma_rs, acc_u, a_tb, tVm, True)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_w)
+        fence_operand(acc_u)
+
+        tWst = thr_rs.partition_C(sWst)
+        tUst = thr_rs.partition_C(sUst_c)
+        for i in cutlass.range_constexpr(cute.size(acc_w)):
+            tWst[i] = bf16(-acc_w[i])
+            tUst[i] = bf16(acc_u[i])
+        cute.arch.sync_threads()
+
+        # 128-bit stores of the staged rows: -w rows (64 x 128) and u^T rows (128 x 64)
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
+        cp_w = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 16, 16), stride=(16, 1)),
+                                       cute.make_layout((1, 8)))
+        thr_w = cp_w.get_slice(tidx)
+        gW = cute.local_tile(mW, (BT, K), (row, 0))
+        cute.copy(cp_w, thr_w.partition_S(sWst), thr_w.partition_D(gW))
+        cp_u = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 8, 8), stride=(8, 1)),
+                                       cute.make_layout((1, 8)))
+        thr_u = cp_u.get_slice(tidx)
+        gU = cute.local_tile(mU, (V, BT), (row, 0))
+        cute.copy(cp_u, thr_u.partition_S(sUst), thr_u.partition_D(gU))

@@ -1,0 +1,258 @@
+"""Backend "cutlass" (CuTe DSL, sm_90a): registration, cross-compilation, emulation, GPU checks.
+
+* ``compile``-marked tests cross-compile every kernel for sm_90a on any machine (no GPU, no driver: the
+  arch is passed as a compile option) and check that the PTX holds warpgroup MMAs and TMA copies.  They
+  skip, with the reason, when nvidia-cutlass-dsl is not installed.
+* The emulation tests run :mod:`flashqla.backends.cutlass.emulation` -- the kernels' per-chunk steps with
+  their bf16 rounding points, in PyTorch -- against the float64 oracle on a CPU.
+* ``gpu``-marked tests run the kernels on an sm_90 GPU against the oracle.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+import torch
+
+import flashqla
+from flashqla.dispatch import fake_device, get_backend
+from flashqla.reference import recurrent_gated_delta_rule_ref
+from flashqla.testing import TOLERANCES, Case, make_inputs, oracle, rel_l2, run_case
+from flashqla.validation import validate
+
+HAVE_DSL = importlib.util.find_spec("cutlass") is not None
+needs_dsl = pytest.mark.skipif(not HAVE_DSL, reason="nvidia-cutlass-dsl is not installed "
+                                                     "(pip install nvidia-cutlass-dsl==4.3.5)")
+ON_H100 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+needs_sm90 = pytest.mark.skipif(not ON_H100, reason="needs an sm_90 GPU")
+BF16_TOL = TOLERANCES["bfloat16"]
+
+
+def _backend():
+    return get_backend("cutlass")
+
+
+# --------------------------------------------------------------------------------------- registration
+def test_registered_with_priority_and_cheap_probe():
+    be = _backend()
+    assert be.name == "cutlass" and dict(be.priorities) == {"sm_90": 20}
+    t0 = time.perf_counter()
+    ok, why = be.available()
+    assert isinstance(ok, bool) and isinstance(why, str) and why
+    assert time.perf_counter() - t0 < 1.0, "available() must not import the DSL"
+    if not torch.cuda.is_available():
+        assert not ok
+
+
+def _spec(dtype=torch.bfloat16, K=128, V=128, capability=(9, 0), g_dtype=torch.float32, h0_dtype=None):
+    q = torch.zeros(1, 4, 1, K, dtype=dtype)
+    v = torch.zeros(1, 4, 2, V, dtype=dtype)
+    g = torch.zeros(1, 4, 2, dtype=g_dtype)
+    h0 = None if h0_dtype is None else torch.zeros(1, 2, K, V, dtype=h0_dtype)
+    with fake_device("cuda", capability):
+        spec, _, _ = validate(q, q, v, g, g.to(dtype), initial_state=h0)
+    return spec
+
+
+@pytest.mark.parametrize("kw,needle", [
+    (dict(), None),
+    (dict(dtype=torch.float16), "bfloat16"),
+    (dict(K=64, V=64), "K = V = 128"),
+    (dict(V=64), "K = V = 128"),
+    (dict(capability=(8, 0)), "sm_90"),
+    (dict(capability=(10, 0)), "sm_90"),
+    (dict(g_dtype=torch.bfloat16), "g must be float32"),
+    (dict(h0_dtype=torch.float64), "float32"),
+])
+def test_supports_gives_precise_reasons(kw, needle):
+    ok, why = _backend().supports(_spec(**kw))
+    if needle is None:
+        assert ok, why
+    else:
+        assert not ok and needle in why, why
+
+
+# --------------------------------------------------------------------------------------- cross-compile
+def _compile(kind, key, tmp_path):
+    from flashqla.backends.cutlass import compile_kernel
+    return compile_kernel(kind, key, keep_dir=tmp_path / f"{kind}-{'-'.join(map(str, key))}")
+
+
+def _check_ptx(fn, tmp_path):
+    ptx = fn.__ptx__
+    assert isinstance(ptx, str) and ".target sm_90a" in ptx
+    assert "wgmma.mma_async" in ptx, "no warpgroup MMA in the PTX"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA copy in the PTX"
+    assert "mbarrier" in ptx
+    assert fn.__cubin__ and len(fn.__cubin__) > 1000, "ptxas produced no cubin"
+    kept = list(tmp_path.rglob("*.ptx")) + list(tmp_path.rglob("*.cubin"))
+    assert kept, "artifacts were not kept"
+    return ptx
+
+
+@pytest.mark.compile
+@needs_dsl
+@pytest.mark.parametrize("beta", ["bfloat16", "float32"])
+def test_prep_kernel_cross_compiles_for_sm90a(beta, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    ptx = _check_ptx(_compile("prep", (128, 128, beta), tmp_path), tmp_path)
+    assert ptx.count("wgmma.mma_async") == 24  # k k^T, q k^T (8 k-blocks each), -w and u (4 each)
+
+
+@pytest.mark.compile
+@needs_dsl
+@pytest.mark.parametrize("num_wg", [1, 2])
+def test_recurrence_kernel_cross_compiles_for_sm90a(num_wg, tmp_path, monkeypatch):
+    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
+    ptx = _check_ptx(_compile("fwd", (128, 128, num_wg, 2), tmp_path), tmp_path)
+    assert "m64n64k16.f32.bf16.bf16" in ptx and "m64n128k16.f32.bf16.bf16" in ptx
+    if num_wg == 2:
+        assert "setmaxnreg" in ptx
+
+
+@pytest.mark.compile
+@needs_dsl
+def test_compile_cache_hits_in_memory(tmp_path):
+    from flashqla.backends.cutlass import compile_count
+    a = _compile("fwd", (128, 128, 1, 2), tmp_path)
+    n = compile_count()
+    b = _compile("fwd", (128, 128, 1, 2), tmp_path)
+    assert a is b and compile_count() == n
+
+
+# --------------------------------------------------------------------------------------- emulation (CPU)
+def test_blocked_inverse_is_exact():
+    from flashqla.backends.cutlass.emulation import invert_unit_lower
+    gen = torch.Generator().manual_seed(1)
+    A = torch.randn(3, 64, 64, generator=gen, dtype=torch.float64).tril(-1) * 0.3
+    T = invert_unit_lower(A)
+    eye = torch.eye(64, dtype=torch.float64).expand(3, 64, 64)
+    ref = torch.linalg.solve_triangular(eye + A, eye, upper=False, unitriangular=True)
+    assert torch.allclose(T, ref, rtol=1e-10, atol=1e-10)
+
+
+EMU_CASES = [
+    Case("varlen_tail", 1, 2, 128, 128, seqlens=(1, 63, 130, 0, 64)),
+    Case("strong_decay", 1, 2, 128, 128, seqlens=(150, 7), gate="strong"),
+    Case("gva_no_h0", 2, 4, 128, 128, seqlens=(70, 40), h0=False, scale=0.2),
+]
+
+
+@pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: c.name)
+def test_emulation_of_kernel_steps_matches_oracle(case):
+    from flashqla.backends.cutlass import emulation
+    x = make_inputs(case, torch.bfloat16)
+    scale = case.scale if case.scale is not None else case.K ** -0.5
+    o, ht = emulation.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"],
+                              x["cu_seqlens"])
+    ref = oracle(case, x, grads=False)
+    assert rel_l2(o, ref["o"]) <= BF16_TOL["o"]
+    assert rel_l2(ht, ref["ht"]) <= BF16_TOL["ht"]
+
+
+def test_emulation_is_not_trivially_close():
+    """The comparison above can fail: dropping the strictly-lower UT correction breaks it."""
+    from flashqla.backends.cutlass import emulation
+    case = EMU_CASES[0]
+    x = make_inputs(case, torch.bfloat16)
+    orig = emulation.invert_unit_lower
+    try:
+        emulation.invert_unit_lower = lambda A: torch.eye(64).expand_as(A).clone()
+        o, _ = emulation.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], case.K ** -0.5,
+                                 x["initial_state"], x["cu_seqlens"])
+    finally:
+        emulation.invert_unit_lower = orig
+    assert rel_l2(o, oracle(case, x, grads=False)["o"]) > 3 * BF16_TOL["o"]
+
+
+# --------------------------------------------------------------------------------------- GPU
+GPU_CASES = [
+    Case("varlen_odd", 1, 2, 128, 128, seqlens=(0, 1, 63, 64, 65, 130)),
+    Case("dense_h0_ht", 2, 4, 128, 128, B=2, T=300),
+    Case("dense_no_state", 2, 4, 128, 128, B=2, T=200, h0=False, ht=False),
+    Case("strong_decay", 1, 2, 128, 128, seqlens=(520, 7), gate="strong"),
+    Case("no_decay", 1, 2, 128, 128, B=1, T=260, gate="zero"),
+    Case("l2norm", 2, 4, 128, 128, seqlens=(33, 0, 390), l2norm=True),
+    Case("gva_16_64", 16, 64, 128, 128, B=1, T=70, h0=False),
+    Case("single_token", 1, 2, 128, 128, B=3, T=1),
+]
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_matches_oracle(case):
+    be = _backend()
+    res = run_case(flashqla.chunk_gated_delta_rule, case, "cutlass", torch.bfloat16, "cuda",
+                   grads=be.has_backward, exact_fp32=False)
+    assert res.ok, f"errors over tolerance {res.failures} (all: {res.errors})"
+
+
+def _call(x, case, **opts):
+    return flashqla.chunk_gated_delta_rule(
+        x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.scale, initial_state=x["initial_state"],
+        output_final_state=True, use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"],
+        backend="cutlass", backend_options=opts or None)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+@pytest.mark.parametrize("num_wg", [1, 2])
+def test_gpu_both_recurrence_variants(num_wg):
+    case = Case("variant", 2, 4, 128, 128, seqlens=(200, 65, 1))
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    o, ht = _call(x, case, num_wg=num_wg)
+    ref = oracle(case, x, grads=False)
+    assert rel_l2(o, ref["o"]) <= BF16_TOL["o"] and rel_l2(ht, ref["ht"]) <= BF16_TOL["ht"]
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+def test_gpu_new_lengths_do_not_recompile():
+    from flashqla.backends.cutlass import compile_count
+    case = Case("len1", 1, 2, 128, 128, seqlens=(100, 37))
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    _call(x, case)
+    n = compile_count()
+    for seqlens in ((333,), (5, 64, 700, 1), (64,)):
+        c2 = Case("len2", 1, 2, 128, 128, seqlens=seqlens)
+        x2 = make_inputs(c2, torch.bfloat16, "cuda")
+        o, ht = _call(x2, c2)
+        ref = oracle(c2, x2, grads=False)
+        assert rel_l2(o, ref["o"]) <= BF16_TOL["o"]
+    assert compile_count() == n, "a new sequence length recompiled a kernel"
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+def test_gpu_strong_decay_stays_finite():
+    case = Case("g_-1e4", 1, 2, 128, 128, seqlens=(150, 1, 70))
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    x["g"][:, ::3] = -1e4
+    o, ht = _call(x, case)
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    ref = oracle(case, x, grads=False)
+    assert rel_l2(o, ref["o"]) <= 2e-2 and rel_l2(ht, ref["ht"]) <= 2e-2
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+def test_gpu_nonfinite_input_stays_in_its_sequence():
+    case = Case("nan", 1, 2, 128, 128, seqlens=(50, 80, 20))
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    clean_o, clean_ht = _call(x, case)
+    x["k"][0, 60, 0, 3] = float("nan")   # inside sequence 1 (tokens 50..129); also in the tail tile of seq 0
+    x["v"][0, 61, 1, 3] = float("nan")
+    o, ht = _call(x, case)
+    torch.testing.assert_close(o[:, :50], clean_o[:, :50])
+    torch.testing.assert_close(o[:, 130:], clean_o[:, 130:])
+    torch.testing.assert_close(ht[[0, 2]], clean_ht[[0, 2]])
+    assert not torch.isfinite(ht[1]).all()
