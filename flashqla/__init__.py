@@ -8,8 +8,11 @@ from .dispatch import BackendUnavailableError, fake_device, get_backend, list_ba
 from .dispatch.registry import Backend
 from .reference import chunk_gated_delta_rule_ref, recurrent_gated_delta_rule_ref
 from .varlen import VarlenMeta, prepare_varlen
+from .cp import chunk_gated_delta_rule_cp, cp_plan
+from .decode import gated_delta_rule_decode
 
 __all__ = ["Backend", "BackendUnavailableError", "GDNContext", "VarlenMeta", "chunk_gated_delta_rule",
-           "chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_fwd", "chunk_gated_delta_rule_ref",
+           "chunk_gated_delta_rule_bwd", "chunk_gated_delta_rule_cp", "chunk_gated_delta_rule_fwd", "cp_plan",
+           "gated_delta_rule_decode", "chunk_gated_delta_rule_ref",
            "explain", "fake_device", "get_backend", "list_backends", "prepare_varlen",
            "recurrent_gated_delta_rule_ref", "register_backend"]

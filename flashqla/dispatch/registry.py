@@ -9,7 +9,8 @@ A backend is a small object (subclass :class:`Backend`) with
 * ``available()`` -> ``(ok, reason)``: its framework imports, its native module was built;
 * ``supports(spec)`` -> ``(ok, reason)``: arch, dtypes, head dims, features of this call;
 * ``forward(spec, inputs)`` -> ``(o, final_state, saved_tensors, aux)``;
-* ``backward(spec, saved_tensors, aux, do, dht)`` -> ``(dq, dk, dv, dg, dbeta, dh0)``.
+* ``backward(spec, saved_tensors, aux, do, dht)`` -> ``(dq, dk, dv, dg, dbeta, dh0)``; it may be called
+  more than once on the same ``saved`` (context parallelism does), so it must not consume them.
 
 Selection under ``backend="auto"`` walks the backends that have a priority for the device's
 architecture, highest first, and takes the first that is available and supports the call; every
