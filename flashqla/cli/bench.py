@@ -120,9 +120,30 @@ def _load_flash_qla():
 
 
 EXTERNAL_BASELINES = {"fla": _load_fla, "flashqla": _load_flash_qla}
+_DEFAULT_LOADERS = dict(EXTERNAL_BASELINES)
 # Known host syncs: a capture attempt would fail, and a failed capture can leave a library's caches
 # holding tensors of the discarded graph pool, so these are timed eagerly from the start.
 EAGER_ONLY = {"flashqla": "FlashQLA's automatic CP plans on the host (reads g), which a CUDA graph cannot hold"}
+
+
+_PROBE = {"fla": "import os; os.environ['FLA_FLASH_QLA'] = '0'; import fla.ops.gated_delta_rule",
+          "flashqla": "import flash_qla"}
+
+
+def probe_import(name: str, timeout_s: float = 180.0) -> str:
+    """Import a baseline in a child process first: a native library that aborts on import (a wheel
+    built for another Python, a missing driver) must cost a skipped baseline, not this process.
+    Returns '' when the import works, else the reason."""
+    import subprocess
+    try:
+        r = subprocess.run([sys.executable, "-c", _PROBE[name]], capture_output=True, text=True,
+                           timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"importing it took over {timeout_s:.0f}s"
+    if r.returncode == 0:
+        return ""
+    lines = [ln for ln in (r.stderr or "").strip().splitlines() if ln.strip()]
+    return f"import failed (exit {r.returncode}): {lines[-1][:200] if lines else 'no message'}"
 
 
 def build_impls(backends, baselines) -> list:
@@ -134,6 +155,10 @@ def build_impls(backends, baselines) -> list:
             continue
         seen.add(b)
         if b in EXTERNAL_BASELINES:
+            why = probe_import(b) if b in _PROBE and EXTERNAL_BASELINES[b] is _DEFAULT_LOADERS.get(b) else ""
+            if why:
+                impls.append(Impl(b, "baseline", None, "", f"not importable: {why}"))
+                continue
             try:
                 op, ver = EXTERNAL_BASELINES[b]()
                 impls.append(Impl(b, "baseline", op, ver, eager_reason=EAGER_ONLY.get(b, "")))
