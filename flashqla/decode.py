@@ -16,7 +16,9 @@ Implementations, chosen by ``impl="auto"`` (or named):
   the state tile in registers, fp32 math, fused L2 norm.  The default on CUDA; on the CPU only when named,
   under ``TRITON_INTERPRET=1`` (for tests).
 * ``"torch"``: PyTorch, vectorised over the batch and the heads, a loop over the T tokens.  The default on
-  the CPU and the fallback for what the Triton kernel does not support (float64).
+  the CPU and the fallback for what the Triton kernel does not support (float64).  With ``state_indices``
+  it gathers the live rows with a boolean mask, which synchronises on CUDA: on a GPU only the Triton
+  path is CUDA-graph capturable.
 * ``"tilelang"``: planned (a Hopper kernel that streams the pool with TMA and keeps the state tile in
   registers like the Triton one); listed so that ``decode_implementations()`` says so, never chosen today.
 """
