@@ -11,6 +11,11 @@ Compile keys hold the head dims, dtypes and flags only; token counts, batch, seq
 are symbolic, so new shapes never recompile (``_compile.compile_count()`` counts builds).  Compiled
 kernels are cached in memory and on disk by TileLang (``TILELANG_CACHE_DIR``).
 
+Backward = three kernels: ``chunk_bwd_state_sm90`` (reverse state-gradient recurrence),
+``chunk_bwd_dqk_sm90`` (per-chunk gradients that need the chunk states) and ``chunk_bwd_wy_sm90``
+(back through the WY representation, the gate cumsum and the L2 norm).  With ``needs_grad`` the forward
+also writes the 16-bit chunk states, ``v_new`` and the fp32 ``(I + A)^-1`` for them.
+
 Serves: a CUDA device of capability exactly 9.0, K = V = 128, q/k/v bfloat16 or float16, g and beta
 of any float dtype (g is computed in fp32), varlen, GVA, initial/final state, fused q/k L2 norm.
 """
@@ -31,7 +36,7 @@ class TileLangBackend(Backend):
     name = "tilelang"
     description = "TileLang kernels for Hopper (wgmma, TMA, warp specialisation)"
     priorities = {"sm_90": 30}
-    has_backward = False
+    has_backward = True
 
     _import_verdict = None
 
@@ -87,9 +92,21 @@ class TileLangBackend(Backend):
         save = bool(spec.needs_grad)
         res = ops.forward(x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.varlen,
                           x.output_final_state, x.use_qk_l2norm, save)
-        saved = ()
-        aux = None
+        if not save:
+            return res.o, res.ht, (), None
+        B, T, Hqk, K = x.q.shape
+        Hv, V = x.v.shape[2], x.v.shape[3]
+        saved = (res.q, res.k, res.v, res.beta, res.w, res.G, res.X, res.h, res.v_new)
+        aux = dict(meta=res.meta, shape=(B, T, Hqk, Hv, K, V), scale=x.scale, l2norm=x.use_qk_l2norm,
+                   has_h0=x.initial_state is not None)
         return res.o, res.ht, saved, aux
+
+    def backward(self, spec, saved, aux, do, dht):
+        from . import ops
+
+        q, k, v, beta, w, G, X, hs, vn = saved
+        return ops.backward(q, k, v, beta, w, G, X, hs, vn, aux["meta"], aux["shape"], aux["scale"],
+                            aux["l2norm"], aux["has_h0"], do, dht)
 
 
 register_backend(TileLangBackend())

@@ -13,12 +13,16 @@ from typing import Optional
 import torch
 
 from ._compile import get_kernel
+from .chunk_bwd_dqk_sm90 import build_bwd_dqk
+from .chunk_bwd_state_sm90 import build_bwd_state
+from .chunk_bwd_wy_sm90 import build_bwd_wy
 from .chunk_fwd_sm90 import build_fwd
 from .chunk_intra_sm90 import build_intra
 
 CHUNK = 64
-# State columns per CTA of the recurrence kernel (V / BV CTAs per sequence and head).
+# State columns per CTA of the recurrence kernels (V / BV CTAs per sequence and head).
 FWD_BV = 64
+BWD_BV = 64
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -87,6 +91,20 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
                        bool(save_states)))
 
 
+def bwd_state_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV=BWD_BV):
+    return get_kernel("bwd_state_sm90", build_bwd_state,
+                      (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0)))
+
+
+def bwd_dqk_kernel(dtype, K, V, l2norm):
+    return get_kernel("bwd_dqk_sm90", build_bwd_dqk, (_tl_dtype(dtype), K, V, bool(l2norm)))
+
+
+def bwd_wy_kernel(dtype, beta_dtype, K, V, l2norm):
+    return get_kernel("bwd_wy_sm90", build_bwd_wy,
+                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
+
+
 @dataclass
 class FwdResult:
     o: torch.Tensor
@@ -98,6 +116,11 @@ class FwdResult:
     h: Optional[torch.Tensor]
     v_new: Optional[torch.Tensor]
     meta: ChunkMeta
+    # flattened inputs as the kernels read them (the backward reuses them)
+    q: Optional[torch.Tensor] = None
+    k: Optional[torch.Tensor] = None
+    v: Optional[torch.Tensor] = None
+    beta: Optional[torch.Tensor] = None
 
 
 def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool, l2norm: bool,
@@ -142,4 +165,47 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         qf, kf, w, u, G, meta.cu_seqlens, meta.chunk_offsets, h0f, o, ht, hs, vn, float(scale), ratio)
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
-                     X if save else None, hs if save else None, vn if save else None, meta)
+                     X if save else None, hs if save else None, vn if save else None, meta,
+                     qf, kf, vf, bf)
+
+
+def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: float, l2norm: bool,
+             has_h0: bool, do, dht):
+    """Gradients from the forward's saved tensors (flattened q/k/v/beta, chunk-major w, G, X, chunk
+    states hs and v_new).  Returns fp32 (dq, dk, dv, dg, dbeta, dh0 or None) in the input shapes."""
+    B, T, Hqk, Hv, K, V = shape
+    NT, NC, NS = B * T, meta.num_chunks, meta.num_seqs
+    dev, dt = q.device, q.dtype
+    ratio = Hv // Hqk
+    f32 = torch.float32
+
+    dof = aligned(do.reshape(NT, Hv, V).to(dt))
+    has_dht = dht is not None
+    dhtf = aligned(dht.to(f32)) if has_dht else dummy((1, 1, K, V), f32, dev)
+    dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
+    dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
+    dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
+    bwd_state_kernel(dt, K, V, l2norm, has_dht, has_h0)(
+        q, k, w, G, dof, meta.cu_seqlens, meta.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio)
+
+    dq_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)
+    dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
+    dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
+    dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
+    bwd_dqk_kernel(dt, K, V, l2norm)(
+        q, k, dof, G, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices, dq_h, dkp, dw, dGp,
+        float(scale), ratio)
+
+    dk_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)
+    dv = torch.empty(NT, Hv, V, dtype=f32, device=dev)
+    dg = torch.empty(NT, Hv, dtype=f32, device=dev)
+    db = torch.empty(NT, Hv, dtype=f32, device=dev)
+    bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
+        k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
+        ratio)
+
+    # GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.
+    dq = dq_h.view(NT, Hqk, ratio, K).sum(2) if ratio > 1 else dq_h
+    dk = dk_h.view(NT, Hqk, ratio, K).sum(2) if ratio > 1 else dk_h
+    return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
+            dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)

@@ -1,0 +1,216 @@
+"""Backward stage 2 (Hopper): per-chunk gradients that need the chunk states.
+
+Grid: ``(total_chunks, Hv)``, 256 compute threads (two warpgroups) plus TileLang's TMA producer.  CTA
+``(c, h)`` takes chunk ``c`` of value head ``h`` (query/key head ``h // ratio``).  A 2-step
+``T.Pipelined`` loop over 64-wide V blocks streams dO, the forward chunk state ``S = h[c]``, its
+gradient ``dS = dh[c]`` (stage 1), ``v_new`` and ``dv_new`` with TMA and accumulates the four products
+that contract over V, plus ``<S, dS>``::
+
+    dOS  = dO S^T          [64, K]        dPm = dO v_new^T    [64, 64]
+    vdS  = v_new dS^T      [64, K]        dw  = -dv_new S^T   [64, K]
+
+dO rows past the sequence end (the next sequence's rows) are not zeroed in the TMA buffers (TileLang
+would move such a write to the producer, before the load); every use below masks them instead.
+Then, with ``M`` the causal mask (j <= r, r < eos), ``E = exp(G_r - G_j)`` on M only, and the L2-norm
+row factors nq, nk (1 without the option)::
+
+    dQK  = scale * dPm * E * M                     (gradient w.r.t. q^ k^T)
+    dq^  = scale exp(G) * dOS + (dQK diag(nk)) k   -> dq (L2-norm Jacobian applied; per value head)
+    dk^p = diag(exp(G_last - G)) vdS + (diag(nq) dQK)^T q          (partial: stage 3 adds the WY part)
+    dG_r = scale exp(G_r) nq_r q_r.dOS_r + rowsum(Z)_r - colsum(Z)_r - D_r dD_r
+           (+ exp(G_last) <S, dS> + sum_r D_r dD_r on the last row),
+    Z = dQK * (q k^T) nq nk,  D = exp(G_last - G),  dD_r = nk_r k_r . vdS_r.
+
+Outputs: dq [NT, Hv, K] fp32 (rows < eos), and chunk-major for stage 3: dk^p [NC, Hv, 64, K] fp32,
+dw [NC, Hv, 64, K] (input dtype), dG [NC, Hv, 64] fp32.
+
+Shared memory (K = V = 128): q, k 16 KB each; per stage dO, v_new, dv_new 8 KB, S, dS 16 KB (two
+stages 112 KB); two 16-bit copies of dQK 8 KB each, Z 16 KB (fp32), staging: ~190 KB.
+"""
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_stages: int = 2,
+                  threads: int = 256):
+    import tilelang.language as T
+
+    C = CHUNK
+    acc = "float32"
+    NT = T.dynamic("NT")
+    NC = T.dynamic("NC")
+    NS = T.dynamic("NS")
+    Hqk = T.dynamic("Hqk")
+    Hv = T.dynamic("Hv")
+    assert V % BVB == 0
+
+    @T.prim_func
+    def gdn_bwd_dqk(
+        q: T.Tensor((NT, Hqk, K), dtype),
+        k: T.Tensor((NT, Hqk, K), dtype),
+        do: T.Tensor((NT, Hv, V), dtype),
+        G: T.Tensor((NC, Hv, C), acc),
+        h: T.Tensor((NC, Hv, K, V), dtype),
+        vn: T.Tensor((NC, Hv, C, V), dtype),
+        dh: T.Tensor((NC, Hv, K, V), dtype),
+        dvn: T.Tensor((NC, Hv, C, V), dtype),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_indices: T.Tensor((NC, 2), "int32"),
+        dq_out: T.Tensor((NT, Hv, K), acc),
+        dkp_out: T.Tensor((NC, Hv, C, K), acc),
+        dw_out: T.Tensor((NC, Hv, C, K), dtype),
+        dG_out: T.Tensor((NC, Hv, C), acc),
+        scale: T.float32,
+        ratio: T.int32,
+    ):
+        with T.Kernel(NC, Hv, threads=threads) as (c, hv):
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            G_s = T.alloc_shared((C,), acc)
+            do_s = T.alloc_shared((C, BVB), dtype)
+            S_s = T.alloc_shared((K, BVB), dtype)
+            dS_s = T.alloc_shared((K, BVB), dtype)
+            vn_s = T.alloc_shared((C, BVB), dtype)
+            dvn_s = T.alloc_shared((C, BVB), dtype)
+
+            dOS_f = T.alloc_fragment((C, K), acc)
+            dPm_f = T.alloc_fragment((C, C), acc)
+            vdS_f = T.alloc_fragment((C, K), acc)
+            dw_f = T.alloc_fragment((C, K), acc)
+            sd_f = T.alloc_fragment((K, BVB), acc)
+
+            QK_f = T.alloc_fragment((C, C), acc)
+            Z_f = T.alloc_fragment((C, C), acc)
+            Z_s = T.alloc_shared((C, C), acc)
+            dQKn_s = T.alloc_shared((C, C), dtype)
+            dQKq_s = T.alloc_shared((C, C), dtype)
+            tmp_f = T.alloc_fragment((C, K), acc)
+            red_f = T.alloc_fragment((C,), acc)
+            sdr_f = T.alloc_fragment((K,), acc)
+            sdr_s = T.alloc_shared((K,), acc)
+            nq_s = T.alloc_shared((C,), acc)
+            nk_s = T.alloc_shared((C,), acc)
+            rowZ_s = T.alloc_shared((C,), acc)
+            ginter_s = T.alloc_shared((C,), acc)
+            dD_s = T.alloc_shared((C,), acc)
+            qdq_s = T.alloc_shared((C,), acc)
+            dG_s = T.alloc_shared((C,), acc)
+            dw_s = T.alloc_shared((C, K), dtype)
+
+            seq = chunk_indices[c, 0]
+            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
+            eos = cu_seqlens[seq + 1]
+            hq = hv // ratio
+
+            T.copy(q[bos:bos + C, hq, :], q_s, prefer_instruction="tma")
+            T.copy(k[bos:bos + C, hq, :], k_s, prefer_instruction="tma")
+            T.copy(G[c, hv, :], G_s)
+            T.clear(dOS_f)
+            T.clear(dPm_f)
+            T.clear(vdS_f)
+            T.clear(dw_f)
+            T.clear(sd_f)
+            for vb in T.Pipelined(V // BVB, num_stages=num_stages):
+                T.copy(do[bos:bos + C, hv, vb * BVB:(vb + 1) * BVB], do_s)
+                T.copy(h[c, hv, :, vb * BVB:(vb + 1) * BVB], S_s)
+                T.copy(dh[c, hv, :, vb * BVB:(vb + 1) * BVB], dS_s)
+                T.copy(vn[c, hv, :, vb * BVB:(vb + 1) * BVB], vn_s)
+                T.copy(dvn[c, hv, :, vb * BVB:(vb + 1) * BVB], dvn_s)
+                T.gemm(do_s, S_s, dOS_f, transpose_B=True)
+                T.gemm(do_s, vn_s, dPm_f, transpose_B=True)
+                T.gemm(vn_s, dS_s, vdS_f, transpose_B=True)
+                T.gemm(dvn_s, S_s, dw_f, transpose_B=True)
+                for a, b in T.Parallel(K, BVB):
+                    sd_f[a, b] = sd_f[a, b] + T.cast(S_s[a, b], acc) * T.cast(dS_s[a, b], acc)
+
+            # L2-norm row factors of q and k
+            if l2norm:
+                for r, d in T.Parallel(C, K):
+                    tmp_f[r, d] = T.cast(q_s[r, d], acc) * T.cast(q_s[r, d], acc)
+                T.reduce_sum(tmp_f, red_f, dim=1)
+                for r in T.Parallel(C):
+                    nq_s[r] = T.rsqrt(red_f[r] + L2_EPS)
+                for r, d in T.Parallel(C, K):
+                    tmp_f[r, d] = T.cast(k_s[r, d], acc) * T.cast(k_s[r, d], acc)
+                T.reduce_sum(tmp_f, red_f, dim=1)
+                for r in T.Parallel(C):
+                    nk_s[r] = T.rsqrt(red_f[r] + L2_EPS)
+            else:
+                for r in T.Parallel(C):
+                    nq_s[r] = 1.0
+                    nk_s[r] = 1.0
+
+            # intra-chunk attention gradient
+            T.gemm(q_s, k_s, QK_f, transpose_B=True, clear_accum=True)
+            for r, j in T.Parallel(C, C):
+                dPm_f[r, j] = T.if_then_else(
+                    (j <= r) & (bos + r < eos), dPm_f[r, j] * scale * T.exp(G_s[r] - G_s[j]), 0.0)
+            for r, j in T.Parallel(C, C):
+                Z_f[r, j] = dPm_f[r, j] * QK_f[r, j] * nq_s[r] * nk_s[j]
+                dQKn_s[r, j] = dPm_f[r, j] * nk_s[j]
+                dQKq_s[r, j] = dPm_f[r, j] * nq_s[r]
+            T.copy(Z_f, Z_s)
+            T.reduce_sum(Z_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                rowZ_s[r] = red_f[r]
+
+            # dq
+            for r, d in T.Parallel(C, K):
+                tmp_f[r, d] = T.cast(q_s[r, d], acc) * dOS_f[r, d]
+            T.reduce_sum(tmp_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                ginter_s[r] = red_f[r] * scale * nq_s[r] * T.exp(G_s[r])
+            for r, d in T.Parallel(C, K):
+                dOS_f[r, d] = dOS_f[r, d] * (scale * T.exp(G_s[r]))
+            T.gemm(dQKn_s, k_s, dOS_f)
+            if l2norm:
+                for r, d in T.Parallel(C, K):
+                    tmp_f[r, d] = T.cast(q_s[r, d], acc) * dOS_f[r, d]
+                T.reduce_sum(tmp_f, red_f, dim=1)
+                for r in T.Parallel(C):
+                    qdq_s[r] = red_f[r] * nq_s[r] * nq_s[r]
+                for r, d in T.Parallel(C, K):
+                    dOS_f[r, d] = nq_s[r] * (dOS_f[r, d] - qdq_s[r] * T.cast(q_s[r, d], acc))
+            for r, d in T.Parallel(C, K):
+                if bos + r < eos:
+                    dq_out[bos + r, hv, d] = dOS_f[r, d]
+
+            # partial dk
+            for r, d in T.Parallel(C, K):
+                tmp_f[r, d] = T.cast(k_s[r, d], acc) * vdS_f[r, d]
+            T.reduce_sum(tmp_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                dD_s[r] = red_f[r] * nk_s[r]
+            for r, d in T.Parallel(C, K):
+                vdS_f[r, d] = vdS_f[r, d] * T.exp(G_s[C - 1] - G_s[r])
+            T.gemm(dQKq_s, q_s, vdS_f, transpose_A=True)
+            T.copy(vdS_f, dkp_out[c, hv, :, :])
+
+            # dw
+            for r, d in T.Parallel(C, K):
+                dw_s[r, d] = -dw_f[r, d]
+            T.copy(dw_s, dw_out[c, hv, :, :])
+
+            # gate gradient of this chunk (before the reverse cumsum)
+            T.reduce_sum(sd_f, sdr_f, dim=1)
+            for a in T.Parallel(K):
+                sdr_s[a] = sdr_f[a]
+            for r in T.Parallel(C):
+                colz = T.alloc_var(acc, init=0.0)
+                for t in T.serial(C):
+                    colz += Z_s[t, r]
+                Dr = T.exp(G_s[C - 1] - G_s[r])
+                dG_s[r] = T.if_then_else(bos + r < eos, ginter_s[r] + rowZ_s[r] - colz - Dr * dD_s[r], 0.0)
+            for r in T.Parallel(C):
+                if r == C - 1:
+                    extra = T.alloc_var(acc, init=0.0)
+                    for a in T.serial(K):
+                        extra += sdr_s[a]
+                    extra = extra * T.exp(G_s[C - 1])
+                    for t in T.serial(C):
+                        extra += T.exp(G_s[C - 1] - G_s[t]) * dD_s[t]
+                    dG_s[r] = dG_s[r] + extra
+            T.copy(dG_s, dG_out[c, hv, :])
+
+    return gdn_bwd_dqk

@@ -1,0 +1,196 @@
+"""Backward stage 3 (Hopper): back through the WY representation, the gate cumsum and the L2 norm.
+
+Grid: ``(total_chunks, Hv)``, 256 threads (two warpgroups), no loop.  CTA ``(c, h)`` takes chunk ``c``
+of value head ``h``; inputs are the forward's ``X = (I + A)^-1`` (fp32), stage 2's ``dw``, ``dk^p``,
+``dG`` and stage 1's ``dv_new`` (= du).  With ``Bw = diag(beta exp(G) nk) k`` and ``Bu = diag(beta) v``
+(so ``w = X Bw``, ``u = X Bu``) and ``Xb`` the 16-bit copy of X::
+
+    dX   = dw Bw^T + du Bu^T
+    dA   = -(Xb^T dX) Xb^T                 strictly lower part
+    A    = beta_r nk_r nk_j (k k^T) exp(G_r - G_j)   (j < r)
+    W    = dA beta_r exp(G_r - G_j)
+    dBw  = Xb^T dw,  dBu = Xb^T du
+    dv   = diag(beta) dBu
+    dk^  = dk^p + diag(beta exp(G)) dBw + ((W + W^T) diag(nk)) k   -> dk (L2-norm Jacobian)
+    dbeta_r = exp(G_r) nk_r dBw_r . k_r + dBu_r . v_r + sum_j dA_rj nk_r nk_j (k k^T)_rj exp(G_r - G_j)
+    dG_r += beta_r exp(G_r) nk_r dBw_r . k_r + rowsum(dA * A)_r - colsum(dA * A)_r
+    dg   = reverse cumsum of dG within the chunk
+
+Rows past the sequence end have beta = 0, so every WY term vanishes there; outputs are written for
+rows < eos only.  ``nk`` comes from the diagonal of ``k k^T`` (fp32 accumulators).  Outputs per value
+head, fp32: dk [NT, Hv, K], dv [NT, Hv, V], dg, dbeta [NT, Hv] (GVA sums over value heads on the host).
+
+Shared memory (K = V = 128): k, v, dw, du 16 KB each, Bw, Bu 16 KB, Xb, dX, T1, (W + W^T) 8 KB each,
+W and dA * A 16 KB each (fp32); TileLang reuses dead buffers.
+"""
+
+CHUNK = 64
+
+
+def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256):
+    import tilelang.language as T
+
+    C = CHUNK
+    acc = "float32"
+    NT = T.dynamic("NT")
+    NC = T.dynamic("NC")
+    NS = T.dynamic("NS")
+    Hqk = T.dynamic("Hqk")
+    Hv = T.dynamic("Hv")
+    L2_EPS = 1e-6
+
+    @T.prim_func
+    def gdn_bwd_wy(
+        k: T.Tensor((NT, Hqk, K), dtype),
+        v: T.Tensor((NT, Hv, V), dtype),
+        beta: T.Tensor((NT, Hv), beta_dtype),
+        G: T.Tensor((NC, Hv, C), acc),
+        X: T.Tensor((NC, Hv, C, C), acc),
+        dw: T.Tensor((NC, Hv, C, K), dtype),
+        du: T.Tensor((NC, Hv, C, V), dtype),
+        dkp: T.Tensor((NC, Hv, C, K), acc),
+        dGp: T.Tensor((NC, Hv, C), acc),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_indices: T.Tensor((NC, 2), "int32"),
+        dk_out: T.Tensor((NT, Hv, K), acc),
+        dv_out: T.Tensor((NT, Hv, V), acc),
+        dg_out: T.Tensor((NT, Hv), acc),
+        db_out: T.Tensor((NT, Hv), acc),
+        ratio: T.int32,
+    ):
+        with T.Kernel(NC, Hv, threads=threads) as (c, hv):
+            k_s = T.alloc_shared((C, K), dtype)
+            v_s = T.alloc_shared((C, V), dtype)
+            dw_s = T.alloc_shared((C, K), dtype)
+            du_s = T.alloc_shared((C, V), dtype)
+            Xb_s = T.alloc_shared((C, C), dtype)
+            Bw_s = T.alloc_shared((C, K), dtype)
+            Bu_s = T.alloc_shared((C, V), dtype)
+            dX_s = T.alloc_shared((C, C), dtype)
+            T1_s = T.alloc_shared((C, C), dtype)
+            W_s = T.alloc_shared((C, C), acc)
+            Ws_s = T.alloc_shared((C, C), dtype)
+            dAA_s = T.alloc_shared((C, C), acc)
+            G_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            nk_s = T.alloc_shared((C,), acc)
+            bk_s = T.alloc_shared((C,), acc)
+            bv_s = T.alloc_shared((C,), acc)
+            bA_s = T.alloc_shared((C,), acc)
+            rA_s = T.alloc_shared((C,), acc)
+            kd_s = T.alloc_shared((C,), acc)
+            dG_s = T.alloc_shared((C,), acc)
+
+            KK_f = T.alloc_fragment((C, C), acc)
+            dX_f = T.alloc_fragment((C, C), acc)
+            T1_f = T.alloc_fragment((C, C), acc)
+            dA_f = T.alloc_fragment((C, C), acc)
+            dAA_f = T.alloc_fragment((C, C), acc)
+            dBw_f = T.alloc_fragment((C, K), acc)
+            dBu_f = T.alloc_fragment((C, V), acc)
+            tmp_f = T.alloc_fragment((C, K), acc)
+            red_f = T.alloc_fragment((C,), acc)
+
+            seq = chunk_indices[c, 0]
+            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
+            eos = cu_seqlens[seq + 1]
+            hq = hv // ratio
+
+            T.copy(k[bos:bos + C, hq, :], k_s, prefer_instruction="tma")
+            T.copy(v[bos:bos + C, hv, :], v_s, prefer_instruction="tma")
+            T.copy(dw[c, hv, :, :], dw_s, prefer_instruction="tma")
+            T.copy(du[c, hv, :, :], du_s, prefer_instruction="tma")
+            for r, j in T.Parallel(C, C):
+                Xb_s[r, j] = X[c, hv, r, j]
+            for r in T.Parallel(C):
+                G_s[r] = G[c, hv, r]
+                b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, hv], acc), 0.0)
+                dG_s[r] = dGp[c, hv, r]
+
+            T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
+            if l2norm:
+                for r, j in T.Parallel(C, C):
+                    if r == j:
+                        nk_s[r] = T.rsqrt(KK_f[r, j] + L2_EPS)
+            else:
+                for r in T.Parallel(C):
+                    nk_s[r] = 1.0
+            for r, d in T.Parallel(C, K):
+                Bw_s[r, d] = T.cast(k_s[r, d], acc) * (b_s[r] * T.exp(G_s[r]) * nk_s[r])
+            for r, d in T.Parallel(C, V):
+                Bu_s[r, d] = T.cast(v_s[r, d], acc) * b_s[r]
+
+            # dX, then dA = -(X^T dX) X^T on the strictly lower part
+            T.gemm(dw_s, Bw_s, dX_f, transpose_B=True, clear_accum=True)
+            T.gemm(du_s, Bu_s, dX_f, transpose_B=True)
+            T.copy(dX_f, dX_s)
+            T.gemm(Xb_s, dX_s, T1_f, transpose_A=True, clear_accum=True)
+            T.copy(T1_f, T1_s)
+            T.gemm(T1_s, Xb_s, dA_f, transpose_B=True, clear_accum=True)
+            for r, j in T.Parallel(C, C):
+                dA_f[r, j] = T.if_then_else(r > j, -dA_f[r, j], 0.0)
+            for r, j in T.Parallel(C, C):
+                KK_f[r, j] = T.if_then_else(
+                    r > j, KK_f[r, j] * nk_s[r] * nk_s[j] * T.exp(G_s[r] - G_s[j]), 0.0)
+            for r, j in T.Parallel(C, C):
+                dAA_f[r, j] = dA_f[r, j] * KK_f[r, j]
+                W_s[r, j] = dA_f[r, j] * b_s[r] * T.if_then_else(r > j, T.exp(G_s[r] - G_s[j]), 0.0)
+            T.reduce_sum(dAA_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                bA_s[r] = red_f[r]
+            for r, j in T.Parallel(C, C):
+                dAA_f[r, j] = dAA_f[r, j] * b_s[r]
+            T.copy(dAA_f, dAA_s)
+            T.reduce_sum(dAA_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                rA_s[r] = red_f[r]
+            for r, j in T.Parallel(C, C):
+                Ws_s[r, j] = (W_s[r, j] + W_s[j, r]) * nk_s[j]
+
+            # dBw, dBu
+            T.gemm(Xb_s, dw_s, dBw_f, transpose_A=True, clear_accum=True)
+            T.gemm(Xb_s, du_s, dBu_f, transpose_A=True, clear_accum=True)
+            for r, d in T.Parallel(C, V):
+                tmp_f[r, d] = dBu_f[r, d] * T.cast(v_s[r, d], acc)
+            T.reduce_sum(tmp_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                bv_s[r] = red_f[r]
+            for r, d in T.Parallel(C, V):
+                if bos + r < eos:
+                    dv_out[bos + r, hv, d] = dBu_f[r, d] * b_s[r]
+            for r, d in T.Parallel(C, K):
+                tmp_f[r, d] = dBw_f[r, d] * T.cast(k_s[r, d], acc)
+            T.reduce_sum(tmp_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                bk_s[r] = red_f[r] * T.exp(G_s[r]) * nk_s[r]
+
+            # dk
+            for r, d in T.Parallel(C, K):
+                dBw_f[r, d] = dBw_f[r, d] * (b_s[r] * T.exp(G_s[r])) + dkp[c, hv, r, d]
+            T.gemm(Ws_s, k_s, dBw_f)
+            if l2norm:
+                for r, d in T.Parallel(C, K):
+                    tmp_f[r, d] = dBw_f[r, d] * T.cast(k_s[r, d], acc)
+                T.reduce_sum(tmp_f, red_f, dim=1)
+                for r in T.Parallel(C):
+                    kd_s[r] = red_f[r] * nk_s[r] * nk_s[r]
+                for r, d in T.Parallel(C, K):
+                    dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
+            for r, d in T.Parallel(C, K):
+                if bos + r < eos:
+                    dk_out[bos + r, hv, d] = dBw_f[r, d]
+
+            # dbeta, dg
+            for r in T.Parallel(C):
+                colA = T.alloc_var(acc, init=0.0)
+                for t in T.serial(C):
+                    colA += dAA_s[t, r]
+                dG_s[r] = dG_s[r] + b_s[r] * bk_s[r] + rA_s[r] - colA
+                if bos + r < eos:
+                    db_out[bos + r, hv] = bk_s[r] + bv_s[r] + bA_s[r]
+            T.cumsum(dG_s, dim=0, reverse=True)
+            for r in T.Parallel(C):
+                if bos + r < eos:
+                    dg_out[bos + r, hv] = dG_s[r]
+
+    return gdn_bwd_wy
