@@ -575,3 +575,296 @@ def test_gpu_backward_gate_minus_1e4_finite():
                                             cu_seqlens=inp["cu_seqlens"], backend="tilelang")
     grads = torch.autograd.grad([o, ht], leaves, [inp["do"], inp["dht"]])
     assert all(torch.isfinite(t).all() for t in grads)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host path with simulated kernels (CPU): the backend's real forward/backward glue (buffers, chunk
+# metadata, argument order, GVA sums) runs with every TileLang kernel replaced by a PyTorch model of
+# its contract, after checking each call's arguments against the real prim_func signature.
+# ----------------------------------------------------------------------------------------------------
+
+_TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32}
+
+
+def _check_signature(func, args):
+    """dtype, rank, static dims and symbolic-dim consistency of ``args`` against a prim_func."""
+    env = {}
+    tensors = []
+    for p, a in zip(func.params, args):
+        if p in func.buffer_map:
+            b = func.buffer_map[p]
+            assert isinstance(a, torch.Tensor), f"{b.name}: expected a tensor, got {type(a).__name__}"
+            assert a.dtype == _TORCH_DT[str(b.dtype)], f"{b.name}: dtype {a.dtype}, kernel wants {b.dtype}"
+            assert a.dim() == len(b.shape), f"{b.name}: rank {a.dim()}, kernel wants {len(b.shape)}"
+            assert a.is_contiguous(), f"{b.name} is not contiguous"
+            tensors.append((str(b.name), [str(s) for s in b.shape], a))
+        else:
+            assert not isinstance(a, torch.Tensor), f"scalar {p} got a tensor"
+    assert len(func.params) == len(args), f"{len(args)} arguments for {len(func.params)} parameters"
+    for _, dims, a in tensors:                      # bind plain symbols first
+        for d, n in zip(dims, a.shape):
+            if d.isidentifier():
+                assert env.setdefault(d, n) == n, f"symbol {d} bound to {env[d]} and {n}"
+    for _, dims, a in tensors:                      # "N + 1" binds N when nothing else does
+        for d, n in zip(dims, a.shape):
+            m = re.fullmatch(r"(\w+) \+ 1", d)
+            if m and m.group(1) not in env:
+                env[m.group(1)] = n - 1
+    for name, dims, a in tensors:                   # then check every dim expression
+        for d, n in zip(dims, a.shape):
+            assert eval(d, {}, dict(env)) == n, f"{name}: dim {d} = {n} but symbols give {eval(d, {}, dict(env))}"
+
+
+def _rows(x, bos, n_total):
+    """Rows bos .. bos+64 of a packed [NT, H, D] tensor as a kernel tile sees them (zero past NT)."""
+    idx = torch.arange(bos, bos + C)
+    out = x[idx.clamp(max=n_total - 1)].float()
+    out[idx >= n_total] = 0
+    return out
+
+
+def _chunk_rows(cu, cidx_row):
+    n, i = int(cidx_row[0]), int(cidx_row[1])
+    bos, eos = int(cu[n]) + i * C, int(cu[n + 1])
+    return bos, eos, torch.arange(bos, bos + C) < eos
+
+
+def _norms(x, l2norm):
+    return torch.rsqrt((x * x).sum(-1) + 1e-6) if l2norm else torch.ones(x.shape[:-1])
+
+
+def _heads(x, ratio):
+    """[C, Hqk, D] tile -> [Hv, C, D] (value head h reads query/key head h // ratio)."""
+    return x.repeat_interleave(ratio, 1).transpose(0, 1)
+
+
+def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
+    dt, _, K, V, l2norm, save_x = key
+    NT, Hv = v.shape[0], v.shape[1]
+    idx = torch.arange(C)
+    strict = idx[:, None] > idx[None, :]
+    for c in range(cidx.shape[0]):
+        bos, eos, valid = _chunk_rows(cu, cidx[c])
+        kc = _heads(_rows(k, bos, NT), ratio)
+        vc = _rows(v, bos, NT).transpose(0, 1)
+        gc = torch.where(valid[:, None], _rows(g[:, :, None], bos, NT)[..., 0], 0.).T
+        bc = torch.where(valid[:, None], _rows(beta[:, :, None], bos, NT)[..., 0], 0.).T
+        nk = _norms(kc, l2norm)
+        G = gc.cumsum(-1)
+        A = torch.where(strict, (kc @ kc.transpose(-1, -2)) * nk[:, :, None] * nk[:, None, :] * bc[:, :, None]
+                        * torch.exp(G[:, :, None] - G[:, None, :]), 0.)
+        X = torch.linalg.solve_triangular(torch.eye(C) + A, torch.eye(C).expand(Hv, C, C), upper=False,
+                                          unitriangular=True)
+        w_out[c] = ((X * (bc * torch.exp(G) * nk)[:, None, :]).to(w_out.dtype).float() @ kc).to(w_out.dtype)
+        u_out[c] = ((X * bc[:, None, :]).to(u_out.dtype).float() @ vc).to(u_out.dtype)
+        G_out[c] = G
+        if save_x:
+            X_out[c] = X
+
+
+def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio):
+    dt, K, V, BV, l2norm, has_h0, store_ht, save = key
+    NT, Hv = o.shape[0], o.shape[1]
+    idx = torch.arange(C)
+    incl = idx[:, None] >= idx[None, :]
+    for n in range(cu.shape[0] - 1):
+        S = h0[n].clone() if has_h0 else torch.zeros(Hv, K, V)
+        for i in range(int(coff[n + 1] - coff[n])):
+            c = int(coff[n]) + i
+            bos, eos = int(cu[n]) + i * C, int(cu[n + 1])
+            valid = torch.arange(bos, bos + C) < eos
+            qc, kc = _heads(_rows(q, bos, NT), ratio), _heads(_rows(k, bos, NT), ratio)
+            nq, nk = _norms(qc, l2norm), _norms(kc, l2norm)
+            Gc = G[c]
+            Sb = S.to(o.dtype).float()
+            vn = torch.where(valid[None, :, None], u[c].float() - w[c].float() @ Sb, 0.)
+            vnb = vn.to(o.dtype).float()
+            if save:
+                h_out[c] = Sb.to(h_out.dtype)
+                vn_out[c] = vnb.to(vn_out.dtype)
+            P = torch.where(incl, (qc @ kc.transpose(-1, -2)) * nq[:, :, None] * nk[:, None, :]
+                            * torch.exp(Gc[:, :, None] - Gc[:, None, :]), 0.).to(o.dtype).float()
+            oc = scale * ((qc @ Sb) * (nq * torch.exp(Gc))[:, :, None] + P @ vnb)
+            nv = int(valid.sum())
+            o[bos:bos + nv] = oc[:, :nv].transpose(0, 1).to(o.dtype)
+            vd = (vn * (nk * torch.exp(Gc[:, -1:] - Gc))[:, :, None]).to(o.dtype).float()
+            S = torch.exp(Gc[:, -1])[:, None, None] * S + kc.transpose(-1, -2) @ vd
+        if store_ht:
+            ht[n] = S
+
+
+def _sim_bwd_state(key, q, k, w, G, do, cu, coff, dht, dh_out, dvn_out, dh0, scale, ratio):
+    dt, K, V, BV, l2norm, has_dht, need_dh0 = key
+    NT, Hv = do.shape[0], do.shape[1]
+    idx = torch.arange(C)
+    incl = idx[:, None] >= idx[None, :]
+    for n in range(cu.shape[0] - 1):
+        dS = dht[n].clone() if has_dht else torch.zeros(Hv, K, V)
+        nch = int(coff[n + 1] - coff[n])
+        for ci in reversed(range(nch)):
+            c = int(coff[n]) + ci
+            bos, eos = int(cu[n]) + ci * C, int(cu[n + 1])
+            valid = torch.arange(bos, bos + C) < eos
+            qc, kc = _heads(_rows(q, bos, NT), ratio), _heads(_rows(k, bos, NT), ratio)
+            doc = _rows(do, bos, NT).transpose(0, 1)
+            nq, nk = _norms(qc, l2norm), _norms(kc, l2norm)
+            Gc = G[c]
+            dSb = dS.to(dt_of(dh_out)).float()
+            dh_out[c] = dSb.to(dh_out.dtype)
+            Pt = (kc @ qc.transpose(-1, -2)) * nk[:, :, None] * nq[:, None, :] * torch.exp(Gc[:, None, :] - Gc[:, :, None])
+            Pt = torch.where(incl.T[None] & valid[None, None, :], Pt * scale, 0.).to(dh_out.dtype).float()
+            dvn = torch.where(valid[None, :, None], Pt @ doc + (nk * torch.exp(Gc[:, -1:] - Gc))[:, :, None] * (kc @ dSb), 0.)
+            dvn_out[c] = dvn.to(dvn_out.dtype)
+            dos = torch.where(valid[None, :, None], doc * (scale * nq * torch.exp(Gc))[:, :, None], 0.)
+            dS = (torch.exp(Gc[:, -1])[:, None, None] * dS + qc.transpose(-1, -2) @ dos.to(dh_out.dtype).float()
+                  + w[c].float().transpose(-1, -2) @ (-dvn).to(dh_out.dtype).float())
+        if need_dh0:
+            dh0[n] = dS
+
+
+def dt_of(t):
+    return t.dtype
+
+
+def _sim_bwd_dqk(key, q, k, do, G, h, vn, dh, dvn, cu, cidx, dq_out, dkp_out, dw_out, dG_out, scale, ratio):
+    dt, K, V, l2norm = key
+    NT, Hv = do.shape[0], do.shape[1]
+    idx = torch.arange(C)
+    incl = idx[:, None] >= idx[None, :]
+    for c in range(cidx.shape[0]):
+        bos, eos, valid = _chunk_rows(cu, cidx[c])
+        qc, kc = _heads(_rows(q, bos, NT), ratio), _heads(_rows(k, bos, NT), ratio)
+        doc = _rows(do, bos, NT).transpose(0, 1)
+        nq, nk = _norms(qc, l2norm), _norms(kc, l2norm)
+        Gc = G[c]
+        S, vnc, dS, dvnc = h[c].float(), vn[c].float(), dh[c].float(), dvn[c].float()
+        m = incl[None] & valid[None, :, None]
+        E = torch.exp(torch.where(m, Gc[:, :, None] - Gc[:, None, :], -float("inf")))
+        dQK = scale * (doc @ vnc.transpose(-1, -2)) * E
+        Z = dQK * (qc @ kc.transpose(-1, -2)) * nq[:, :, None] * nk[:, None, :]
+        dOS = doc @ S.transpose(-1, -2)
+        ginter = scale * torch.exp(Gc) * nq * (qc * dOS).sum(-1)
+        dqh = scale * torch.exp(Gc)[:, :, None] * dOS + (dQK * nk[:, None, :]).to(dt_of(dw_out)).float() @ kc
+        if l2norm:
+            dqh = nq[:, :, None] * (dqh - (nq * nq * (qc * dqh).sum(-1))[:, :, None] * qc)
+        nv = int(valid.sum())
+        dq_out[bos:bos + nv] = dqh[:, :nv].transpose(0, 1)
+        vdS = vnc @ dS.transpose(-1, -2)
+        dD = nk * (kc * vdS).sum(-1)
+        D = torch.exp(Gc[:, -1:] - Gc)
+        dkp_out[c] = D[:, :, None] * vdS + (dQK * nq[:, :, None]).to(dt_of(dw_out)).float().transpose(-1, -2) @ qc
+        dw_out[c] = (-(dvnc @ S.transpose(-1, -2))).to(dw_out.dtype)
+        dG = torch.where(valid[None], ginter + Z.sum(-1) - Z.sum(-2) - D * dD, 0.)
+        dG[:, -1] += torch.exp(Gc[:, -1]) * (S * dS).sum((-1, -2)) + (D * dD).sum(-1)
+        dG_out[c] = dG
+
+
+def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_out, dg_out, db_out, ratio):
+    dt, _, K, V, l2norm = key
+    NT, Hv = v.shape[0], v.shape[1]
+    lo = _TORCH_DT[dt]
+    idx = torch.arange(C)
+    strict = idx[:, None] > idx[None, :]
+    for c in range(cidx.shape[0]):
+        bos, eos, valid = _chunk_rows(cu, cidx[c])
+        kc = _heads(_rows(k, bos, NT), ratio)
+        vc = _rows(v, bos, NT).transpose(0, 1)
+        bc = torch.where(valid[:, None], _rows(beta[:, :, None], bos, NT)[..., 0], 0.).T
+        nk = _norms(kc, l2norm)
+        Gc = G[c]
+        Gam = torch.exp(Gc)
+        Xb = X[c].to(lo).float()
+        dwc, duc = dw[c].float(), du[c].float()
+        Bw = (kc * (bc * Gam * nk)[:, :, None]).to(lo).float()
+        Bu = (vc * bc[:, :, None]).to(lo).float()
+        dX = dwc @ Bw.transpose(-1, -2) + duc @ Bu.transpose(-1, -2)
+        dA = torch.where(strict, -((Xb.transpose(-1, -2) @ dX.to(lo).float()).to(lo).float() @ Xb.transpose(-1, -2)), 0.)
+        E = torch.exp(torch.where(strict, Gc[:, :, None] - Gc[:, None, :], -float("inf")))
+        KKn = (kc @ kc.transpose(-1, -2)) * nk[:, :, None] * nk[:, None, :] * E
+        dAA = dA * KKn * bc[:, :, None]
+        W = dA * bc[:, :, None] * E
+        Ws = ((W + W.transpose(-1, -2)) * nk[:, None, :]).to(lo).float()
+        dBw = Xb.transpose(-1, -2) @ dwc
+        dBu = Xb.transpose(-1, -2) @ duc
+        bk = Gam * nk * (dBw * kc).sum(-1)
+        dkh = dkp[c] + (bc * Gam)[:, :, None] * dBw + Ws @ kc
+        if l2norm:
+            dkh = nk[:, :, None] * (dkh - (nk * nk * (kc * dkh).sum(-1))[:, :, None] * kc)
+        dG = dGp[c] + bc * bk + dAA.sum(-1) - dAA.sum(-2)
+        dg = dG.flip(-1).cumsum(-1).flip(-1)
+        nv = int(valid.sum())
+        dk_out[bos:bos + nv] = dkh[:, :nv].transpose(0, 1)
+        dv_out[bos:bos + nv] = (bc[:, :, None] * dBu)[:, :nv].transpose(0, 1)
+        dg_out[bos:bos + nv] = dg[:, :nv].T
+        db_out[bos:bos + nv] = (bk + (dBu * vc).sum(-1) + (dA * KKn).sum(-1))[:, :nv].T
+
+
+_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "bwd_state_sm90": _sim_bwd_state,
+               "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy}
+
+
+@pytest.fixture
+def simulated_kernels(monkeypatch):
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here (the prim_func signatures are checked)")
+    from flashqla.backends.tilelang import ops
+
+    calls = []
+
+    def fake_get_kernel(name, builder, key):
+        func = builder(*key)
+
+        def run(*args):
+            _check_signature(func, args)
+            calls.append(name)
+            with torch.no_grad():
+                _SIMULATORS[name](key, *args)
+        return run
+
+    monkeypatch.setattr(ops, "get_kernel", fake_get_kernel)
+    return calls
+
+
+_HOST_CASES = [
+    Case("host_varlen_gva_l2", 1, 2, 128, 128, seqlens=(1, 70, 0, 64, 9), l2norm=True),
+    Case("host_dense_no_state", 2, 4, 128, 128, B=2, T=66, h0=False, ht=False),
+]
+
+
+@pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
+def test_host_path_with_simulated_kernels(case, simulated_kernels):
+    from flashqla.dispatch import FwdInputs, get_backend
+    from flashqla.dispatch.device import fake_device
+    from flashqla.validation import validate
+
+    be = get_backend("tilelang")
+    dtype = torch.bfloat16
+    inp = make_inputs(case, dtype)
+    ref = oracle(case, inp, grads=True)
+    with fake_device("cuda", (9, 0)):
+        spec, scale, meta = validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], case.scale,
+                                     inp["initial_state"], case.ht, case.l2norm, inp["cu_seqlens"],
+                                     needs_grad=True)
+    ok, why = be.supports(spec)
+    assert ok, why
+    x = FwdInputs(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], scale=scale,
+                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], varlen=meta,
+                  output_final_state=case.ht, use_qk_l2norm=case.l2norm)
+    from flashqla.testing import poisoned_outputs
+    with poisoned_outputs("cpu"):
+        o, ht, saved, aux = be.forward(spec, x)
+        grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
+    assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_sm90", "bwd_state_sm90", "bwd_dqk_sm90",
+                                 "bwd_wy_sm90"]
+    errs = {"o": rel_l2(o, ref["o"])}
+    if case.ht:
+        errs["ht"] = rel_l2(ht, ref["ht"])
+    else:
+        assert ht is None
+    for name, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+        if name in ref:
+            errs[name] = rel_l2(t, ref[name])
+        else:
+            assert t is None, name
+    tol = TOLERANCES["bfloat16"]
+    assert all(e <= tol[n] for n, e in errs.items()), errs
