@@ -5,8 +5,8 @@ Kernels (one file per stage, each opens with its grid / roles / memory budget):
 * ``chunk_prep.py``       fused intra-chunk prep: gate cumsum, A, (I + A)^-1, w, u  (chunks x Hv)
 * ``chunk_state.py``      serial state recurrence, state in fp32 registers           (N*Hv x V-blocks)
 * ``chunk_output.py``     chunk outputs                                             (chunks x Hv)
-
-Forward only in this build (the backward kernels come next).
+* ``chunk_bwd_state.py``  serial backward state recurrence: dh, dv_new, dh0          (N*Hv x V-blocks)
+* ``chunk_bwd_grads.py``  fused per-chunk gradients dq, dk, dv, dbeta, dg            (chunks x Hv)
 
 Features: q/k/v in bf16 / fp16 (fp32 too, computed with full-fp32 dots: the accuracy path for tests),
 g and beta in fp32 / bf16 / fp16, K and V in {64, 128}, chunk 64, varlen from the device metadata of
@@ -36,7 +36,7 @@ class TritonBackend(Backend):
     name = "triton"
     description = "Triton chunked kernels (SM80+; CPU only under TRITON_INTERPRET=1)"
     priorities = {"sm_80+": 10}
-    has_backward = False   # the backward kernels are not in this build yet
+    has_backward = True
 
     def available(self):
         try:
@@ -99,6 +99,13 @@ class TritonBackend(Backend):
         else:
             saved = ()
         return o, ht, saved, (x.scale, x.varlen)
+
+    def backward(self, spec, saved, aux, do, dht):
+        from . import ops
+
+        scale, meta = aux
+        q, k, v, g, beta, h0 = saved
+        return ops.backward(q, k, v, g, beta, scale, h0, meta, do, dht, spec.use_qk_l2norm)
 
 
 

@@ -1,4 +1,4 @@
-"""Fused intra-chunk preparation: gate cumsum, A = beta k k^T decay, the UT solve, the WY vectors w, u.
+"""Fused intra-chunk preparation: gate cumsum, A = beta k k^T decay, the UT inverse, the WY vectors w, u.
 
 Grid: ``(total_chunks, Hv)``; one program per (chunk, value head), 4 warps.
 
@@ -6,30 +6,33 @@ Per chunk (rows r, j in 0..63, key/query head ``h // (Hv // Hqk)``, keys L2-norm
 
     G      = cumsum(g)                                   chunk-local
     A[r,j] = beta_r (k_r . k_j) exp(G_r - G_j)          j < r
-    w      = (I + A)^-1 (beta exp(G) k)      u = (I + A)^-1 (beta v)
+    Tinv   = (I + A)^-1
+    w      = Tinv (beta exp(G) k)      u = Tinv (beta v)
 
 Why one kernel: FLA runs cumsum, k k^T, solve_tril and w/u as four kernels with HBM round trips of
 the [64, 64] matrices and gates; here everything stays in registers and the chunk is read once.
 
-How: the chunk is four 16-row blocks (Triton cannot slice register tiles, so blocks are loaded
-separately).  The ten lower blocks A_ij come from 16xKx16 dots.  The four diagonal blocks are
-inverted by row-wise forward substitution in exact fp32 (``X_ii = (I + A_ii)^-1``); w and u then follow
-by *block* forward substitution ``x_i = X_ii (y_i - sum_{j<i} A_ij x_j)``, so the off-diagonal blocks of
-the inverse are never formed in the forward (each live 16x16 tile costs a full MMA fragment, ~8
-regs/thread whatever the warp count; forming all sixteen spilled).  The backward (``STORE_T``) also
-needs the inverse itself: its off-diagonal blocks ``X_ij = -X_ii sum_{k=j}^{i-1} A_ik X_kj`` are formed
-and stored ``[total_chunks, Hv, 64, 64]`` fp32 (lower blocks only; the upper part is never read).
+The inverse, on whole [64, 64] tiles (every dot has M = 64: Triton gives chained dots all warps along
+M, so 16-row tiles would be computed once per warp):
 
-Decay: it stays inside A, and each factor ``exp(G_r - G_j)`` is taken of a non-positive exponent
-(diagonal blocks are masked *before* the exp), so nothing overflows however strong the decay (g = -1e4
-gives exact zeros, g = 0 ones).  Precision: G is summed in fp64 and stored as two fp32 planes
+1. the four diagonal 16x16 blocks of A, as a [4, 16, 16] batch (a reshape and a masked sum), are
+   inverted together by row-wise forward substitution in exact fp32: ``Xd = (I + A_diag)^-1``;
+2. with ``N = Xd A_off`` (A_off: the blocks below the diagonal), ``(I + A) = (I + A_diag)(I + N)`` and N is
+   nilpotent of index 4 at block level, so ``Tinv = Xd - N Tinv`` converges exactly in three steps from
+   ``Tinv = Xd`` (block forward substitution in Horner form): four 64x64x64 dots.
+
+Decay: it stays inside A, and each ``exp(G_r - G_j)`` is taken of a non-positive exponent (the causal
+mask is applied *before* the exp), so nothing overflows however strong the decay (g = -1e4 gives
+exact zeros, g = 0 ones).  Precision: G is summed in fp64 (64 adds) and stored as two fp32 planes
 ``G [2, Hv, B*T]`` = (hi, lo), hi + lo = G to ~1e-15 relative; every kernel forms
-``G_a - G_b = (hi_a - hi_b) + (lo_a - lo_b)``.  With a plain fp32 G, a decay between nearby tokens after
+``G_a - G_b = (hi_a - hi_b) + (lo_a - lo_b)``.  With a plain fp32 G a decay between nearby tokens after
 a very strong gate (|G| ~ 1e5) would be off by ulp(|G|) ~ 1e-2 in the exponent.  Head-major, so a
 chunk's 64 gates are contiguous.
 
-Dots: full fp32 for fp32 inputs; otherwise k k^T in the input dtype and the solves in tf32.
-Writes: ``w [B,T,Hv,K]``, ``u [B,T,Hv,V]`` in the input dtype, G as above, the inverse when asked.
+Dots: full fp32 for fp32 inputs; otherwise k k^T and w/u in the input dtype (as FLA), the inverse's
+products in tf32.  Writes ``w [B,T,Hv,K]``, ``u [B,T,Hv,V]`` (input dtype), G, and for the backward
+(``STORE_T``) the inverse ``[total_chunks, Hv, 64, 64]`` in the input dtype (fp32 for fp32 inputs).
+Registers (K = V = 128, bf16): k and v tiles 32 each, five live [64, 64] fp32 tiles at most.
 """
 
 from __future__ import annotations
@@ -37,45 +40,44 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import BT, L2_EPS, chunk_coords, gdiff, inv16x4, l2n, load_rows, load_vec, mm, mm32, mmf, store_rows
+from .common import BT, L2_EPS, chunk_coords, gdiff, l2n, load_rows, load_vec, mm, mmf, store_rows
 
 
 @triton.jit
-def _a_block(ki, kj, bi, Hi, Li, Hj, Lj, IEEE: tl.constexpr, DT: tl.constexpr, DIAG: tl.constexpr):
-    """A_ij = beta_i (k_i k_j^T) exp(G_i - G_j), strictly lower part only on a diagonal block."""
-    s = mm(ki, tl.trans(kj), IEEE, DT)
-    d = gdiff(Hi[:, None], Li[:, None], Hj[None, :], Lj[None, :])
-    if DIAG:
-        r = tl.arange(0, 16)
-        m = r[:, None] > r[None, :]
-        return tl.where(m, bi[:, None] * s * tl.exp(tl.where(m, d, 0.0)), 0.0)
-    else:
-        # rows of block i come after the columns of block j: G_i - G_j <= 0 always
-        return bi[:, None] * s * tl.exp(d)
+def _inv_diag_blocks(A):
+    """(I + A_diag)^-1 for the four diagonal 16x16 blocks of a strictly lower [64, 64] fp32 A.
+
+    Returns the block-diagonal [64, 64] inverse.  Row-wise forward substitution, the four blocks in
+    lock step ([4, 16, 16] batch): 15 steps of a masked row extraction and a 16x16 multiply-reduce.
+    """
+    A4 = tl.reshape(A, [4, 16, 4, 16])
+    bi = tl.arange(0, 4)[:, None, None, None]
+    bj = tl.arange(0, 4)[None, None, :, None]
+    Ad = tl.sum(tl.where(bi == bj, A4, 0.0), 2)                     # [4, 16, 16]
+    ri = tl.arange(0, 16)[None, :, None]
+    ci = tl.arange(0, 16)[None, None, :]
+    X = tl.where(ri == ci, 1.0, 0.0) + tl.zeros([4, 16, 16], tl.float32)
+    for i in tl.static_range(1, 16):
+        a = tl.sum(tl.where(ri == i, Ad, 0.0), 1)                   # row i of each block, [4, 16]
+        xi = tl.sum(a[:, :, None] * X, 1)                           # sum_j A[i, j] X[j, :]
+        X = tl.where(ri == i, tl.where(ci == i, 1.0, 0.0) - xi[:, None, :], X)
+    return tl.reshape(tl.where(bi == bj, X[:, :, None, :], 0.0), [64, 64])
 
 
 @triton.jit
-def _gate_block(gb, off):
-    """fp64 cumsum of one 16-row block on top of ``off`` (fp64), and its (hi, lo) fp32 split."""
-    Gd = tl.cumsum(gb.to(tl.float64), 0) + off
-    hi = Gd.to(tl.float32)
-    lo = (Gd - hi.to(tl.float64)).to(tl.float32)
-    last = tl.sum(tl.where(tl.arange(0, 16) == 15, Gd, 0.0), 0)
-    return hi, lo, last
-
-
-@triton.jit
-def _store_g(G_ptr, hi, lo, t0, L, h, TT, GS, row0):
-    r = row0 + tl.arange(0, 16)
-    p = G_ptr + h.to(tl.int64) * TT + t0 + r
-    tl.store(p, hi, mask=r < L)
-    tl.store(p + GS, lo, mask=r < L)
-
-
-@triton.jit
-def _store_tblk(Tm_ptr, X, base, bi: tl.constexpr, bj: tl.constexpr):
-    r = tl.arange(0, 16)
-    tl.store(Tm_ptr + base + (bi * 16 + r)[:, None] * 64 + bj * 16 + r[None, :], X)
+def ut_inverse(kc, beta, gh, gl, IEEE: tl.constexpr, DT: tl.constexpr):
+    """Tinv = (I + A)^-1, A[r, j] = beta_r (k_r . k_j) exp(G_r - G_j) for j < r; fp32 [64, 64]."""
+    r = tl.arange(0, BT)
+    strict = r[:, None] > r[None, :]
+    d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
+    A = mm(kc, tl.trans(kc), IEEE, DT)
+    A = tl.where(strict, beta[:, None] * A * tl.exp(tl.where(strict, d, 0.0)), 0.0)
+    Xd = _inv_diag_blocks(A)
+    N = mmf(Xd, tl.where((r // 16)[:, None] > (r // 16)[None, :], A, 0.0), IEEE)
+    Ti = Xd - mmf(N, Xd, IEEE)
+    Ti = Xd - mmf(N, Ti, IEEE)
+    Ti = Xd - mmf(N, Ti, IEEE)
+    return Ti
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -88,95 +90,28 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     hk = h // (Hv // Hqk)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     n, t0, L = chunk_coords(pid, cu_ptr, cidx_ptr, T, NT, IS_VARLEN, BT)
+    r = tl.arange(0, BT)
+    valid = r < L
 
-    # keys (normalised rows), gates and betas of the four 16-row blocks
-    # (kept in the input dtype only: the fp32 copies would double the register footprint)
-    kc0 = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, 16, 0), USE_L2, L2_EPS).to(DT)
-    kc1 = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, 16, 16), USE_L2, L2_EPS).to(DT)
-    kc2 = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, 16, 32), USE_L2, L2_EPS).to(DT)
-    kc3 = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, 16, 48), USE_L2, L2_EPS).to(DT)
-    g0 = load_vec(g_ptr, t0, L, h, Hv, 16, 0)
-    g1 = load_vec(g_ptr, t0, L, h, Hv, 16, 16)
-    g2 = load_vec(g_ptr, t0, L, h, Hv, 16, 32)
-    g3 = load_vec(g_ptr, t0, L, h, Hv, 16, 48)
-    b0 = load_vec(beta_ptr, t0, L, h, Hv, 16, 0)
-    b1 = load_vec(beta_ptr, t0, L, h, Hv, 16, 16)
-    b2 = load_vec(beta_ptr, t0, L, h, Hv, 16, 32)
-    b3 = load_vec(beta_ptr, t0, L, h, Hv, 16, 48)
+    # chunk-local cumulative gate in fp64, kept as an fp32 (hi, lo) pair; padded rows (g = 0)
+    # repeat the last real value
+    g = load_vec(g_ptr, t0, L, h, Hv, BT, 0)
+    Gd = tl.cumsum(g.to(tl.float64), 0)
+    gh = Gd.to(tl.float32)
+    gl = (Gd - gh.to(tl.float64)).to(tl.float32)
+    gp = G_ptr + h.to(tl.int64) * TT + t0 + r
+    tl.store(gp, gh, mask=valid)
+    tl.store(gp + Hv * TT, gl, mask=valid)
 
-    # chunk-local cumulative gates, summed in fp64 (64 adds: cheap even at 1/64 fp64 rate) and kept
-    # as fp32 (hi, lo) pairs; padded rows (g = 0) repeat the last real value
-    H0, L0, c = _gate_block(g0, 0.0)
-    H1, L1, c = _gate_block(g1, c)
-    H2, L2, c = _gate_block(g2, c)
-    H3, L3, c = _gate_block(g3, c)
-    GS = Hv * TT
-    _store_g(G_ptr, H0, L0, t0, L, h, TT, GS, 0)
-    _store_g(G_ptr, H1, L1, t0, L, h, TT, GS, 16)
-    _store_g(G_ptr, H2, L2, t0, L, h, TT, GS, 32)
-    _store_g(G_ptr, H3, L3, t0, L, h, TT, GS, 48)
-
-    A00 = _a_block(kc0, kc0, b0, H0, L0, H0, L0, IEEE, DT, True)
-    A11 = _a_block(kc1, kc1, b1, H1, L1, H1, L1, IEEE, DT, True)
-    A22 = _a_block(kc2, kc2, b2, H2, L2, H2, L2, IEEE, DT, True)
-    A33 = _a_block(kc3, kc3, b3, H3, L3, H3, L3, IEEE, DT, True)
-    A10 = _a_block(kc1, kc0, b1, H1, L1, H0, L0, IEEE, DT, False)
-    A20 = _a_block(kc2, kc0, b2, H2, L2, H0, L0, IEEE, DT, False)
-    A21 = _a_block(kc2, kc1, b2, H2, L2, H1, L1, IEEE, DT, False)
-    A30 = _a_block(kc3, kc0, b3, H3, L3, H0, L0, IEEE, DT, False)
-    A31 = _a_block(kc3, kc1, b3, H3, L3, H1, L1, IEEE, DT, False)
-    A32 = _a_block(kc3, kc2, b3, H3, L3, H2, L2, IEEE, DT, False)
-
-    # diagonal blocks of (I + A)^-1
-    X00, X11, X22, X33 = inv16x4(A00, A11, A22, A33)
-
+    beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0)
+    kc = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
+    Ti = ut_inverse(kc, beta, gh, gl, IEEE, DT)
     if STORE_T:
-        # backward only: the whole inverse, X_ij = -X_ii sum_{k=j}^{i-1} A_ik X_kj
-        base = (pid.to(tl.int64) * Hv + h) * 4096
-        X10 = -mm32(X11, mm32(A10, X00))
-        X21 = -mm32(X22, mm32(A21, X11))
-        X32 = -mm32(X33, mm32(A32, X22))
-        _store_tblk(Tm_ptr, X00, base, 0, 0)
-        _store_tblk(Tm_ptr, X11, base, 1, 1)
-        _store_tblk(Tm_ptr, X22, base, 2, 2)
-        _store_tblk(Tm_ptr, X33, base, 3, 3)
-        _store_tblk(Tm_ptr, X10, base, 1, 0)
-        _store_tblk(Tm_ptr, X21, base, 2, 1)
-        _store_tblk(Tm_ptr, X32, base, 3, 2)
-        X20 = -mm32(X22, mm32(A20, X00) + mm32(A21, X10))
-        X31 = -mm32(X33, mm32(A31, X11) + mm32(A32, X21))
-        _store_tblk(Tm_ptr, X20, base, 2, 0)
-        _store_tblk(Tm_ptr, X31, base, 3, 1)
-        X30 = -mm32(X33, mm32(A30, X00) + mm32(A31, X10) + mm32(A32, X20))
-        _store_tblk(Tm_ptr, X30, base, 3, 0)
+        blk = pid.to(tl.int64) * Hv + h
+        tl.store(Tm_ptr + blk * 4096 + r[:, None] * 64 + r[None, :], Ti.to(Tm_ptr.dtype.element_ty))
+    Tc = Ti.to(DT)
 
-    # w = (I + A)^-1 (beta exp(G) k) by block forward substitution:
-    #   w_i = X_ii (y_i - sum_{j<i} A_ij w_j)
-    # only the diagonal inverses are needed, and few 16x16 tiles are live at once (each costs a
-    # full MMA fragment, ~8 regs/thread, whatever the warp count)
-    y0 = (b0 * tl.exp(H0 + L0))[:, None] * kc0.to(tl.float32)
-    y1 = (b1 * tl.exp(H1 + L1))[:, None] * kc1.to(tl.float32)
-    y2 = (b2 * tl.exp(H2 + L2))[:, None] * kc2.to(tl.float32)
-    y3 = (b3 * tl.exp(H3 + L3))[:, None] * kc3.to(tl.float32)
-    x0 = mmf(X00, y0, IEEE)
-    store_rows(w_ptr, x0, t0, L, h, Hv, K, 16, 0)
-    x1 = mmf(X11, y1 - mmf(A10, x0, IEEE), IEEE)
-    store_rows(w_ptr, x1, t0, L, h, Hv, K, 16, 16)
-    x2 = mmf(X22, y2 - mmf(A20, x0, IEEE) - mmf(A21, x1, IEEE), IEEE)
-    store_rows(w_ptr, x2, t0, L, h, Hv, K, 16, 32)
-    x3 = mmf(X33, y3 - mmf(A30, x0, IEEE) - mmf(A31, x1, IEEE) - mmf(A32, x2, IEEE), IEEE)
-    store_rows(w_ptr, x3, t0, L, h, Hv, K, 16, 48)
-
-    # u = (I + A)^-1 (beta v), the same way
-    y0 = b0[:, None] * load_rows(v_ptr, t0, L, h, Hv, V, 16, 0)
-    y1 = b1[:, None] * load_rows(v_ptr, t0, L, h, Hv, V, 16, 16)
-    y2 = b2[:, None] * load_rows(v_ptr, t0, L, h, Hv, V, 16, 32)
-    y3 = b3[:, None] * load_rows(v_ptr, t0, L, h, Hv, V, 16, 48)
-    x0 = mmf(X00, y0, IEEE)
-    store_rows(u_ptr, x0, t0, L, h, Hv, V, 16, 0)
-    x1 = mmf(X11, y1 - mmf(A10, x0, IEEE), IEEE)
-    store_rows(u_ptr, x1, t0, L, h, Hv, V, 16, 16)
-    x2 = mmf(X22, y2 - mmf(A20, x0, IEEE) - mmf(A21, x1, IEEE), IEEE)
-    store_rows(u_ptr, x2, t0, L, h, Hv, V, 16, 32)
-    x3 = mmf(X33, y3 - mmf(A30, x0, IEEE) - mmf(A31, x1, IEEE) - mmf(A32, x2, IEEE), IEEE)
-    store_rows(u_ptr, x3, t0, L, h, Hv, V, 16, 48)
+    yw = (beta * tl.exp(gh + gl))[:, None] * kc.to(tl.float32)
+    store_rows(w_ptr, mm(Tc, yw, IEEE, DT), t0, L, h, Hv, K, BT, 0)
+    yu = beta[:, None] * load_rows(v_ptr, t0, L, h, Hv, V, BT, 0).to(tl.float32)
+    store_rows(u_ptr, mm(Tc, yu, IEEE, DT), t0, L, h, Hv, V, BT, 0)

@@ -44,7 +44,7 @@ def chunk_state_fwd_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_ptr, vn
     GS = Hv * TT
 
     if HAS_H0:
-        S = load_state(h0_ptr, sbase, K, V, v0, BV)
+        S = load_state(h0_ptr, sbase, K, V, v0, BV).to(tl.float32)
     else:
         S = tl.zeros([K, BV], dtype=tl.float32)
 
@@ -56,11 +56,12 @@ def chunk_state_fwd_kernel(k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_ptr, vn
         u = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV)
         vn = u - mm(w, S, IEEE, DT)
         store_cols(vn_ptr, vn, t0, L, h, Hv, V, BT, v0, BV)
-        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS)
+        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
         gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
         lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
         fac = tl.where(r < L, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
-        S = S * tl.exp(lh + ll) + mm(tl.trans(k * fac[:, None]), vn, IEEE, DT)
+        # (diag(fac) k)^T v_new = k^T (diag(fac) v_new): scale the smaller tile
+        S = S * tl.exp(lh + ll) + mm(tl.trans(k), vn * fac[:, None], IEEE, DT)
 
     if STORE_HT:
         store_state(ht_ptr, S, sbase, K, V, v0, BV)

@@ -47,9 +47,12 @@ def mmf(a, b, IEEE: tl.constexpr):
 
 
 @triton.jit
-def mm32(a, b):
-    """a @ b in full fp32 (the small 16x16 products of the triangular inverse: cheap, and accuracy counts)."""
-    return tl.dot(a, b, input_precision="ieee")
+def mma(a, b, acc, IEEE: tl.constexpr, DT: tl.constexpr):
+    """acc + a @ b, accumulated in place (no second [M, N] fp32 tile live), precision as ``mm``."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    else:
+        return tl.dot(a.to(DT), b.to(DT), acc)
 
 
 @triton.jit
@@ -88,11 +91,14 @@ def seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN: tl.constexpr, BT: tl.const
 
 @triton.jit
 def load_rows(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0):
-    """Tile [R, D] (fp32) of rows ``row0 .. row0+R`` of chunk-relative tokens, zero past ``L``."""
+    """Tile [R, D] of rows ``row0 .. row0+R`` of chunk-relative tokens, zero past ``L``.
+
+    Tiles keep their storage dtype: a bf16 dot operand held in fp32 would take twice the registers.
+    """
     r = row0 + tl.arange(0, R)
     d = tl.arange(0, D)
     offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
-    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0).to(tl.float32)
+    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0)
 
 
 @triton.jit
@@ -105,11 +111,11 @@ def store_rows(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0):
 
 @triton.jit
 def load_cols(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr):
-    """Tile [R, BC] (fp32): columns ``c0 .. c0+BC`` of a [*, H, D] tensor, zero past ``L``."""
+    """Tile [R, BC] (storage dtype): columns ``c0 .. c0+BC`` of a [*, H, D] tensor, zero past ``L``."""
     r = tl.arange(0, R)
     d = c0 + tl.arange(0, BC)
     offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
-    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0).to(tl.float32)
+    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0)
 
 
 @triton.jit
@@ -167,19 +173,20 @@ def gdiff(hi_a, lo_a, hi_b, lo_b):
 
 @triton.jit
 def l2n(x, USE_L2: tl.constexpr, EPS: tl.constexpr):
-    """Row-wise x * rsqrt(sum(x^2) + eps) when USE_L2 (rows of zeros stay zero)."""
+    """Row-wise x * rsqrt(sum(x^2) + eps) (in fp32) when USE_L2, else x; rows of zeros stay zero."""
     if USE_L2:
-        return x * tl.rsqrt(tl.sum(x * x, 1) + EPS)[:, None]
+        xf = x.to(tl.float32)
+        return xf * tl.rsqrt(tl.sum(xf * xf, 1) + EPS)[:, None]
     else:
         return x
 
 
 @triton.jit
 def load_state(ptr, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr):
-    """Tile [K, BV] (fp32) of a [.., K, V] state at element offset ``base`` (int64)."""
+    """Tile [K, BV] (storage dtype) of a [.., K, V] state at element offset ``base`` (int64)."""
     dk = tl.arange(0, K)
     dv = v0 + tl.arange(0, BV)
-    return tl.load(ptr + base + dk[:, None] * V + dv[None, :]).to(tl.float32)
+    return tl.load(ptr + base + dk[:, None] * V + dv[None, :])
 
 
 @triton.jit
@@ -187,33 +194,3 @@ def store_state(ptr, x, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.const
     dk = tl.arange(0, K)
     dv = v0 + tl.arange(0, BV)
     tl.store(ptr + base + dk[:, None] * V + dv[None, :], x.to(ptr.dtype.element_ty))
-
-
-@triton.jit
-def _inv16_row(A, X, i, r):
-    """One forward-substitution step: row i of X = (I + A)^-1 from rows < i (A strictly lower)."""
-    a = tl.sum(tl.where(r[:, None] == i, A, 0.0), 0)              # A[i, :]
-    xi = tl.sum(a[:, None] * X, 0)                                 # sum_j A[i, j] X[j, :]
-    e = tl.where(r == i, 1.0, 0.0)
-    return tl.where(r[:, None] == i, (e - xi)[None, :], X)
-
-
-@triton.jit
-def inv16x4(A0, A1, A2, A3):
-    """(I + A_b)^-1 of four strictly-lower 16x16 fp32 blocks, by row-wise forward substitution.
-
-    The four substitutions are independent; running them in one loop gives the scheduler four
-    chains to overlap.  Each step is a masked row extraction and a 16x16 multiply-reduce.
-    """
-    r = tl.arange(0, 16)
-    eye = tl.where(r[:, None] == r[None, :], 1.0, 0.0)
-    X0 = eye
-    X1 = eye
-    X2 = eye
-    X3 = eye
-    for i in tl.static_range(1, 16):
-        X0 = _inv16_row(A0, X0, i, r)
-        X1 = _inv16_row(A1, X1, i, r)
-        X2 = _inv16_row(A2, X2, i, r)
-        X3 = _inv16_row(A3, X3, i, r)
-    return X0, X1, X2, X3

@@ -99,7 +99,7 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
     w = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=k.dtype, device=dev)
     u = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev)
     G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)   # (hi, lo) planes
-    Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev) if store_t else None
+    Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=dev) if store_t else None
     chunk_prep_kernel[(geo.chunks, geo.Hv)](
         k, v, g, beta, w, u, G, Tm if store_t else G, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
@@ -144,3 +144,63 @@ def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2:
     h, vn, ht = state_fwd(geo, k, w, u, G, h0, output_final_state, use_l2)
     o = output(geo, q, k, G, h, vn, scale, use_l2, v.dtype)
     return o, ht
+
+
+def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool):
+    from .chunk_bwd_state import chunk_state_bwd_kernel
+
+    dev = q.device
+    dh = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=q.dtype, device=dev)
+    dvn = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=q.dtype, device=dev)
+    dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
+    BV = _state_bv(geo, dev)
+    chunk_state_bwd_kernel[(geo.N * geo.Hv, triton.cdiv(geo.V, BV))](
+        q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
+        geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
+        STORE_DH0=dh0 is not None, IEEE=geo.ieee, num_warps=4)
+    return dh, dvn, dh0
+
+
+def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale: float, use_l2: bool):
+    from .chunk_bwd_grads import chunk_bwd_dqk_kernel, chunk_bwd_wy_kernel
+
+    dev = q.device
+    per_vhead = geo.Hv != geo.Hqk
+    if per_vhead:
+        # one slot per value head, summed over the group below (deterministic, no atomics)
+        dq = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev)
+        dk = torch.empty_like(dq)
+    else:
+        dq = torch.empty_like(q)
+        dk = torch.empty_like(k)
+    dk_a = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev)
+    dG_a = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
+    dg = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
+    grid = (geo.chunks, geo.Hv)
+    common = dict(K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, GRAD_PER_VHEAD=per_vhead,
+                  IEEE=geo.ieee, num_warps=4)
+    chunk_bwd_dqk_kernel[grid](
+        q, k, G, h, dh, vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(geo.V, 32), **common)
+    chunk_bwd_wy_kernel[grid](
+        k, v, beta, G, Tm, w, u, h, dvn, dk_a, dG_a, dk, dv, dbeta, dg, geo.cu, geo.cidx,
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(geo.V, 32), **common)
+    if per_vhead:
+        r = geo.Hv // geo.Hqk
+        dq = dq.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
+        dk = dk.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
+    return dq, dk, dv, dbeta, dg
+
+
+def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
+    """Returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``; recomputes w, u, the inverse and the chunk
+    states rather than keeping them from the forward (6 launches, + the group sum under GVA)."""
+    geo = Geometry(q, v, meta)
+    w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
+    h, vn, _ = state_fwd(geo, k, w, u, G, h0, False, use_l2)
+    dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2)
+    dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale, use_l2)
+    return dq, dk, dv, dg, dbeta, dh0

@@ -1,0 +1,77 @@
+"""Backward state recurrence: serial over the chunks of a sequence, last to first.
+
+Grid: ``(N * Hv, V // BV)``; one program per (sequence, value head, V-block), 4 warps.  The state
+gradient block ``dS [K, BV]`` stays in fp32 registers for the whole sequence.
+
+Per chunk, ``dS`` entering is the gradient w.r.t. the state at the chunk's *end* (``dht`` for the last
+chunk).  With ``P^T[j, r] = (k_j . q_r) exp(G_r - G_j)`` for ``j <= r``::
+
+    dh[chunk] = dS                                          (the per-chunk gradient kernel reads it)
+    dv_new    = scale P^T dO + (exp(G_last - G) k) dS        (stored: it is du of the WY backward)
+    dS        = exp(G_last) dS + scale (exp(G) q)^T dO - w^T dv_new
+
+and after the first chunk ``dS`` is ``dh0``.  The score tile P^T is recomputed here (q, k and dO are
+loaded for the dS update anyway), so no separate "local dv" pass over HBM is needed.
+
+Reads per chunk: q, k, w [64, K], dO [64, BV]; writes dh [K, BV] and dv_new [64, BV] (input dtype).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_last, load_rows, load_state, mm,
+                     seq_bounds, store_cols, store_state)
+
+
+@triton.jit(do_not_specialize=["T", "NT", "TT"])
+def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr, dh_ptr, dvn_ptr, cu_ptr, coff_ptr,
+                           scale, T, NT, TT, Hqk, Hv,
+                           K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
+                           USE_L2: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
+                           IEEE: tl.constexpr):
+    pid = tl.program_id(0)
+    v0 = tl.program_id(1) * BV
+    n = pid // Hv
+    h = pid % Hv
+    hk = h // (Hv // Hqk)
+    DT: tl.constexpr = w_ptr.dtype.element_ty
+    bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
+    r = tl.arange(0, BT)
+    sbase = (n.to(tl.int64) * Hv + h) * K * V
+    GS = Hv * TT
+
+    if HAS_DHT:
+        dS = load_state(dht_ptr, sbase, K, V, v0, BV).to(tl.float32)
+    else:
+        dS = tl.zeros([K, BV], dtype=tl.float32)
+
+    for j in range(0, nt):
+        i = nt - 1 - j
+        t0 = bos + i * BT
+        L = tl.minimum(eos - t0, BT).to(tl.int32)
+        valid = r < L
+        store_state(dh_ptr, dS, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
+
+        q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
+        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
+        w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0)
+        do = load_cols(do_ptr, t0, L, h, Hv, V, BT, v0, BV)
+        gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
+        lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
+
+        # rows: keys j, columns: queries r (r >= j, r real)
+        m = (r[:, None] <= r[None, :]) & valid[None, :]
+        pt = mm(k, tl.trans(q), IEEE, DT)
+        d = gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None])
+        pt = tl.where(m, pt * tl.exp(tl.where(m, d, 0.0)), 0.0)
+        fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
+        # gate factors go on the [64, BV] side of each product (diag(c) X) Y = diag(c) (X Y), etc.
+        dvn = scale * mm(pt, do, IEEE, DT) + fac[:, None] * mm(k, dS, IEEE, DT)
+        store_cols(dvn_ptr, dvn, t0, L, h, Hv, V, BT, v0, BV)
+        dog = do * (scale * tl.exp(gh + gl))[:, None]
+        dS = dS * tl.exp(lh + ll) + mm(tl.trans(q), dog, IEEE, DT) - mm(tl.trans(w), dvn, IEEE, DT)
+
+    if STORE_DH0:
+        store_state(dh0_ptr, dS, sbase, K, V, v0, BV)
