@@ -90,22 +90,27 @@ def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, thre
             dBu_f = T.alloc_fragment((C, V), acc)
             tmp_f = T.alloc_fragment((C, K), acc)
             red_f = T.alloc_fragment((C,), acc)
+            bar = T.alloc_barrier(threads)
 
             seq = chunk_indices[c, 0]
             bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
             eos = cu_seqlens[seq + 1]
             hq = hv // ratio
 
-            T.copy(k[bos:bos + C, hq, :], k_s, prefer_instruction="tma")
-            T.copy(v[bos:bos + C, hv, :], v_s, prefer_instruction="tma")
-            T.copy(dw[c, hv, :, :], dw_s, prefer_instruction="tma")
-            T.copy(du[c, hv, :, :], du_s, prefer_instruction="tma")
+            # The four tile loads in flight at once on one mbarrier (every thread arrives once),
+            # overlapped with the small loads.
+            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
+            T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=bar)
+            T.tma_copy(dw[c, hv, :, :], dw_s, barrier=bar)
+            T.tma_copy(du[c, hv, :, :], du_s, barrier=bar)
+            T.mbarrier_arrive(bar)
             for r, j in T.Parallel(C, C):
                 Xb_s[r, j] = X[c, hv, r, j]
             for r in T.Parallel(C):
                 G_s[r] = G[c, hv, r]
                 b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, hv], acc), 0.0)
                 dG_s[r] = dGp[c, hv, r]
+            T.mbarrier_wait_parity(bar, 0)
 
             T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
             if l2norm:

@@ -79,18 +79,23 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             kk_f = T.alloc_fragment((C, C), acc)
             w_f = T.alloc_fragment((C, K), acc)
             u_f = T.alloc_fragment((C, V), acc)
+            bar = T.alloc_barrier(threads)
 
             seq = chunk_indices[c, 0]
             bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
             eos = cu_seqlens[seq + 1]
             hq = h // ratio
 
-            T.copy(k[bos:bos + C, hq, :], k_s, prefer_instruction="tma")
-            T.copy(v[bos:bos + C, h, :], v_s, prefer_instruction="tma")
+            # Both TMA loads in flight at once (one mbarrier, every thread arrives once), overlapped
+            # with the small gate / beta loads and the cumsum.
+            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
+            T.tma_copy(v[bos:bos + C, h, :], v_s, barrier=bar)
+            T.mbarrier_arrive(bar)
             for r in T.Parallel(C):
                 g_s[r] = T.if_then_else(bos + r < eos, g[bos + r, h], 0.0)
                 b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, h], acc), 0.0)
             T.cumsum(g_s, dim=0)
+            T.mbarrier_wait_parity(bar, 0)
 
             T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
             if l2norm:
