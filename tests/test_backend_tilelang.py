@@ -356,7 +356,13 @@ def resource_usage(kernel) -> str:
         f.write(blob[offs[0]:])
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
-    return " ".join(line.strip() for line in out.splitlines() if "REG" in line) or "no resource line"
+    usage = " ".join(line.strip() for line in out.splitlines() if "REG" in line) or "no resource line"
+    # the dynamic shared memory size is the last launch argument in TileLang's host stub
+    m = re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*\)stack_ffi_any\)\[\d+\]"
+                   r"\.type_index\) = 0;", kernel.get_host_source())
+    if m:
+        usage += f" DYN_SMEM:{int(m[-1]) // 1024}KB"
+    return usage
 
 
 def _bwd_variants():

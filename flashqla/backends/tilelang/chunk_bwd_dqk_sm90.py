@@ -82,16 +82,17 @@ def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_s
 
             QK_f = T.alloc_fragment((C, C), acc)
             Z_f = T.alloc_fragment((C, C), acc)
-            Z_s = T.alloc_shared((C, C), acc)
             dQKn_s = T.alloc_shared((C, C), dtype)
             dQKq_s = T.alloc_shared((C, C), dtype)
             tmp_f = T.alloc_fragment((C, K), acc)
             red_f = T.alloc_fragment((C,), acc)
+            cred_f = T.alloc_fragment((C,), acc)   # column sums: a different layout than row sums
             sdr_f = T.alloc_fragment((K,), acc)
             sdr_s = T.alloc_shared((K,), acc)
             nq_s = T.alloc_shared((C,), acc)
             nk_s = T.alloc_shared((C,), acc)
             rowZ_s = T.alloc_shared((C,), acc)
+            colZ_s = T.alloc_shared((C,), acc)
             ginter_s = T.alloc_shared((C,), acc)
             dD_s = T.alloc_shared((C,), acc)
             qdq_s = T.alloc_shared((C,), acc)
@@ -150,10 +151,12 @@ def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_s
                 Z_f[r, j] = dPm_f[r, j] * QK_f[r, j] * nq_s[r] * nk_s[j]
                 dQKn_s[r, j] = dPm_f[r, j] * nk_s[j]
                 dQKq_s[r, j] = dPm_f[r, j] * nq_s[r]
-            T.copy(Z_f, Z_s)
             T.reduce_sum(Z_f, red_f, dim=1)
             for r in T.Parallel(C):
                 rowZ_s[r] = red_f[r]
+            T.reduce_sum(Z_f, cred_f, dim=0)
+            for r in T.Parallel(C):
+                colZ_s[r] = cred_f[r]
 
             # dq
             for r, d in T.Parallel(C, K):
@@ -197,11 +200,9 @@ def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_s
             for a in T.Parallel(K):
                 sdr_s[a] = sdr_f[a]
             for r in T.Parallel(C):
-                colz = T.alloc_var(acc, init=0.0)
-                for t in T.serial(C):
-                    colz += Z_s[t, r]
-                Dr = T.exp(G_s[C - 1] - G_s[r])
-                dG_s[r] = T.if_then_else(bos + r < eos, ginter_s[r] + rowZ_s[r] - colz - Dr * dD_s[r], 0.0)
+                dG_s[r] = T.if_then_else(
+                    bos + r < eos,
+                    ginter_s[r] + rowZ_s[r] - colZ_s[r] - T.exp(G_s[C - 1] - G_s[r]) * dD_s[r], 0.0)
             for r in T.Parallel(C):
                 if r == C - 1:
                     extra = T.alloc_var(acc, init=0.0)

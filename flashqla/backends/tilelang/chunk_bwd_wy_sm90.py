@@ -21,7 +21,7 @@ rows < eos only.  ``nk`` comes from the diagonal of ``k k^T`` (fp32 accumulators
 head, fp32: dk [NT, Hv, K], dv [NT, Hv, V], dg, dbeta [NT, Hv] (GVA sums over value heads on the host).
 
 Shared memory (K = V = 128): k, v, dw, du 16 KB each, Bw, Bu 16 KB, Xb, dX, T1, (W + W^T) 8 KB each,
-W and dA * A 16 KB each (fp32); TileLang reuses dead buffers.
+W 16 KB (fp32, read transposed); TileLang reuses dead buffers.
 """
 
 CHUNK = 64
@@ -70,7 +70,6 @@ def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, thre
             T1_s = T.alloc_shared((C, C), dtype)
             W_s = T.alloc_shared((C, C), acc)
             Ws_s = T.alloc_shared((C, C), dtype)
-            dAA_s = T.alloc_shared((C, C), acc)
             G_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             nk_s = T.alloc_shared((C,), acc)
@@ -78,6 +77,7 @@ def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, thre
             bv_s = T.alloc_shared((C,), acc)
             bA_s = T.alloc_shared((C,), acc)
             rA_s = T.alloc_shared((C,), acc)
+            cA_s = T.alloc_shared((C,), acc)
             kd_s = T.alloc_shared((C,), acc)
             dG_s = T.alloc_shared((C,), acc)
 
@@ -90,6 +90,7 @@ def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, thre
             dBu_f = T.alloc_fragment((C, V), acc)
             tmp_f = T.alloc_fragment((C, K), acc)
             red_f = T.alloc_fragment((C,), acc)
+            cred_f = T.alloc_fragment((C,), acc)   # column sums: a different layout than row sums
             bar = T.alloc_barrier(threads)
 
             seq = chunk_indices[c, 0]
@@ -145,10 +146,12 @@ def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, thre
                 bA_s[r] = red_f[r]
             for r, j in T.Parallel(C, C):
                 dAA_f[r, j] = dAA_f[r, j] * b_s[r]
-            T.copy(dAA_f, dAA_s)
             T.reduce_sum(dAA_f, red_f, dim=1)
             for r in T.Parallel(C):
                 rA_s[r] = red_f[r]
+            T.reduce_sum(dAA_f, cred_f, dim=0)
+            for r in T.Parallel(C):
+                cA_s[r] = cred_f[r]
             for r, j in T.Parallel(C, C):
                 Ws_s[r, j] = (W_s[r, j] + W_s[j, r]) * nk_s[j]
 
@@ -187,10 +190,7 @@ def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, thre
 
             # dbeta, dg
             for r in T.Parallel(C):
-                colA = T.alloc_var(acc, init=0.0)
-                for t in T.serial(C):
-                    colA += dAA_s[t, r]
-                dG_s[r] = dG_s[r] + b_s[r] * bk_s[r] + rA_s[r] - colA
+                dG_s[r] = dG_s[r] + b_s[r] * bk_s[r] + rA_s[r] - cA_s[r]
                 if bos + r < eos:
                     db_out[bos + r, hv] = bk_s[r] + bv_s[r] + bA_s[r]
             T.cumsum(dG_s, dim=0, reverse=True)
