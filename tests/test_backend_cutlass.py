@@ -81,35 +81,40 @@ def _compile(kind, key, tmp_path):
     return compile_kernel(kind, key, keep_dir=tmp_path / f"{kind}-{'-'.join(map(str, key))}")
 
 
-def _check_ptx(fn, tmp_path):
+def _check_ptx(fn, kind, key):
     ptx = fn.__ptx__
     assert isinstance(ptx, str) and ".target sm_90a" in ptx
     assert "wgmma.mma_async" in ptx, "no warpgroup MMA in the PTX"
     assert "cp.async.bulk.tensor" in ptx, "no TMA copy in the PTX"
     assert "mbarrier" in ptx
     assert fn.__cubin__ and len(fn.__cubin__) > 1000, "ptxas produced no cubin"
-    kept = list(tmp_path.rglob("*.ptx")) + list(tmp_path.rglob("*.cubin"))
-    assert kept, "artifacts were not kept"
+    from flashqla.backends.cutlass import artifact_dir
+    kept = artifact_dir(kind, key)
+    assert kept is not None and list(kept.glob("*.ptx")) and list(kept.glob("*.cubin")), "artifacts not kept"
     return ptx
 
 
-@pytest.mark.compile
-@needs_dsl
-@pytest.mark.parametrize("beta", ["bfloat16", "float32"])
-def test_prep_kernel_cross_compiles_for_sm90a(beta, tmp_path, monkeypatch):
-    monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
-    ptx = _check_ptx(_compile("prep", (128, 128, beta), tmp_path), tmp_path)
-    assert ptx.count("wgmma.mma_async") == 24  # k k^T, q k^T (8 k-blocks each), -w and u (4 each)
+# (kind, key, wgmma instructions expected in the PTX)
+KERNELS = [
+    ("prep", (128, 128, "bfloat16", False), 24),   # k k^T, q k^T (8 k-blocks each), -w and u (4 each)
+    ("prep", (128, 128, "float32", True), 24),     # fp32 beta, training variant (also stores T)
+    ("fwd", (128, 128, 1, 2, False), 24),          # vn, q-part of o (8 each), Aqk-part of o, state (4 each)
+    ("fwd", (128, 128, 2, 2, True), 24),           # two consumer warpgroups, training variant
+    ("bwd_state", (128, 128, 1, 2), 20),
+    ("bwd_state", (128, 128, 2, 2), 20),
+    ("bwd_dqk", (128, 128), 48),
+    ("bwd_wy", (128, 128, "bfloat16"), 48),
+]
 
 
 @pytest.mark.compile
 @needs_dsl
-@pytest.mark.parametrize("num_wg", [1, 2])
-def test_recurrence_kernel_cross_compiles_for_sm90a(num_wg, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind,key,n_wgmma", KERNELS, ids=lambda x: str(x))
+def test_kernel_cross_compiles_for_sm90a(kind, key, n_wgmma, tmp_path, monkeypatch):
     monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
-    ptx = _check_ptx(_compile("fwd", (128, 128, num_wg, 2), tmp_path), tmp_path)
-    assert "m64n64k16.f32.bf16.bf16" in ptx and "m64n128k16.f32.bf16.bf16" in ptx
-    if num_wg == 2:
+    ptx = _check_ptx(_compile(kind, key, tmp_path), kind, key)
+    assert ptx.count("wgmma.mma_async") == n_wgmma
+    if kind in ("fwd", "bwd_state") and key[2] == 2:
         assert "setmaxnreg" in ptx
 
 
@@ -117,9 +122,9 @@ def test_recurrence_kernel_cross_compiles_for_sm90a(num_wg, tmp_path, monkeypatc
 @needs_dsl
 def test_compile_cache_hits_in_memory(tmp_path):
     from flashqla.backends.cutlass import compile_count
-    a = _compile("fwd", (128, 128, 1, 2), tmp_path)
+    a = _compile("fwd", (128, 128, 1, 2, False), tmp_path)
     n = compile_count()
-    b = _compile("fwd", (128, 128, 1, 2), tmp_path)
+    b = _compile("fwd", (128, 128, 1, 2, False), tmp_path)
     assert a is b and compile_count() == n
 
 
@@ -151,6 +156,28 @@ def test_emulation_of_kernel_steps_matches_oracle(case):
     ref = oracle(case, x, grads=False)
     assert rel_l2(o, ref["o"]) <= BF16_TOL["o"]
     assert rel_l2(ht, ref["ht"]) <= BF16_TOL["ht"]
+
+
+BWD_EMU_CASES = [
+    Case("varlen_tail", 1, 2, 128, 128, seqlens=(1, 63, 130, 0)),
+    Case("gva_strong", 2, 4, 128, 128, seqlens=(70, 40), gate="strong", h0=False, scale=0.2),
+]
+
+
+@pytest.mark.parametrize("case", BWD_EMU_CASES, ids=lambda c: c.name)
+def test_emulation_of_backward_kernel_steps_matches_oracle(case):
+    """The backward kernels' steps (state-gradient recurrence, bwd_dqk, bwd_wy) give the oracle's grads."""
+    from flashqla.backends.cutlass import emulation
+    x = make_inputs(case, torch.bfloat16)
+    scale = case.scale if case.scale is not None else case.K ** -0.5
+    grads = emulation.backward(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"],
+                               x["cu_seqlens"], x["do"], x["dht"])
+    ref = oracle(case, x, grads=True)
+    for name, gr in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+        if gr is None:
+            assert name == "dh0" and not case.h0
+            continue
+        assert rel_l2(gr, ref[name]) <= BF16_TOL[name], name
 
 
 def test_emulation_is_not_trivially_close():

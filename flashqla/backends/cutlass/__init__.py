@@ -9,10 +9,19 @@ Forward = two kernels per call:
    state in registers (transposed, as the A operand of wgmma), a TMA producer warp feeding a two-stage
    mbarrier pipeline.
 
+With gradients needed the same kernels also store the bf16 ``T``, the bf16 state at every chunk start
+and the bf16 ``v_new``; the backward is three more kernels:
+
+3. :mod:`.chunk_bwd_state_sm90` -- the state-gradient recurrence, serial over chunks in reverse (same
+   pipeline structure as 2.): stores ``dS'`` per chunk, ``dv_new``, and ``dh0``.
+4. :mod:`.chunk_bwd_dqk_sm90` -- per chunk: dq, the output/state part of dk, ``dw``, part of dg.
+5. :mod:`.chunk_bwd_wy_sm90` -- per chunk: dv, dbeta, the WY part of dk (through ``dA = -T^T dT T^T``), dg.
+
 Inputs are bf16 q/k/v, fp32 g, bf16 or fp32 beta, K = V = 128, fp32 states; varlen via the device
 ``cu_seqlens`` / ``chunk_offsets`` / ``chunk_indices`` of :class:`flashqla.varlen.VarlenMeta` (a dense batch
 gets the same metadata built on the device; no host sync either way).  ``use_qk_l2norm`` normalises q
-and k with a PyTorch pre-pass (fp32 math, bf16 result).
+and k with a PyTorch pre-pass (fp32 math, bf16 result) and chains dq/dk through it with autograd; GVA
+gradients of q/k are summed over the value heads of a group with one PyTorch reduction.
 
 Compiled kernels are cached in memory by (kernel, arch, head dims, dtypes, variant) -- sequence lengths,
 batch and head counts are runtime ``Int32`` arguments of the compiled function, so a new length never
@@ -21,7 +30,7 @@ recompiles.  Each compilation also leaves its PTX and cubin under ``$FLASHQLA_CA
 only reload a compiled host launcher through ``export_to_c`` plus a C toolchain).
 :func:`compile_count` says how many compilations this process did.
 
-``backend_options``: ``{"num_wg": 1 | 2}`` forces the recurrence kernel's V block (64 or 128 value
+``backend_options``: ``{"num_wg": 1 | 2}`` forces the recurrence kernels' V block (64 or 128 value
 columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs.
 """
 
@@ -48,6 +57,7 @@ _INT32_MAX = 2 ** 31 - 1
 
 _lock = threading.Lock()
 _compiled: dict = {}
+_artifacts: dict = {}
 _compile_counter = [0]
 _meta_cache: dict = {}
 
@@ -94,23 +104,45 @@ def _example_args(kind: str, key: tuple):
     ip = lambda: _ptr("int32", 1 << 12, 4)  # noqa: E731
     if kind == "prep":
         beta = _ptr(key[2], 1 << 12, 4 if key[2] == "float32" else 2)
-        return (bf(), bf(), bf(), _ptr("float32", 1 << 12, 4), beta, bf(), bf(), bf(), fp(), ip(), ip(),
+        return (bf(), bf(), bf(), _ptr("float32", 1 << 12, 4), beta, bf(), bf(), bf(), fp(), bf(), ip(), ip(),
                 i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), cuda.CUstream(0))
     if kind == "fwd":
-        return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), ip(), ip(),
+        return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), bf(), bf(), ip(), ip(),
                 i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), i32(0), i32(0), cuda.CUstream(0))
+    if kind == "bwd_state":
+        return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), bf(), ip(), ip(),
+                i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), i32(0), i32(0), cuda.CUstream(0))
+    if kind == "bwd_dqk":
+        return (bf(), bf(), bf(), bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), fp(), ip(), ip(),
+                i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), cuda.CUstream(0))
+    if kind == "bwd_wy":
+        beta = _ptr(key[2], 1 << 12, 4 if key[2] == "float32" else 2)
+        return (bf(), bf(), beta, bf(), bf(), bf(), fp(), fp(), fp(), fp(), fp(), fp(), ip(), ip(),
+                i32(128), i32(2), i32(1), i32(1), i32(1), cuda.CUstream(0))
     raise KeyError(kind)
 
 
 def _make_kernel(kind: str, key: tuple):
     if kind == "prep":
         from .chunk_prep_sm90 import ChunkPrepSm90
-        K, V, beta = key
-        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"))
+        K, V, beta, save = key
+        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save)
     if kind == "fwd":
         from .chunk_fwd_sm90 import ChunkFwdSm90
+        K, V, num_wg, stages, save = key
+        return ChunkFwdSm90(K, V, num_wg=num_wg, stages=stages, save=save)
+    if kind == "bwd_state":
+        from .chunk_bwd_state_sm90 import ChunkBwdStateSm90
         K, V, num_wg, stages = key
-        return ChunkFwdSm90(K, V, num_wg=num_wg, stages=stages)
+        return ChunkBwdStateSm90(K, V, num_wg=num_wg, stages=stages)
+    if kind == "bwd_dqk":
+        from .chunk_bwd_dqk_sm90 import ChunkBwdDqkSm90
+        K, V = key
+        return ChunkBwdDqkSm90(K, V)
+    if kind == "bwd_wy":
+        from .chunk_bwd_wy_sm90 import ChunkBwdWySm90
+        K, V, _beta = key
+        return ChunkBwdWySm90(K, V)
     raise KeyError(kind)
 
 
@@ -145,7 +177,13 @@ def compile_kernel(kind: str, key: tuple, arch: str = ARCH, keep_dir=None):
         fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
         _compile_counter[0] += 1
         _compiled[full_key] = fn
+        _artifacts[full_key] = out
         return fn
+
+
+def artifact_dir(kind: str, key: tuple, arch: str = ARCH):
+    """Where the PTX / cubin of a compiled kernel were kept (None if not compiled in this process)."""
+    return _artifacts.get((kind, arch) + tuple(key))
 
 
 # ---------------------------------------------------------------------------------------------- runtime
@@ -187,7 +225,7 @@ class CutlassBackend(Backend):
     name = "cutlass"
     description = "CuTe DSL (nvidia-cutlass-dsl 4.3) Hopper kernels: TMA + wgmma + mbarrier pipeline"
     priorities = {"sm_90": 20}
-    has_backward = False
+    has_backward = True
     _avail = None
 
     def version(self) -> str:
@@ -234,6 +272,7 @@ class CutlassBackend(Backend):
 
     # ------------------------------------------------------------------------------------------ forward
     def forward(self, spec, x):
+        q_in, k_in = x.q, x.k
         q, k, v, g, beta = x.q, x.k, x.v, x.g, x.beta
         if x.use_qk_l2norm:
             q, k = _l2norm(q), _l2norm(k)
@@ -249,6 +288,11 @@ class CutlassBackend(Backend):
         o = torch.empty(B, T, Hv, V, dtype=v.dtype, device=dev)
         ht = torch.empty(N, Hv, K, V, dtype=torch.float32, device=dev) if x.output_final_state else None
         h0 = x.initial_state
+        num_wg = int(x.options.get("num_wg", 0)) if x.options else 0
+        if num_wg not in (1, 2):
+            num_wg = 2 if N * Hv >= max(spec.device.sm_count, 1) else 1
+        aux = dict(scale=x.scale, B=B, T=T, N=N, C=C, Hqk=Hqk, Hv=Hv, num_wg=num_wg,
+                   has_h0=h0 is not None, l2norm=x.use_qk_l2norm, beta_dtype=spec.beta_dtype)
         if C == 0:  # only empty sequences: nothing to compute, the state passes through
             o.zero_()
             if ht is not None:
@@ -256,52 +300,140 @@ class CutlassBackend(Backend):
                     ht.copy_(h0)
                 else:
                     ht.zero_()
-            return o, ht, (), None
+            saved = (q_in, k_in, v, g, beta) if spec.needs_grad else ()
+            return o, ht, saved, aux
 
-        num_wg = int(x.options.get("num_wg", 0)) if x.options else 0
-        if num_wg not in (1, 2):
-            num_wg = 2 if N * Hv >= max(spec.device.sm_count, 1) else 1
-        prep = compile_kernel("prep", (K, V, spec.beta_dtype))
-        fwd = compile_kernel("fwd", (K, V, num_wg, 2))
+        save = bool(spec.needs_grad)
+        prep = compile_kernel("prep", (K, V, spec.beta_dtype, save))
+        fwd = compile_kernel("fwd", (K, V, num_wg, 2, save))
 
         q, k, v = (_aligned(t) for t in (q, k, v))
         if h0 is not None:
             h0 = _aligned(h0)
-        ws_w = torch.empty(C, Hv, BT, K, dtype=torch.bfloat16, device=dev)
-        ws_u = torch.empty(C, Hv, V, BT, dtype=torch.bfloat16, device=dev)
-        ws_a = torch.empty(C, Hv, BT, BT, dtype=torch.bfloat16, device=dev)
-        ws_g = torch.empty(C, Hv, BT, dtype=torch.float32, device=dev)
-        self._launch_prep(prep, q, k, v, g, beta, ws_w, ws_u, ws_a, ws_g, cu, ci, B * T, C, N, Hqk, Hv,
-                          x.scale, spec.beta_dtype)
-        self._launch_fwd(fwd, q, k, ws_w, ws_u, ws_a, ws_g, h0, ht, o, cu, co, B * T, C, N, Hqk, Hv, x.scale)
-        return o, ht, (), None
+        bf, f32 = torch.bfloat16, torch.float32
+        ws_w = torch.empty(C, Hv, BT, K, dtype=bf, device=dev)
+        ws_u = torch.empty(C, Hv, V, BT, dtype=bf, device=dev)
+        ws_a = torch.empty(C, Hv, BT, BT, dtype=bf, device=dev)
+        ws_g = torch.empty(C, Hv, BT, dtype=f32, device=dev)
+        ws_t = torch.empty(C, Hv, BT, BT, dtype=bf, device=dev) if save else None
+        ws_s = torch.empty(C, Hv, K, V, dtype=bf, device=dev) if save else None
+        ws_vn = torch.empty(C, Hv, BT, V, dtype=bf, device=dev) if save else None
+        TT = B * T
+        dummy = ws_g.data_ptr()  # never dereferenced when the matching flag is off
+        P, I32 = _ptr, _i32
+        prep(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16), P("bfloat16", v.data_ptr(), 16),
+             P("float32", g.data_ptr(), 4), _beta_ptr(beta, spec.beta_dtype),
+             P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
+             P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
+             P("bfloat16", ws_t.data_ptr() if save else dummy, 16),
+             P("int32", cu.data_ptr(), 4), P("int32", ci.data_ptr(), 4),
+             I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _f32(x.scale), _stream())
+        fwd(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16),
+            P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
+            P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
+            P("float32", h0.data_ptr() if h0 is not None else dummy, 16),
+            P("float32", ht.data_ptr() if ht is not None else dummy, 16),
+            P("bfloat16", o.data_ptr(), 16),
+            P("bfloat16", ws_s.data_ptr() if save else dummy, 16),
+            P("bfloat16", ws_vn.data_ptr() if save else dummy, 16),
+            P("int32", cu.data_ptr(), 4), P("int32", co.data_ptr(), 4),
+            I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _f32(x.scale),
+            I32(int(h0 is not None)), I32(int(ht is not None)), _stream())
+        saved = ()
+        if save:
+            saved = (q_in, k_in, q, k, v, g, beta, ws_w, ws_a, ws_g, ws_t, ws_s, ws_vn, cu, co, ci)
+        return o, ht, saved, aux
 
-    @staticmethod
-    def _launch_prep(fn, q, k, v, g, beta, ws_w, ws_u, ws_a, ws_g, cu, ci, TT, C, N, Hqk, Hv, scale, beta_dtype):
-        import cutlass
-        P = _ptr
-        fn(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16), P("bfloat16", v.data_ptr(), 16),
-           P("float32", g.data_ptr(), 4), P(beta_dtype, beta.data_ptr(), 4 if beta_dtype == "float32" else 2),
-           P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
-           P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
+    # ------------------------------------------------------------------------------------------ backward
+    def backward(self, spec, saved, aux, do, dht):
+        B, T, N, C, Hqk, Hv = (aux[n] for n in ("B", "T", "N", "C", "Hqk", "Hv"))
+        K, V = spec.K, spec.V
+        TT = B * T
+        if C == 0:
+            q_in, k_in, v, g, beta = saved
+            dh0 = None
+            if aux["has_h0"]:
+                dh0 = dht.float().clone() if dht is not None else torch.zeros(N, Hv, K, V, device=v.device)
+            return (torch.zeros_like(q_in), torch.zeros_like(k_in), torch.zeros_like(v), torch.zeros_like(g),
+                    torch.zeros_like(beta), dh0)
+        q_in, k_in, q, k, v, g, beta, ws_w, ws_a, ws_g, ws_t, ws_s, ws_vn, cu, co, ci = saved
+        dev = q.device
+        bf, f32 = torch.bfloat16, torch.float32
+        scale = aux["scale"]
+        do = _aligned(do.to(bf).contiguous())
+        if dht is not None:
+            dht = _aligned(dht.to(f32).contiguous())
+        has_h0 = aux["has_h0"]
+        P, I32 = _ptr, _i32
+
+        st = compile_kernel("bwd_state", (K, V, aux["num_wg"], 2))
+        dqk = compile_kernel("bwd_dqk", (K, V))
+        wy = compile_kernel("bwd_wy", (K, V, aux["beta_dtype"]))
+
+        ws_dh = torch.empty(C, Hv, K, V, dtype=bf, device=dev)
+        ws_dvn = torch.empty(C, Hv, BT, V, dtype=bf, device=dev)
+        dh0 = torch.empty(N, Hv, K, V, dtype=f32, device=dev) if has_h0 else None
+        dummy = ws_g.data_ptr()
+        st(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16), P("bfloat16", do.data_ptr(), 16),
+           P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_a.data_ptr(), 16),
+           P("float32", ws_g.data_ptr(), 16),
+           P("float32", dht.data_ptr() if dht is not None else dummy, 16),
+           P("float32", dh0.data_ptr() if dh0 is not None else dummy, 16),
+           P("bfloat16", ws_dh.data_ptr(), 16), P("bfloat16", ws_dvn.data_ptr(), 16),
+           P("int32", cu.data_ptr(), 4), P("int32", co.data_ptr(), 4),
+           I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _f32(scale),
+           I32(int(dht is not None)), I32(int(has_h0)), _stream())
+
+        dq_v = torch.empty(TT, Hv, K, dtype=f32, device=dev)
+        dk_v = torch.empty(TT, Hv, K, dtype=f32, device=dev)
+        ws_dw = torch.empty(C, Hv, BT, K, dtype=bf, device=dev)
+        ws_dg1 = torch.empty(C, Hv, BT, dtype=f32, device=dev)
+        dqk(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16), P("bfloat16", do.data_ptr(), 16),
+            P("bfloat16", ws_s.data_ptr(), 16), P("bfloat16", ws_dh.data_ptr(), 16),
+            P("bfloat16", ws_vn.data_ptr(), 16), P("bfloat16", ws_dvn.data_ptr(), 16),
+            P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
+            P("float32", dq_v.data_ptr(), 16), P("float32", dk_v.data_ptr(), 16),
+            P("bfloat16", ws_dw.data_ptr(), 16), P("float32", ws_dg1.data_ptr(), 16),
+            P("int32", cu.data_ptr(), 4), P("int32", ci.data_ptr(), 4),
+            I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _f32(scale), _stream())
+
+        dv = torch.empty(TT, Hv, V, dtype=f32, device=dev)
+        dbeta = torch.empty(TT, Hv, dtype=f32, device=dev)
+        dg = torch.empty(TT, Hv, dtype=f32, device=dev)
+        wy(P("bfloat16", k.data_ptr(), 16), P("bfloat16", v.data_ptr(), 16), _beta_ptr(beta, aux["beta_dtype"]),
+           P("bfloat16", ws_t.data_ptr(), 16), P("bfloat16", ws_dw.data_ptr(), 16),
+           P("bfloat16", ws_dvn.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
+           P("float32", ws_dg1.data_ptr(), 16), P("float32", dk_v.data_ptr(), 16),
+           P("float32", dv.data_ptr(), 16), P("float32", dbeta.data_ptr(), 16), P("float32", dg.data_ptr(), 16),
            P("int32", cu.data_ptr(), 4), P("int32", ci.data_ptr(), 4),
-           cutlass.Int32(TT), cutlass.Int32(C), cutlass.Int32(N), cutlass.Int32(Hqk), cutlass.Int32(Hv),
-           cutlass.Float32(scale), _stream())
+           I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _stream())
 
-    @staticmethod
-    def _launch_fwd(fn, q, k, ws_w, ws_u, ws_a, ws_g, h0, ht, o, cu, co, TT, C, N, Hqk, Hv, scale):
-        import cutlass
-        P = _ptr
-        dummy = ws_g.data_ptr()  # never dereferenced when the matching flag is 0
-        fn(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16),
-           P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
-           P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
-           P("float32", h0.data_ptr() if h0 is not None else dummy, 16),
-           P("float32", ht.data_ptr() if ht is not None else dummy, 16),
-           P("bfloat16", o.data_ptr(), 16), P("int32", cu.data_ptr(), 4), P("int32", co.data_ptr(), 4),
-           cutlass.Int32(TT), cutlass.Int32(C), cutlass.Int32(N), cutlass.Int32(Hqk), cutlass.Int32(Hv),
-           cutlass.Float32(scale), cutlass.Int32(int(h0 is not None)), cutlass.Int32(int(ht is not None)),
-           _stream())
+        r = Hv // Hqk
+        dq = dq_v.view(TT, Hqk, r, K).sum(2).view(B, T, Hqk, K)
+        dk = dk_v.view(TT, Hqk, r, K).sum(2).view(B, T, Hqk, K)
+        if aux["l2norm"]:
+            # the kernels saw l2norm(q), l2norm(k): chain the gradient through the normalisation
+            with torch.enable_grad():
+                qr = q_in.detach().float().requires_grad_()
+                kr = k_in.detach().float().requires_grad_()
+                qn = qr * torch.rsqrt((qr * qr).sum(-1, keepdim=True) + 1e-6)
+                kn = kr * torch.rsqrt((kr * kr).sum(-1, keepdim=True) + 1e-6)
+                dq, dk = torch.autograd.grad([qn, kn], [qr, kr], [dq, dk])
+        return (dq, dk, dv.view(B, T, Hv, V), dg.view(B, T, Hv), dbeta.view(B, T, Hv), dh0)
+
+
+def _i32(x):
+    import cutlass
+    return cutlass.Int32(int(x))
+
+
+def _f32(x):
+    import cutlass
+    return cutlass.Float32(float(x))
+
+
+def _beta_ptr(beta, beta_dtype):
+    return _ptr(beta_dtype, beta.data_ptr(), 4 if beta_dtype == "float32" else 2)
 
 
 register_backend(CutlassBackend())

@@ -81,3 +81,29 @@ def wg_gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, a_frag: cute.Tensor, b_f
     for kb in cutlass.range_constexpr(cute.size(a_frag, mode=[2])):
         tiled_mma.set(warpgroup.Field.ACCUMULATE, not (zero_init and kb == 0))
         cute.gemm(tiled_mma, acc, a_frag[None, None, kb], b_frag[None, None, kb], acc)
+
+
+def ldsm_c_copy(tiled_mma: cute.TiledMma, tidx, transpose: bool):
+    """ldmatrix copy from a bf16 shared tile ``(M, N)`` into the accumulator (C) layout of ``tiled_mma``.
+
+    ``transpose=False`` for tiles contiguous along N, ``True`` for tiles contiguous along M (use the
+    selected ``(M, N)`` view of such a tile).  Returns (tiled copy, thread copy)."""
+    atom = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=transpose, num_matrices=4),
+                               cutlass.BFloat16)
+    cp = cute.make_tiled_copy_C(atom, tiled_mma)
+    return cp, cp.get_slice(tidx)
+
+
+@cute.jit
+def quad_sum(x: cutlass.Float32) -> cutlass.Float32:
+    """Sum over the 4 lanes of a quad: the threads sharing accumulator rows in a wgmma C fragment."""
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=2)
+    return x
+
+
+@cute.jit
+def warp_sum(x: cutlass.Float32) -> cutlass.Float32:
+    for off in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << off)
+    return x

@@ -46,7 +46,7 @@ BT = 64  # chunk size
 
 
 class ChunkFwdSm90:
-    def __init__(self, K: int = 128, V: int = 128, num_wg: int = 1, stages: int = 2):
+    def __init__(self, K: int = 128, V: int = 128, num_wg: int = 1, stages: int = 2, save: bool = False):
         assert K == 128 and V % (64 * num_wg) == 0
         self.K, self.V = K, V
         self.num_wg = num_wg
@@ -61,12 +61,16 @@ class ChunkFwdSm90:
         self.threads = self.n_consumer + (32 if num_wg == 1 else NUM_THREADS_PER_WG)
         self.regs_producer, self.regs_consumer = 40, 232
         self.o_pitch = self.vblk + 8  # padded row pitch of the output staging tile (bank spread)
+        # training forward: also store the bf16 state at each chunk start (S = H^T, [K, V] layout) and
+        # the bf16 v_new ([64, V]) for the backward kernels, through one more staging tile
+        self.save = save
 
     # ------------------------------------------------------------------ host side
     @cute.jit
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, w_ptr: cute.Pointer,
                  u_ptr: cute.Pointer, a_ptr: cute.Pointer, g_ptr: cute.Pointer,
                  h0_ptr: cute.Pointer, ht_ptr: cute.Pointer, o_ptr: cute.Pointer,
+                 s_ptr: cute.Pointer, vn_ptr: cute.Pointer,
                  cu_ptr: cute.Pointer, co_ptr: cute.Pointer,
                  total_tokens: cutlass.Int32, total_chunks: cutlass.Int32, num_seqs: cutlass.Int32,
                  hqk: cutlass.Int32, hv: cutlass.Int32, scale: cutlass.Float32,
@@ -88,6 +92,8 @@ class ChunkFwdSm90:
                                                       stride=(cute.assume(hv * V, divby=V), V, self.vblk, 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
         mCo = cute.make_tensor(co_ptr, cute.make_layout((num_seqs + 1,)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((rows * K, V), stride=(V, 1)))
+        mVn = cute.make_tensor(vn_ptr, cute.make_layout((rows * BT, V), stride=(V, 1)))
 
         atom128 = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
         l_qk = cute.tile_to_shape(atom128, (BT, K, st), order=(0, 1, 2))
@@ -115,12 +121,14 @@ class ChunkFwdSm90:
             sA: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_a)], 1024]
             sG: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, BT * st], 128]
             sO: cute.struct.Align[cute.struct.MemRange[bf16, BT * self.o_pitch], 128]
+            sSave: cute.struct.Align[cute.struct.MemRange[bf16, (K + BT) * self.o_pitch if self.save else 8], 128]
 
         self.shared_storage = SharedStorage
 
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_u, tU, tma_a, tA, tma_g, tG,
-                    mH0, mHt, mO, mCu, mCo, hv, group, scale, use_h0, store_ht, l_qk, l_u, l_a, l_g).launch(
+                    mH0, mHt, mO, mS, mVn, mCu, mCo, hv, group, scale, use_h0, store_ht,
+                    l_qk, l_u, l_a, l_g).launch(
             grid=(num_seqs, hv, self.nvb), block=(self.threads, 1, 1), stream=stream)
 
     # ------------------------------------------------------------------ device side
@@ -128,7 +136,8 @@ class ChunkFwdSm90:
     def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
                tma_w: cute.CopyAtom, tW: cute.Tensor, tma_u: cute.CopyAtom, tU: cute.Tensor,
                tma_a: cute.CopyAtom, tA: cute.Tensor, tma_g: cute.CopyAtom, tG: cute.Tensor,
-               mH0: cute.Tensor, mHt: cute.Tensor, mO: cute.Tensor, mCu: cute.Tensor, mCo: cute.Tensor,
+               mH0: cute.Tensor, mHt: cute.Tensor, mO: cute.Tensor, mS: cute.Tensor, mVn: cute.Tensor,
+               mCu: cute.Tensor, mCo: cute.Tensor,
                hv: cutlass.Int32, group: cutlass.Int32, scale: cutlass.Float32,
                use_h0: cutlass.Int32, store_ht: cutlass.Int32, l_qk: cute.ComposedLayout, l_u: cute.ComposedLayout, l_a: cute.ComposedLayout,
                l_g: cute.Layout):
@@ -156,6 +165,11 @@ class ChunkFwdSm90:
         # output staging: row-major [token][v] with a padded pitch, seen as (v, token) for the C partition
         sO = storage.sO.get_tensor(cute.make_layout((BT, self.vblk), stride=(self.o_pitch, 1)))
         sO_t = storage.sO.get_tensor(cute.make_layout((self.vblk, BT), stride=(1, self.o_pitch)))
+        # save staging: rows 0..K-1 hold S = H^T ([k][v]), rows K..K+63 hold v_new ([token][v])
+        sSave = storage.sSave.get_tensor(cute.make_layout((K + BT, self.vblk), stride=(self.o_pitch, 1)))
+        sSaveS_c = storage.sSave.get_tensor(cute.make_layout((self.vblk, K), stride=(1, self.o_pitch)))
+        sSaveV_c = cute.make_tensor(storage.sSave.data_ptr() + K * self.o_pitch,
+                                    cute.make_layout((self.vblk, BT), stride=(1, self.o_pitch)))
 
         pipe = pipeline.PipelineTmaAsync.create(
             barrier_storage=storage.mbar.data_ptr(), num_stages=self.stages,
@@ -252,6 +266,10 @@ class ChunkFwdSm90:
             thr_copy = tiled_copy.get_slice(tidx)
             tOsrc = thr_copy.partition_S(sO)
             cO = thr_copy.partition_S(cute.make_identity_tensor((BT, self.vblk)))
+            if cutlass.const_expr(self.save):
+                tSaveS = thrh.partition_C(sSaveS_c)
+                tSaveV = thr64.partition_C(sSaveV_c)
+                tSaveSrc = thr_copy.partition_S(sSave)
 
             cstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
             for c in cutlass.range(nchunks, unroll=1):
@@ -280,6 +298,24 @@ class ChunkFwdSm90:
                 warpgroup.wait_group(0)
                 fence_operand(acc_vn)
                 fence_operand(acc_o)
+
+                if cutlass.const_expr(self.save):
+                    # the bf16 state this chunk multiplied with, and the bf16 v_new it will use
+                    row = (c0 + c) * hv + head
+                    for i in cutlass.range_constexpr(cute.size(acc_h)):
+                        tSaveS[i] = bf16(acc_h[i])
+                    for i in cutlass.range_constexpr(cute.size(acc_vn)):
+                        tSaveV[i] = bf16(acc_vn[i])
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
+                    gS = cute.local_tile(mS, (K, self.vblk), (row, vb))
+                    gVn = cute.local_tile(mVn, (BT, self.vblk), (row, vb))
+                    tSd = thr_copy.partition_D(gS)
+                    tVd = thr_copy.partition_D(gVn)
+                    nS = cute.size(tSd, mode=[1])
+                    for m in cutlass.range_constexpr(nS):
+                        cute.copy(copy_atom, tSaveSrc[None, m, None], tSd[None, m, None])
+                    for m in cutlass.range_constexpr(cute.size(tVd, mode=[1])):
+                        cute.copy(copy_atom, tSaveSrc[None, nS + m, None], tVd[None, m, None])
 
                 g_last = sG[BT - 1, s]
                 for i in cutlass.range_constexpr(cute.size(acc_o)):

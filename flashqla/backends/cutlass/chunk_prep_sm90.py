@@ -45,10 +45,11 @@ U_PITCH = 72        # bf16 row pitch of the u^T staging tile
 
 
 class ChunkPrepSm90:
-    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False):
+    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False, save: bool = False):
         assert K == 128 and V == 128
         self.K, self.V = K, V
         self.beta_fp32 = beta_fp32
+        self.save = save   # training forward: also store T = (I + A)^-1 as bf16 [c, h, 64, 64]
         self.threads = 128
         self.scratch_f32 = 2 * BT * PITCH + 3 * 256
         assert self.scratch_f32 * 4 >= (BT * W_PITCH + V * U_PITCH) * 2
@@ -57,7 +58,7 @@ class ChunkPrepSm90:
     def __call__(self, q_ptr: cute.Pointer, k_ptr: cute.Pointer, v_ptr: cute.Pointer,
                  g_ptr: cute.Pointer, beta_ptr: cute.Pointer,
                  w_ptr: cute.Pointer, u_ptr: cute.Pointer, a_ptr: cute.Pointer, gc_ptr: cute.Pointer,
-                 cu_ptr: cute.Pointer, ci_ptr: cute.Pointer,
+                 t_ptr: cute.Pointer, cu_ptr: cute.Pointer, ci_ptr: cute.Pointer,
                  total_tokens: cutlass.Int32, total_chunks: cutlass.Int32, num_seqs: cutlass.Int32,
                  hqk: cutlass.Int32, hv: cutlass.Int32, scale: cutlass.Float32, stream: cuda.CUstream):
         K, V = self.K, self.V
@@ -72,6 +73,7 @@ class ChunkPrepSm90:
         mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(BT, 1)))
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
         mGc = cute.make_tensor(gc_ptr, cute.make_layout((rows * BT,), stride=(1,)))
+        mT = cute.make_tensor(t_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
         mCi = cute.make_tensor(ci_ptr, cute.make_layout((total_chunks, 2), stride=(2, 1)))
 
@@ -96,14 +98,14 @@ class ChunkPrepSm90:
 
         self.shared_storage = SharedStorage
         group = hv // hqk
-        self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mg, mb, mW, mU, mA, mGc, mCu, mCi,
+        self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mg, mb, mW, mU, mA, mGc, mT, mCu, mCi,
                     hv, group, scale, l_t).launch(
             grid=(total_chunks, hv, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
                tma_v: cute.CopyAtom, tV: cute.Tensor, mg: cute.Tensor, mb: cute.Tensor,
-               mW: cute.Tensor, mU: cute.Tensor, mA: cute.Tensor, mGc: cute.Tensor,
+               mW: cute.Tensor, mU: cute.Tensor, mA: cute.Tensor, mGc: cute.Tensor, mT: cute.Tensor,
                mCu: cute.Tensor, mCi: cute.Tensor, hv: cutlass.Int32, group: cutlass.Int32,
                scale: cutlass.Float32, l_t: cute.ComposedLayout):
         K, V = self.K, self.V
@@ -278,6 +280,20 @@ class ChunkPrepSm90:
                 sT[16 * i_blk + r, 16 * j_blk + cc] = -acc
             cute.arch.sync_threads()
 
+        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
+        if cutlass.const_expr(self.save):
+            # T (bf16, row-major [i][j]) for the backward: 8 consecutive entries per 128-bit store
+            cp_t = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 8, 8), stride=(8, 1)),
+                                           cute.make_layout((1, 8)))
+            thr_t = cp_t.get_slice(tidx)
+            gT = thr_t.partition_D(cute.local_tile(mT, (BT, BT), (row, 0)))
+            cT = thr_t.partition_S(cute.make_identity_tensor((BT, BT)))
+            rT = cute.make_rmem_tensor(gT.shape, bf16)
+            for i in cutlass.range_constexpr(cute.size(rT)):
+                r, cc = cT[i]
+                rT[i] = bf16(sT[r, cc])
+            cute.copy(cp_t, rT, gT)
+
         # ---------------------------------------------------------------- -w = -(T beta Gamma) k, u = (T beta) v
         mma_rs = sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, f32, (1, 1, 1), (64, K),
@@ -314,7 +330,6 @@ class ChunkPrepSm90:
         cute.arch.sync_threads()
 
         # 128-bit stores of the staged rows: -w rows (64 x 128) and u^T rows (128 x 64)
-        copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
         cp_w = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 16, 16), stride=(16, 1)),
                                        cute.make_layout((1, 8)))
         thr_w = cp_w.get_slice(tidx)
