@@ -120,6 +120,24 @@ def test_forward_with_prepared_varlen_meta_matches():
     assert rel_l2(o, ref["o"]) <= FWD_TOL and rel_l2(ht, ref["ht"]) <= FWD_TOL
 
 
+@pytest.mark.parametrize("fuse", [0, 1], ids=["three_kernel", "fused_output"])
+def test_forward_both_paths(monkeypatch, fuse):
+    # the forward either fuses the output into the state pass or runs a separate output kernel
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse},output.bv=64,state.bv=32")
+    case = Case("paths", 1, 2, 64, 128, seqlens=(70, 1, 0, 64), l2norm=True)
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=False)
+    assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
+
+
+def test_tune_override_is_checked(monkeypatch):
+    from flashqla.backends.triton import ops
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "dqk.bv=32, wy.warps=4")
+    assert ops.tune("dqk")["bv"] == 32 and ops.tune("wy")["warps"] == 4 and ops.tune("prep")["warps"] == 8
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "dqk.blocks=3")
+    with pytest.raises(ValueError, match="FLASHQLA_TRITON_TUNE"):
+        ops.tune("dqk")
+
+
 # --- backward vs the float64 oracle --------------------------------------------------------------
 
 BWD_CASES = [

@@ -3,8 +3,9 @@
 Kernels (one file per stage, each opens with its grid / roles / memory budget):
 
 * ``chunk_prep.py``       fused intra-chunk prep: gate cumsum, A, (I + A)^-1, w, u  (chunks x Hv)
-* ``chunk_state.py``      serial state recurrence, state in fp32 registers           (N*Hv x V-blocks)
-* ``chunk_output.py``     chunk outputs                                             (chunks x Hv)
+* ``chunk_state.py``      serial state recurrence, state in fp32 registers, with the
+                          chunk output fused in when there are enough programs        (N*Hv x V-blocks)
+* ``chunk_output.py``     chunk outputs, for the unfused forward                      (chunks x Hv)
 * ``chunk_bwd_state.py``  serial backward state recurrence: dh, dv_new, dh0          (N*Hv x V-blocks)
 * ``chunk_bwd_grads.py``  fused per-chunk gradients dq, dk, dv, dbeta, dg            (chunks x Hv)
 
@@ -12,6 +13,9 @@ Features: q/k/v in bf16 / fp16 (fp32 too, computed with full-fp32 dots: the accu
 g and beta in fp32 / bf16 / fp16, K and V in {64, 128}, chunk 64, varlen from the device metadata of
 ``flashqla.varlen.VarlenMeta`` (no host sync: CUDA-graph capturable), GVA (the q/k head of value head h
 is indexed in-kernel), fp32 initial / final state, fused q/k L2 norm.  Deterministic: no atomics.
+
+Launch configurations: ``ops._DEFAULTS`` (from compile-only register / shared-memory surveys);
+``FLASHQLA_TRITON_TUNE="kernel.key=int,..."`` overrides them for tuning (see ``ops.tune``).
 
 On a CPU device the kernels run in Triton's interpreter (``TRITON_INTERPRET=1``, slow: tests only);
 there the inputs must be float32 (the interpreter mis-computes bf16 dots and reductions).

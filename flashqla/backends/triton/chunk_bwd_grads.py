@@ -95,8 +95,8 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, do_ptr, dq_
         ds = mma(do, tl.trans(vn), ds, IEEE, DT)
         sdot += tl.sum(tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1), 0)
 
-    gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv * TT, BT, 0)
-    lh, ll = load_gate_last(G_ptr, t0, L, h, TT, Hv * TT)
+    gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv.to(tl.int64) * TT, BT, 0)
+    lh, ll = load_gate_last(G_ptr, t0, L, h, TT, Hv.to(tl.int64) * TT)
     incl = (r[:, None] >= r[None, :]) & valid[:, None]
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])          # G_r - G_j
     dP = tl.where(incl, ds * tl.exp(tl.where(incl, d, 0.0)), 0.0) * scale
@@ -153,7 +153,7 @@ def chunk_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Tm_ptr, w_ptr, u_ptr, h_p
 
     ww = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0)
     dA = mma(-dyw, tl.trans(ww), dA, IEEE, DT)
-    gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv * TT, BT, 0)
+    gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv.to(tl.int64) * TT, BT, 0)
     eg = tl.exp(gh + gl)
     k, rk = _load_qk_hat(k_ptr, t0, L, hk, Hqk, K, USE_L2, DT)
     kdy = tl.sum(dyw * k.to(tl.float32), 1)
@@ -161,14 +161,16 @@ def chunk_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Tm_ptr, w_ptr, u_ptr, h_p
     dbeta += eg * kdy
     dG = beta * eg * kdy
 
+    # (ordered so that at most three [64, 64] fp32 tiles are live)
     strict = r[:, None] > r[None, :]
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
     Dm = tl.where(strict, tl.exp(tl.where(strict, d, 0.0)), 0.0)
     dA = tl.where(strict, dA, 0.0)
     Bm = mm(k, tl.trans(k), IEEE, DT) * Dm                               # (k k^T) D, so A = beta Bm
-    dbeta += tl.sum(dA * Bm, 1)
-    Z = dA * Bm * beta[:, None]
-    dG += tl.sum(Z, 1) - tl.sum(Z, 0)
+    t = dA * Bm
+    dbeta += tl.sum(t, 1)
+    t = t * beta[:, None]                                                # dA * A
+    dG += tl.sum(t, 1) - tl.sum(t, 0)
     E = dA * beta[:, None] * Dm
     dk = mma(E, k, dk, IEEE, DT)
     dk = mma(tl.trans(E), k, dk, IEEE, DT)

@@ -40,7 +40,7 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
     bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
     r = tl.arange(0, BT)
     sbase = (n.to(tl.int64) * Hv + h) * K * V
-    GS = Hv * TT
+    GS = Hv.to(tl.int64) * TT
 
     if HAS_DHT:
         dS = load_state(dht_ptr, sbase, K, V, v0, BV).to(tl.float32)

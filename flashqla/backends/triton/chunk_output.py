@@ -1,7 +1,10 @@
-"""Chunk output (forward): parallel over chunks.
+"""Chunk output (forward, unfused path): parallel over chunks.
 
-Grid: ``(total_chunks, Hv, V // BV)``; one program per (chunk, value head, V-block), 4 warps
-(8 at BV = 128).  With BV = V the [64, 64] score tile is computed once per (chunk, head).
+Used when few (sequence, head) pairs would leave the fused state+output kernel latency-bound (see
+``ops.fuse_forward_output``); otherwise the state kernel produces o itself.
+
+Grid: ``(total_chunks, Hv, V // BV)``; one program per (chunk, value head, V-block), 8 warps
+at K = BV = 128, else 4.  With BV = V the [64, 64] score tile is computed once per (chunk, head).
 
     o = scale * ( exp(G) * (q S)  +  ((q k^T) * exp(G_r - G_j), j <= r) v_new )
 
@@ -34,7 +37,7 @@ def chunk_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_
 
     q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
     k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
-    gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv * TT, BT, 0)
+    gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv.to(tl.int64) * TT, BT, 0)
     S = load_state(h_ptr, (pid.to(tl.int64) * Hv + h) * K * V, K, V, v0, BV)
     vn = load_cols(vn_ptr, t0, L, h, Hv, V, BT, v0, BV)
 

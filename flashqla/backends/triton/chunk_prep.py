@@ -101,7 +101,7 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     gl = (Gd - gh.to(tl.float64)).to(tl.float32)
     gp = G_ptr + h.to(tl.int64) * TT + t0 + r
     tl.store(gp, gh, mask=valid)
-    tl.store(gp + Hv * TT, gl, mask=valid)
+    tl.store(gp + Hv.to(tl.int64) * TT, gl, mask=valid)
 
     beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0)
     kc = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)

@@ -1,10 +1,15 @@
 """Host side of the "triton" backend: buffer allocation and kernel launches (no host syncs).
 
-Forward (3 launches)::
+Forward (2 or 3 launches)::
 
-    chunk_prep_kernel    (chunks, Hv)          -> w, u, G            [+ Tinv for the backward]
-    chunk_state_fwd_kernel (N*Hv, V/BV)        -> h (chunk start states), v_new, final state
-    chunk_output_kernel  (chunks, Hv, V/BVo)   -> o
+    chunk_prep_kernel      (chunks, Hv)          -> w, u, G                     [+ Tinv for the backward]
+    chunk_state_fwd_kernel (N*Hv, V/BV)          -> o, final state              (fused: enough programs)
+      or                                         -> h (chunk states), v_new, final state
+    chunk_output_kernel    (chunks, Hv, V/BVo)   -> o                           (unfused path only)
+
+Backward (6 launches, + the group sum of dq/dk under GVA): prep (with Tinv) and the state pass are
+recomputed, then chunk_state_bwd_kernel (serial: dh, dv_new, dh0), chunk_bwd_dqk_kernel and
+chunk_bwd_wy_kernel (parallel: dq, dk, dv, dbeta, dg).
 
 Every size a launch needs is known on the host without reading device memory (the number of chunks
 comes from ``chunk_indices.shape``), so forward and backward can be captured in a CUDA graph.
@@ -12,6 +17,7 @@ comes from ``chunk_indices.shape``), so forward and backward can be captured in 
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -81,13 +87,61 @@ def _sm_count(device) -> int:
     return 0
 
 
+# Launch configurations.  Chosen from compile-only register / spill / shared-memory surveys
+# (sm_80, sm_86, sm_89, sm_90 targets, bf16, K = V = 64 and 128): 8 warps for the chunk-parallel
+# kernels (fewer spills than 4), 4 warps for the serial ones, two pipeline stages (the largest
+# kernel then needs ~82 KB of shared memory, under the 99 KB of sm_86 / sm_89).  ``bv`` is the
+# V-block; 0 means "choose" (see _state_bv).  Override for tuning, without editing code, with
+# FLASHQLA_TRITON_TUNE="state.bv=32,output.warps=4,dqk.stages=3" (kernel.key=int, comma separated).
+_DEFAULTS = {
+    "fwd": dict(fuse=-1),                        # -1: fuse_forward_output decides
+    "fused": dict(warps=4, stages=2, bv=32),     # the state kernel with FUSE_OUTPUT
+    "prep": dict(warps=8, stages=2),
+    "state": dict(warps=0, stages=2, bv=0),      # warps 0: 4 at bv <= 32, else 8
+    "output": dict(warps=0, stages=2, bv=0),     # bv 0: V; warps 0: 8 at K*bv >= 128*128, else 4
+    "bstate": dict(warps=4, stages=2, bv=32),
+    "dqk": dict(warps=8, stages=2, bv=64),
+    "wy": dict(warps=8, stages=2, bv=64),
+}
+_tune_cache: dict = {}
+
+
+def tune(kernel: str) -> dict:
+    """The launch configuration of ``kernel`` (defaults above, FLASHQLA_TRITON_TUNE on top)."""
+    raw = os.environ.get("FLASHQLA_TRITON_TUNE", "")
+    key = (kernel, raw)
+    if key not in _tune_cache:
+        cfg = dict(_DEFAULTS[kernel])
+        for item in raw.replace(";", ",").split(","):
+            item = item.strip()
+            if not item:
+                continue
+            try:
+                name, val = item.split("=")
+                kname, field = name.strip().split(".")
+                if kname not in _DEFAULTS or field not in _DEFAULTS[kname]:
+                    raise KeyError(name)
+                if kname == kernel:
+                    cfg[field] = int(val)
+            except (ValueError, KeyError) as exc:
+                raise ValueError(f"FLASHQLA_TRITON_TUNE: cannot parse {item!r} (kernel.key=int with kernel in "
+                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse)") from exc
+        _tune_cache[key] = cfg
+    return _tune_cache[key]
+
+
+def _launch(cfg: dict) -> dict:
+    return dict(num_warps=cfg["warps"], num_stages=cfg["stages"])
+
+
 def _state_bv(geo: Geometry, device) -> int:
-    """V-block of the serial state kernels: 64 when that already fills the GPU, else 32 (twice the
-    programs for the latency-bound long-sequence / few-head case)."""
-    if geo.V < 64:
-        return geo.V
+    """V-block of the serial forward state kernel: 64 when (sequences x heads x V/64) programs already
+    fill the GPU, else 32 (twice the programs for the latency-bound long-sequence / few-head case)."""
+    cfg = tune("state")
+    if cfg["bv"]:
+        return min(cfg["bv"], geo.V)
     sms = _sm_count(device)
-    if sms and geo.N * geo.Hv * (geo.V // 64) < sms:
+    if sms and geo.N * geo.Hv * (geo.V // 64) < 2 * sms:
         return 32
     return 64
 
@@ -104,44 +158,89 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
         k, v, g, beta, w, u, G, Tm if store_t else G, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
-        num_warps=4)
+        **_launch(tune("prep")))
     return w, u, G, Tm
 
 
-def state_fwd(geo: Geometry, k, w, u, G, h0, output_final_state: bool, use_l2: bool):
+def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2: bool, scale: float = 1.0,
+              fuse_output: bool = False):
+    """Serial state pass.  ``fuse_output``: also computes o (returned in place of h) and stores neither
+    the chunk states nor v_new; otherwise returns (h, v_new, final state)."""
     from .chunk_state import chunk_state_fwd_kernel
 
     dev = k.device
-    h = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=k.dtype, device=dev)
-    vn = torch.empty_like(u)
+    if fuse_output:
+        o = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=u.dtype, device=dev)
+        h = vn = None
+    else:
+        o = None
+        h = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=k.dtype, device=dev)
+        vn = torch.empty_like(u)
     ht = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if output_final_state else None
-    BV = _state_bv(geo, dev)
+    if fuse_output:
+        cfg = tune("fused")
+        BV = min(cfg["bv"], geo.V)
+    else:
+        BV = _state_bv(geo, dev)
+        cfg = dict(tune("state"))
+        cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
+    dummy = u
     chunk_state_fwd_kernel[(geo.N * geo.Hv, triton.cdiv(geo.V, BV))](
-        k, w, u, G, h0 if h0 is not None else h, ht if ht is not None else h, h, vn, geo.cu, geo.coff,
-        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
+        h if h is not None else dummy, vn if vn is not None else dummy, o if o is not None else dummy,
+        geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
-        STORE_HT=ht is not None, IEEE=geo.ieee, num_warps=4)
-    return h, vn, ht
+        STORE_HT=ht is not None, STORE_H=not fuse_output, FUSE_OUTPUT=fuse_output, IEEE=geo.ieee,
+        **_launch(cfg))
+    return (o if fuse_output else h), vn, ht
+
+
+def fuse_forward_output(geo: Geometry, device) -> bool:
+    """Fused state+output forward when its serial programs already fill the GPU (then the h / v_new
+    round trip through HBM is pure cost); the 3-kernel path when few (sequence, head) pairs leave the
+    serial kernel latency-bound and the parallel output kernel is the better place for that work.
+    ``FLASHQLA_TRITON_TUNE=fwd.fuse=0|1`` forces either (``fwd.fuse=-1``, the default, decides)."""
+    forced = tune("fwd")["fuse"]
+    if forced >= 0:
+        return bool(forced)
+    sms = _sm_count(device)
+    if not sms:
+        return True
+    return geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= sms
 
 
 def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype):
     from .chunk_output import chunk_output_kernel
 
     o = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=out_dtype, device=q.device)
-    BV = geo.V
+    cfg = dict(tune("output"))
+    BV = min(cfg["bv"] or geo.V, geo.V)
+    cfg["warps"] = cfg["warps"] or (8 if geo.K * BV >= 128 * 128 else 4)
     chunk_output_kernel[(geo.chunks, geo.Hv, triton.cdiv(geo.V, BV))](
         q, k, G, h, vn, o, geo.cu, geo.cidx, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
-        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, IEEE=geo.ieee,
-        num_warps=8 if geo.K * BV >= 128 * 128 else 4)
+        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, IEEE=geo.ieee, **_launch(cfg))
     return o
+
+
+def _device_guard(x):
+    """Triton launches on the *current* CUDA device; make it the tensors' one (multi-GPU callers)."""
+    return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
 def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool):
     """Returns ``(o, final_state or None)``."""
+    with _device_guard(q):
+        return _forward(q, k, v, g, beta, scale, h0, meta, output_final_state, use_l2)
+
+
+def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool):
     geo = Geometry(q, v, meta)
     w, u, G, _ = prep(geo, k, v, g, beta, use_l2, store_t=False)
-    h, vn, ht = state_fwd(geo, k, w, u, G, h0, output_final_state, use_l2)
+    if fuse_forward_output(geo, q.device):
+        o, _, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, scale, fuse_output=True)
+        return o, ht
+    h, vn, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2)
     o = output(geo, q, k, G, h, vn, scale, use_l2, v.dtype)
     return o, ht
 
@@ -153,12 +252,13 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     dh = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=q.dtype, device=dev)
     dvn = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=q.dtype, device=dev)
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
-    BV = _state_bv(geo, dev)
+    cfg = tune("bstate")
+    BV = min(cfg["bv"], geo.V)
     chunk_state_bwd_kernel[(geo.N * geo.Hv, triton.cdiv(geo.V, BV))](
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, IEEE=geo.ieee, num_warps=4)
+        STORE_DH0=dh0 is not None, IEEE=geo.ieee, **_launch(cfg))
     return dh, dvn, dh0
 
 
@@ -181,13 +281,15 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale: 
     dg = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
     grid = (geo.chunks, geo.Hv)
     common = dict(K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, GRAD_PER_VHEAD=per_vhead,
-                  IEEE=geo.ieee, num_warps=4)
+                  IEEE=geo.ieee)
+    cfg = tune("dqk")
     chunk_bwd_dqk_kernel[grid](
         q, k, G, h, dh, vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
-        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(geo.V, 32), **common)
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg))
+    cfg = tune("wy")
     chunk_bwd_wy_kernel[grid](
         k, v, beta, G, Tm, w, u, h, dvn, dk_a, dG_a, dk, dv, dbeta, dg, geo.cu, geo.cidx,
-        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(geo.V, 32), **common)
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg))
     if per_vhead:
         r = geo.Hv // geo.Hqk
         dq = dq.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
@@ -198,9 +300,14 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale: 
 def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
     """Returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``; recomputes w, u, the inverse and the chunk
     states rather than keeping them from the forward (6 launches, + the group sum under GVA)."""
+    with _device_guard(q):
+        return _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2)
+
+
+def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
     geo = Geometry(q, v, meta)
     w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
-    h, vn, _ = state_fwd(geo, k, w, u, G, h0, False, use_l2)
+    h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2)
     dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2)
     dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale, use_l2)
     return dq, dk, dv, dg, dbeta, dh0
