@@ -158,21 +158,86 @@ static void gemm(int M, int N, int Kd, const float* A, int lda, const float* B, 
   }
 }
 
-// dst[j*ldd + i] = src[i*lds + j] * (rowscale ? rowscale[i] : 1), i < M, j < N
+// dst[j*ldd + i] = src[i*lds + j] * (rowscale ? rowscale[i] : 1), i < M, j < N; M, N multiples of VW.
+// VW x VW tiles are transposed in registers by log2(VW) butterfly stages of two-input shuffles
+// (vpermt2ps on AVX-512), instead of VW*VW strided scalar stores.
+#if defined(__clang__)
 static void transpose(int M, int N, const float* src, int lds, float* dst, int ldd,
                       const float* rowscale = nullptr) {
-  constexpr int TB = 16;
-  for (int i0 = 0; i0 < M; i0 += TB) {
-    const int i1 = imin(M, i0 + TB);
-    for (int j0 = 0; j0 < N; j0 += TB) {
-      const int j1 = imin(N, j0 + TB);
-      for (int i = i0; i < i1; ++i) {
-        const float s = rowscale ? rowscale[i] : 1.f;
-        const float* sr = src + (ptrdiff_t)i * lds;
-        for (int j = j0; j < j1; ++j) dst[(ptrdiff_t)j * ldd + i] = sr[j] * s;
-      }
+  for (int i = 0; i < M; ++i) {
+    const float s = rowscale ? rowscale[i] : 1.f;
+    for (int j = 0; j < N; ++j) dst[(ptrdiff_t)j * ldd + i] = src[(ptrdiff_t)i * lds + j] * s;
+  }
+}
+#else
+// Shuffle masks as constant data (a constexpr table, so no dynamic initialiser runs ISA code at load).
+struct TransposeMasks {
+  int32_t lo[4][VW], hi[4][VW];  // per stage (block size 1, 2, 4, 8)
+};
+static constexpr TransposeMasks make_masks() {
+  TransposeMasks t{};
+  int st = 0;
+  for (int b = 1; b < VW; b *= 2, ++st) {
+    for (int l = 0; l < VW; ++l) {
+      // lo: lanes with (l & b) take the second row's lane l-b, others the first's lane l;
+      // hi: lanes with (l & b) take the second row's lane l, others the first's lane l+b.
+      t.lo[st][l] = (l & b) ? VW + (l - b) : l;
+      t.hi[st][l] = (l & b) ? VW + l : l + b;
     }
   }
+  return t;
+}
+static constexpr TransposeMasks kTM = make_masks();
+
+static inline void tile_transpose(vf* r) {
+  int st = 0;
+#pragma GCC unroll 4
+  for (int b = 1; b < VW; b *= 2, ++st) {
+    vi mlo, mhi;
+    __builtin_memcpy(&mlo, kTM.lo[st], sizeof(vi));
+    __builtin_memcpy(&mhi, kTM.hi[st], sizeof(vi));
+#pragma GCC unroll 16
+    for (int i = 0; i < VW; ++i) {
+      if (i & b) continue;
+      const vf a = r[i], c = r[i + b];
+      r[i] = __builtin_shuffle(a, c, mlo);
+      r[i + b] = __builtin_shuffle(a, c, mhi);
+    }
+  }
+}
+
+static void transpose(int M, int N, const float* src, int lds, float* dst, int ldd,
+                      const float* rowscale = nullptr) {
+  vf r[VW];
+  for (int i0 = 0; i0 < M; i0 += VW) {
+    for (int j0 = 0; j0 < N; j0 += VW) {
+      for (int i = 0; i < VW; ++i) {
+        r[i] = vld(src + (ptrdiff_t)(i0 + i) * lds + j0);
+        if (rowscale) r[i] *= rowscale[i0 + i];
+      }
+      tile_transpose(r);
+      for (int j = 0; j < VW; ++j) vst(dst + (ptrdiff_t)(j0 + j) * ldd + i0, r[j]);
+    }
+  }
+}
+#endif
+
+static inline float vhsum(vf x) {
+  float s = 0.f;
+  for (int i = 0; i < VW; ++i) s += x[i];
+  return s;
+}
+
+// sum a[i] b[i], n a multiple of VW
+static inline float vdot(const float* a, const float* b, int n) {
+  vf acc0 = vset(0.f), acc1 = vset(0.f);
+  int i = 0;
+  for (; i + 2 * VW <= n; i += 2 * VW) {
+    acc0 += vld(a + i) * vld(b + i);
+    acc1 += vld(a + i + VW) * vld(b + i + VW);
+  }
+  for (; i < n; i += VW) acc0 += vld(a + i) * vld(b + i);
+  return vhsum(acc0 + acc1);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -327,10 +392,10 @@ static float prep_chunk(const Problem& pb, const WS& w, int h, int hq, int64_t t
     for (int j = 0; j < Lr; ++j) tr[j] = 0.f;
     tr[r] = 1.f;
     for (int j = 0; j < r; ++j) {
-      const float a = ar[j];
-      if (a == 0.f) continue;
+      const vf a = vset(ar[j]);
       const float* tj = w.Tm + (ptrdiff_t)j * C;
-      for (int c = 0; c <= j; ++c) tr[c] -= a * tj[c];
+      // Tm row j is zero right of its diagonal, so whole vectors up to rup(j+1, VW) are exact
+      for (int c = 0; c <= j; c += VW) vst(tr + c, vld(tr + c) - a * vld(tj + c));
     }
   }
   return gammaC;
@@ -447,26 +512,12 @@ static void bwd_chunk(const Problem& pb, const WS& w, int h, int hq, int64_t t0,
   gemm(Lr, Kp, Vp, Vn, Vp, w.dS1T, Kp, w.dKd, Kp, 1.f, 0.f);
   // dGamma_C = <S0, dS1>
   double dgamC = 0.0;
-  {
-    const size_t nkv = (size_t)Kp * Vp;
-    for (size_t i0 = 0; i0 < nkv; i0 += 256) {
-      float part = 0.f;
-      const size_t i1 = i0 + 256 < nkv ? i0 + 256 : nkv;
-      for (size_t i = i0; i < i1; ++i) part += S0[i] * w.dS[i];
-      dgamC += part;
-    }
-  }
+  for (int i = 0; i < Kp; ++i) dgamC += vdot(S0 + (ptrdiff_t)i * Vp, w.dS + (ptrdiff_t)i * Vp, Vp);
   // dS0 = Gamma_C dS1 + [s (Gamma q)^T | -W^T] [dO; dVn]
   const int ldAT = 2 * C;
-  for (int r = 0; r < Lr; ++r) {
-    const float sg = s * w.gam[r];
-    const float* qr = qb + (ptrdiff_t)r * Kp;
-    const float* wr = w.WU + (ptrdiff_t)r * ldX;
-    for (int i = 0; i < Kp; ++i) {
-      w.AT[(ptrdiff_t)i * ldAT + r] = sg * qr[i];
-      w.AT[(ptrdiff_t)i * ldAT + Lr + r] = -wr[i];
-    }
-  }
+  for (int r = 0; r < Lr; ++r) { w.tmp[r] = s * w.gam[r]; w.rowsum[r] = -1.f; }
+  transpose(Lr, Kp, qb, Kp, w.AT, ldAT, w.tmp);
+  transpose(Lr, Kp, w.WU, ldX, w.AT + Lr, ldAT, w.rowsum);
   gemm(Kp, Vp, 2 * Lr, w.AT, ldAT, w.DOV, Vp, w.dS, Vp, 1.f, gammaC);
   // [dW | dU] = [-Z2 | dVn]
   const float* Z1 = w.Z;
@@ -544,15 +595,12 @@ static void bwd_chunk(const Problem& pb, const WS& w, int h, int hq, int64_t t0,
     float* dk = w.dkb + (ptrdiff_t)r * Kp;
     const float g_ = w.gam[r], l_ = w.lam[r], b_ = w.bet[r];
     const float sg = s * g_, bg = b_ * g_;
-    float qz = 0.f, kdk = 0.f, kx = 0.f, vx = 0.f;
-    for (int i = 0; i < K; ++i) {
-      qz += qr[i] * z1[i];
-      kdk += kr[i] * dkd[i];
-      kx += kr[i] * dxk[i];
-      dq[i] += sg * z1[i];
-      dk[i] += l_ * dkd[i] + bg * dxk[i];
+    const float qz = vdot(qr, z1, Kp), kdk = vdot(kr, dkd, Kp), kx = vdot(kr, dxk, Kp);
+    const float vx = vdot(vr, dxv, Vp);
+    for (int i = 0; i < Kp; i += VW) {
+      vst(dq + i, vld(dq + i) + sg * vld(z1 + i));
+      vst(dk + i, vld(dk + i) + l_ * vld(dkd + i) + bg * vld(dxk + i));
     }
-    for (int i = 0; i < V; ++i) vx += vr[i] * dxv[i];
     const float dgam = s * qz + b_ * kx;
     const float dlam = kdk;
     w.dG[r] = w.rowsum[r] - w.colsum[r] + g_ * dgam - l_ * dlam;

@@ -9,6 +9,7 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
@@ -36,19 +37,42 @@ bool cpu_has(const char* feat) {
   return false;
 }
 
-const KernelTable* pick_table() {
-  static const KernelTable* chosen = [] {
-    const char* env = std::getenv("FLASHQLA_CPU_ISA");
-    std::string want = env ? env : "";
+const KernelTable* table_named(const std::string& want) {
 #ifdef FLASHQLA_X86_MULTI_ISA
-    if (want == "generic") return &generic::table;
-    if (want == "avx2" && cpu_has("avx2")) return &avx2::table;
-    if ((want.empty() || want == "avx512") && cpu_has("avx512f")) return &avx512::table;
-    if (cpu_has("avx2") && want != "generic") return &avx2::table;
+  if (want == "avx512") return cpu_has("avx512f") ? &avx512::table : nullptr;
+  if (want == "avx2") return cpu_has("avx2") ? &avx2::table : nullptr;
 #endif
-    return &generic::table;
-  }();
-  return chosen;
+  if (want == "generic") return &generic::table;
+  return nullptr;
+}
+
+const KernelTable* best_table() {
+  const char* env = std::getenv("FLASHQLA_CPU_ISA");
+  if (env && *env) {
+    if (const KernelTable* t = table_named(env)) return t;
+  }
+  for (const char* name : {"avx512", "avx2", "generic"})
+    if (const KernelTable* t = table_named(name)) return t;
+  return &generic::table;
+}
+
+std::atomic<const KernelTable*> g_table{nullptr};
+
+const KernelTable* pick_table() {
+  const KernelTable* t = g_table.load();
+  if (!t) {
+    t = best_table();
+    g_table.store(t);
+  }
+  return t;
+}
+
+// Switch the kernels' instruction set ("" = best available); false when this CPU lacks it.
+bool set_isa(const std::string& name) {
+  const KernelTable* t = name.empty() ? best_table() : table_named(name);
+  if (!t) return false;
+  g_table.store(t);
+  return true;
 }
 
 struct Aligned {
@@ -233,6 +257,8 @@ PYBIND11_MODULE(_native, m) {
   m.attr("openmp") = false;
 #endif
   m.def("isa", [] { return std::string(pick_table()->name); }, "instruction set of the kernels in use");
+  m.def("set_isa", &set_isa, py::arg("name"),
+        "use the generic / avx2 / avx512 kernels (\"\" = best available); False if the CPU lacks them");
   m.def("fwd", &fwd, py::call_guard<py::gil_scoped_release>());
   m.def("bwd", &bwd, py::call_guard<py::gil_scoped_release>());
   m.def("finalize_qk", &finalize_qk, py::call_guard<py::gil_scoped_release>());
