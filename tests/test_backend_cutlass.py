@@ -114,6 +114,9 @@ def test_kernel_cross_compiles_for_sm90a(kind, key, n_wgmma, tmp_path, monkeypat
     monkeypatch.delenv("CUTE_DSL_ARCH", raising=False)
     ptx = _check_ptx(_compile(kind, key, tmp_path), kind, key)
     assert ptx.count("wgmma.mma_async") == n_wgmma
+    from flashqla.backends.cutlass import smem_bytes
+    assert 0 < smem_bytes(kind, key) <= 227 * 1024, f"{kind}: {smem_bytes(kind, key)} B of shared memory"
+
     if kind in ("fwd", "bwd_state") and key[2] == 2:
         assert "setmaxnreg" in ptx
 

@@ -58,6 +58,7 @@ _INT32_MAX = 2 ** 31 - 1
 _lock = threading.Lock()
 _compiled: dict = {}
 _artifacts: dict = {}
+_smem: dict = {}
 _compile_counter = [0]
 _meta_cache: dict = {}
 
@@ -178,7 +179,13 @@ def compile_kernel(kind: str, key: tuple, arch: str = ARCH, keep_dir=None):
         _compile_counter[0] += 1
         _compiled[full_key] = fn
         _artifacts[full_key] = out
+        _smem[full_key] = getattr(kernel, "smem_bytes", None)
         return fn
+
+
+def smem_bytes(kind: str, key: tuple, arch: str = ARCH):
+    """Dynamic shared memory of a compiled kernel, in bytes (None if not compiled in this process)."""
+    return _smem.get((kind, arch) + tuple(key))
 
 
 def artifact_dir(kind: str, key: tuple, arch: str = ARCH):

@@ -102,6 +102,7 @@ class ChunkBwdDqkSm90:
             sRed: cute.struct.MemRange[cutlass.Float32, 8]
 
         self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_do, tDO, tma_s, tS, tma_ds, tDS, tma_vn, tVN, tma_dvn, tDVN,
                     tma_a, tA, mG, mDQ, mDK, mDW, mDG1, mCu, mCi, hv, group, scale, l_t, l_s, l_a).launch(

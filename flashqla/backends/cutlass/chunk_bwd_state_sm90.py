@@ -103,6 +103,7 @@ class ChunkBwdStateSm90:
             sSave: cute.struct.Align[cute.struct.MemRange[bf16, (K + BT) * self.pitch], 128]
 
         self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_do, tDO, tma_a, tA, tma_g, tG,
                     mDht, mDh0, mDh, mDvn, mCu, mCo, hv, group, scale, use_dht, store_dh0,

@@ -92,6 +92,7 @@ class ChunkBwdWySm90:
             sdG: cute.struct.MemRange[cutlass.Float32, BT]
 
         self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
         group = hv // hqk
         self.kernel(tma_k, tK, tma_v, tV, tma_t, tT, tma_dw, tDW, tma_du, tDU, mB, mG, mDG1, mDK, mDV,
                     mDB, mDg, mCu, mCi, hv, group, l_t, l_a).launch(

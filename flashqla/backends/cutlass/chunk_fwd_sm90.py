@@ -124,6 +124,7 @@ class ChunkFwdSm90:
             sSave: cute.struct.Align[cute.struct.MemRange[bf16, (K + BT) * self.o_pitch if self.save else 8], 128]
 
         self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
 
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_u, tU, tma_a, tA, tma_g, tG,

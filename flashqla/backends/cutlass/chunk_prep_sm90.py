@@ -97,6 +97,7 @@ class ChunkPrepSm90:
             sB: cute.struct.MemRange[cutlass.Float32, BT]
 
         self.shared_storage = SharedStorage
+        self.smem_bytes = SharedStorage.size_in_bytes()
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mg, mb, mW, mU, mA, mGc, mT, mCu, mCi,
                     hv, group, scale, l_t).launch(
