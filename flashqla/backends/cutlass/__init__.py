@@ -61,6 +61,8 @@ _artifacts: dict = {}
 _smem: dict = {}
 _compile_counter = [0]
 _meta_cache: dict = {}
+# Tests set this to a dict to receive the backward's workspaces (kernel-by-kernel checks); None otherwise.
+debug_capture = None
 
 
 def compile_count() -> int:
@@ -415,6 +417,8 @@ class CutlassBackend(Backend):
            P("int32", cu.data_ptr(), 4), P("int32", ci.data_ptr(), 4),
            I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _stream())
 
+        if debug_capture is not None:
+            debug_capture.update(dS=ws_dh, dvn=ws_dvn, dw=ws_dw, dG1=ws_dg1)
         r = Hv // Hqk
         dq = dq_v.view(TT, Hqk, r, K).sum(2).view(B, T, Hqk, K)
         dk = dk_v.view(TT, Hqk, r, K).sum(2).view(B, T, Hqk, K)

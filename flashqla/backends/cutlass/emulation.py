@@ -265,8 +265,12 @@ def bwd_wy_chunk(k, v, g, beta, T, dw, du, dk_part, dG1, valid):
     return dk, dv, dbeta, dg
 
 
-def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
-    """Gradients (dq, dk, dv, dg, dbeta, dh0) of the emulated forward, by the backward kernels' steps."""
+def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht, intermediates=None):
+    """Gradients (dq, dk, dv, dg, dbeta, dh0) of the emulated forward, by the backward kernels' steps.
+
+    ``intermediates``: a dict that receives the per-chunk workspaces in global chunk order, stacked
+    [C, Hv, ...]: S, vn, w_neg, aqk, G, T (training forward), dS, dvn (state-gradient recurrence),
+    dw, dG1 (bwd_dqk) -- the kernels' workspaces, for kernel-by-kernel comparisons."""
     _, Ttot, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     ratio = Hv // Hqk
@@ -301,6 +305,11 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
             gt = _tiles(g[..., None], c0, allh)[..., 0]
             bt = _tiles(beta[..., None], c0, allh)[..., 0]
             dq_c, dk_p, dw, dG1 = bwd_dqk_chunk(qt, kt, dot, ch["S"], dS, ch["vn"], dvn, ch["aqk"], ch["G"], valid, scale)
+            if intermediates is not None:
+                for name, val in (("S", ch["S"]), ("vn", ch["vn"]), ("w_neg", ch["w_neg"]), ("aqk", ch["aqk"]),
+                                  ("G", ch["G"]), ("T", ch["T"]), ("dS", dS), ("dvn", dvn), ("dw", dw),
+                                  ("dG1", dG1)):
+                    intermediates.setdefault(name, []).append(val)
             dk_c, dv_c, db_c, dg_c = bwd_wy_chunk(kt, vt, gt, bt, ch["T"], dw, dvn, dk_p, dG1, valid)
             sl = slice(c0, c0 + nv)
             dq[sl] = dq_c[:, :nv].transpose(0, 1)
@@ -308,6 +317,9 @@ def backward(q, k, v, g, beta, scale, initial_state, cu_seqlens, do, dht):
             dv[sl] = dv_c[:, :nv].transpose(0, 1)
             dbeta[sl] = db_c[:, :nv].transpose(0, 1)
             dg[sl] = dg_c[:, :nv].transpose(0, 1)
+    if intermediates is not None:
+        for name in list(intermediates):
+            intermediates[name] = torch.stack(intermediates[name], 0)
     dq = dq.view(Ttot, Hqk, ratio, K).sum(2)
     dk = dk.view(Ttot, Hqk, ratio, K).sum(2)
     return dq[None], dk[None], dv[None], dg[None], dbeta[None], (dh0 if initial_state is not None else None)
