@@ -4,7 +4,8 @@
 
 Shapes: T in {1024, 8192} (B = 1), Hqk/Hv in {2/8, 16/32}, K = V = 128, fp32 inputs, logsigmoid gates,
 L2-normalised q/k, no initial/final state.  Each timing is the median of ``--reps`` runs after one
-warm-up; both sides use torch.get_num_threads() threads.  Prints a table and writes
+warm-up (3 for the reference's slow T=8192 forward+backward), cpu and reference runs interleaved so
+both see the same load; both sides use torch.get_num_threads() threads.  Prints a table and writes
 benchmarks/results/cpu_bench.json and cpu_bench.md (speedups and their geometric means).
 """
 
@@ -40,14 +41,19 @@ def make(T, Hqk, Hv, K, V, grad, seed=0):
     return xs, do
 
 
-def timeit(fn, reps):
-    fn()  # warm-up
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+def timeit_pair(fa, fb, reps_a, reps_b):
+    """Medians of fa and fb, runs interleaved (a, b, a, b, ...) after one warm-up each, so both see the
+    same machine conditions (other processes on a shared box)."""
+    fa()
+    fb()
+    ta, tb = [], []
+    for i in range(max(reps_a, reps_b)):
+        for fn, ts, reps in ((fa, ta, reps_a), (fb, tb, reps_b)):
+            if i < reps:
+                t0 = time.perf_counter()
+                fn()
+                ts.append(time.perf_counter() - t0)
+    return statistics.median(ta), statistics.median(tb)
 
 
 def run_fwd(op, xs):
@@ -73,6 +79,7 @@ def main():
         raise SystemExit(f"cpu backend unavailable: {why}")
     cpu_op = lambda *a: flashqla.chunk_gated_delta_rule(*a, backend="cpu")  # noqa: E731
     ref_op = lambda *a: chunk_gated_delta_rule_ref(*a)  # noqa: E731
+    load0 = list(os.getloadavg())
     K = V = 128
     Ts = [1024] if args.quick else [1024, 8192]
     rows = []
@@ -84,11 +91,11 @@ def main():
                 # the reference's fwd+bwd at T=8192 takes seconds: fewer reps there
                 reps_ref = args.reps if T <= 1024 or mode == "fwd" else max(1, min(args.reps, 3))
                 if mode == "fwd":
-                    t_cpu = timeit(lambda: run_fwd(cpu_op, xs), args.reps)
-                    t_ref = timeit(lambda: run_fwd(ref_op, xs), reps_ref)
+                    t_cpu, t_ref = timeit_pair(lambda: run_fwd(cpu_op, xs), lambda: run_fwd(ref_op, xs),
+                                               args.reps, reps_ref)
                 else:
-                    t_cpu = timeit(lambda: run_fwdbwd(cpu_op, xs, do), args.reps)
-                    t_ref = timeit(lambda: run_fwdbwd(ref_op, xs, do), reps_ref)
+                    t_cpu, t_ref = timeit_pair(lambda: run_fwdbwd(cpu_op, xs, do),
+                                               lambda: run_fwdbwd(ref_op, xs, do), args.reps, reps_ref)
                 row[f"{mode}_cpu_ms"] = t_cpu * 1e3
                 row[f"{mode}_ref_ms"] = t_ref * 1e3
                 row[f"{mode}_speedup"] = t_ref / t_cpu
@@ -101,7 +108,8 @@ def main():
 
     env = dict(machine=platform.machine(), processor=platform.processor() or platform.machine(),
                cpus=os.cpu_count(), torch_threads=torch.get_num_threads(), torch=torch.__version__,
-               isa=be.version(), reps=args.reps)
+               isa=be.version(), reps=args.reps, loadavg_at_end=list(os.getloadavg()),
+               loadavg_at_start=load0)
     if args.no_write:
         return
     os.makedirs(RESULTS, exist_ok=True)
@@ -109,7 +117,9 @@ def main():
         json.dump(dict(env=env, rows=rows, geomean_speedup=gm), f, indent=2)
     lines = ["# cpu backend vs PyTorch chunked reference (fp32, K = V = 128, B = 1)", "",
              f"Command: `python benchmarks/bench_cpu.py --reps {args.reps}`; median of reps after a warm-up; "
-             f"{env['torch_threads']} threads, {env['cpus']} CPUs, kernels: {env['isa']}, torch {env['torch']}.", "",
+             f"{env['torch_threads']} threads, {env['cpus']} CPUs, kernels: {env['isa']}, torch {env['torch']}; "
+             f"cpu and reference runs interleaved; load average {load0[0]:.1f} at start, "
+             f"{env['loadavg_at_end'][0]:.1f} at end (other processes share the machine).", "",
              "| T | Hqk/Hv | fwd cpu (ms) | fwd ref (ms) | fwd speedup | fwd+bwd cpu (ms) | fwd+bwd ref (ms) "
              "| fwd+bwd speedup |",
              "|---|---|---|---|---|---|---|---|"]
