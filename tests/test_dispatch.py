@@ -45,7 +45,8 @@ def test_cpu_explain_names_chosen_and_rejects_gpu_backends():
                                        ((8, 0), ["triton", "reference"]),
                                        ((8, 9), ["triton", "reference"]),
                                        ((10, 0), ["triton", "reference"])])
-def test_gpu_order_with_faked_capability(cap, order):
+def test_gpu_order_with_faked_capability(cap, order, monkeypatch):
+    monkeypatch.setenv("FLASHQLA_SPEED_TABLE", "0")  # declared priorities alone
     with fake_device("cuda", cap):
         d = flashqla.explain(*_inputs(torch.bfloat16, K=128))
     ranked = [c.name for c in d.candidates if c.priority is not None]
@@ -179,3 +180,30 @@ def test_harness_catches_wrong_math():
     finally:
         unregister_backend("wrong")
     assert res.failures.keys() == {"o"}
+
+
+def test_measured_speed_table_orders_sm90_backends(monkeypatch):
+    from flashqla.dispatch import registry
+
+    table = {"sm_90": [
+        {"mode": "fwd", "width": 32, "tokens_per_seq": 32768, "order": ["triton", "tilelang"],
+         "ms": {"triton": 3.0, "tilelang": 3.9}, "row": "16/32 1x32768", "source": "test"},
+        {"mode": "fwd", "width": 256, "tokens_per_seq": 1024, "order": ["tilelang", "triton"],
+         "ms": {"triton": 0.74, "tilelang": 0.65}, "row": "16/32 8x1024", "source": "test"}]}
+    monkeypatch.setattr("flashqla.dispatch.speed_table.TABLE", table)
+
+    def ranked(T, seqlens):
+        x = make_inputs(Case("m", 16, 32, 128, 128, seqlens=seqlens, h0=False, ht=False), torch.bfloat16)
+        with fake_device("cuda", (9, 0)):
+            d = flashqla.explain(x["q"], x["k"], x["v"], x["g"], x["beta"], cu_seqlens=x["cu_seqlens"],
+                                 needs_grad=False)
+        return [c.name for c in d.candidates if c.priority is not None], d
+
+    order, d = ranked(None, (4000,))
+    assert order.index("triton") < order.index("tilelang") and "measured speed" in str(d)
+    order, _ = ranked(None, (128,) * 8)
+    assert order.index("tilelang") < order.index("triton")
+    monkeypatch.setenv("FLASHQLA_SPEED_TABLE", "0")
+    order, d = ranked(None, (4000,))
+    assert order.index("tilelang") < order.index("triton") and "measured speed" not in str(d)
+    assert registry.measured_order  # the hook stays importable for tools

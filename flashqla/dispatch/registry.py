@@ -15,13 +15,16 @@ A backend is a small object (subclass :class:`Backend`) with
 Selection under ``backend="auto"`` walks the backends that have a priority for the device's
 architecture, highest first, and takes the first that is available and supports the call; every
 rejection is recorded with its reason.  ``FLASHQLA_BACKEND=<name>`` turns ``"auto"`` into that name,
-``FLASHQLA_DISABLE=a,b`` removes backends from ``"auto"``.  A backend asked for by name never falls
+``FLASHQLA_DISABLE=a,b`` removes backends from ``"auto"``.  Where ``speed_table.TABLE`` holds measurements for
+the architecture, backends it measured swap priority slots so the one fastest at the nearest measured shape
+is tried first (``measured_order``); ``explain()`` says so.  A backend asked for by name never falls
 back: :class:`BackendUnavailableError` (a ``ValueError``) says why it cannot serve the call.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -218,6 +221,32 @@ def _check(backend: Backend, spec: CallSpec) -> Verdict:
         return False, f"check raised {type(exc).__name__}: {exc}"
 
 
+def measured_order(spec: CallSpec) -> Optional[tuple[list[str], str]]:
+    """Backends of ``spec``'s architecture ordered by the nearest measured shape in ``speed_table.TABLE``.
+
+    Nearness: the recurrence's parallel width (Hv x sequences) first, tokens per sequence second, on a log
+    scale; only rows of the same mode (forward, or forward+backward when the call needs gradients) count.
+    ``FLASHQLA_SPEED_TABLE=0`` turns this off (priorities alone decide).
+    """
+    if os.environ.get("FLASHQLA_SPEED_TABLE", "1") == "0":
+        return None
+    from .speed_table import TABLE
+
+    mode = "fwdbwd" if spec.needs_grad else "fwd"
+    rows = [r for r in TABLE.get(spec.device.arch, []) if r["mode"] == mode]
+    if not rows:
+        return None
+    width = max(1, spec.Hv * spec.num_seqs)
+    per_seq = max(1, spec.tokens // max(1, spec.num_seqs))
+
+    def distance(r):
+        return abs(math.log(r["width"] / width)) + 0.5 * abs(math.log(r["tokens_per_seq"] / per_seq))
+
+    best = min(rows, key=distance)
+    times = ", ".join(f"{n} {best['ms'][n]:.3f} ms" for n in best["order"])
+    return list(best["order"]), f"ordered by measured speed at the nearest shape {best['row']} ({mode}: {times})"
+
+
 def _disabled() -> set[str]:
     raw = os.environ.get("FLASHQLA_DISABLE", "")
     return {x.strip() for x in raw.split(",") if x.strip()}
@@ -235,9 +264,18 @@ def decide(spec: CallSpec, backend: str = "auto") -> Decision:
     if requested != "auto" and requested not in _REGISTRY:
         get_backend(requested)  # raises with the list of names
     disabled = _disabled()
+    prios = {name: priority_of(b, spec) for name, b in _REGISTRY.items()}
+    measured = measured_order(spec)
+    if measured is not None:
+        order, why = measured
+        present = [n for n in order if prios.get(n) is not None]
+        slots = sorted((prios[n] for n in present), reverse=True)
+        if [prios[n] for n in present] != slots:
+            prios.update(zip(present, slots))
+            note = (note + "; " if note else "") + why
     ranked = []
     for name, b in _REGISTRY.items():
-        ranked.append((priority_of(b, spec), name, b))
+        ranked.append((prios[name], name, b))
     ranked.sort(key=lambda x: (x[0] is None, -(x[0] or 0), x[1]))
     candidates: list[Candidate] = []
     chosen: Optional[str] = None
