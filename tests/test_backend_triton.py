@@ -195,6 +195,28 @@ def test_fwd_bwd_api_with_meta_is_deterministic():
         assert rel_l2(a, ref[name]) <= tol, (name, rel_l2(a, ref[name]))
 
 
+# --- compile-only (no GPU): the real compiler, not the interpreter ----------------------------------
+
+@pytest.mark.compile
+@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 64), ("float32", 128)])
+def test_kernels_compile_for_sm80_and_sm90(dtype, head_dim):
+    # every kernel with all features on, default launch configs; fails on a compile error or on more
+    # shared memory than the smallest GPU of the family has (99 KB for sm_8x: sm_86 / sm_89)
+    import subprocess
+    import sys
+
+    import triton
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("the triton wheel ships no ptxas here")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    arches = ["90"] if dtype == "float32" else ["90", "80"]  # fp32 at 128 is refused on the 99 KB parts
+    proc = subprocess.run([sys.executable, "-m", "flashqla.backends.triton.aot", "--arch", *arches,
+                           "--dtype", dtype, "--head-dim", str(head_dim)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    print(proc.stdout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]
+
+
 # --- GPU only ------------------------------------------------------------------------------------
 
 GPU_CASES = [

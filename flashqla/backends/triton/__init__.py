@@ -30,6 +30,13 @@ from ...dispatch.registry import Backend, register_backend
 _HEAD_DIMS = (64, 128)
 _QKV_DTYPES_CUDA = ("bfloat16", "float16", "float32")
 _GATE_DTYPES = ("float32", "bfloat16", "float16")
+# GPUs with ~99 KB of shared memory per block (consumer Ampere / Ada / Blackwell): bf16/fp16 kernels need
+# at most ~87 KB, but fp32 inputs at head dim 128 need up to ~104 KB even with one pipeline stage.
+_SMALL_SMEM = ((8, 6), (8, 9))
+
+
+def _small_smem(cap) -> bool:
+    return tuple(cap) in _SMALL_SMEM or cap[0] == 12
 
 
 def _interpreting() -> bool:
@@ -71,6 +78,9 @@ class TritonBackend(Backend):
                 return False, f"needs a CUDA GPU of compute capability >= 8.0, got {dev.arch}"
             if spec.dtype not in _QKV_DTYPES_CUDA:
                 return False, f"q/k/v dtype {spec.dtype} unsupported (bfloat16, float16 or float32)"
+            if spec.dtype == "float32" and max(spec.K, spec.V) > 64 and _small_smem(dev.capability):
+                return False, (f"float32 inputs with head dim {max(spec.K, spec.V)} need more shared memory per "
+                               f"block than {dev.arch} offers (~99 KB); use bfloat16/float16 inputs")
         elif dev.type == "cpu":
             if not _interpreting():
                 return False, "a CPU device is served only in Triton's interpreter (TRITON_INTERPRET=1)"

@@ -25,13 +25,16 @@ import triton.language as tl
 CHUNK = 64                      # chunk size (tokens), host side
 BT = tl.constexpr(CHUNK)        # the same, for kernels (globals must be constexpr objects)
 L2_EPS = tl.constexpr(1e-6)     # the l2norm option: x * rsqrt(sum(x^2) + eps)
+# fp32 dots of the fp32-input path (tests; slow on GPUs: FMA loops, heavy local memory).  "tf32x3" was
+# tried: faster math but its hi/lo operand copies need up to 224 KB of shared memory, over an A100's.
+IEEE_PREC = tl.constexpr("ieee")
 
 
 @triton.jit
 def mm(a, b, IEEE: tl.constexpr, DT: tl.constexpr):
     """a @ b with fp32 accumulation: full fp32 when IEEE, else operands in DT (bf16/fp16)."""
     if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision=IEEE_PREC)
     else:
         return tl.dot(a.to(DT), b.to(DT))
 
@@ -41,7 +44,7 @@ def mmf(a, b, IEEE: tl.constexpr):
     """a @ b of fp32 operands: full fp32 when IEEE, else tf32 (10-bit mantissa, 2x bf16's precision)
     for the triangular solves, whose results are rounded to the input dtype anyway."""
     if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
+        return tl.dot(a, b, input_precision=IEEE_PREC)
     else:
         return tl.dot(a, b, input_precision="tf32")
 
@@ -50,7 +53,7 @@ def mmf(a, b, IEEE: tl.constexpr):
 def mma(a, b, acc, IEEE: tl.constexpr, DT: tl.constexpr):
     """acc + a @ b, accumulated in place (no second [M, N] fp32 tile live), precision as ``mm``."""
     if IEEE:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision=IEEE_PREC)
     else:
         return tl.dot(a.to(DT), b.to(DT), acc)
 

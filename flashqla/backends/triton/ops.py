@@ -22,6 +22,7 @@ import os
 
 import torch
 import triton
+from triton.runtime.errors import OutOfResources
 
 from .common import CHUNK
 
@@ -130,8 +131,24 @@ def tune(kernel: str) -> dict:
     return _tune_cache[key]
 
 
-def _launch(cfg: dict) -> dict:
-    return dict(num_warps=cfg["warps"], num_stages=cfg["stages"])
+def _launch(cfg: dict, geo: "Geometry" = None) -> dict:
+    # fp32 inputs (the accuracy path: full-fp32 dots) double every shared-memory tile; one stage
+    # keeps them within an A100's 163 KB
+    stages = 1 if geo is not None and geo.ieee else cfg["stages"]
+    return dict(num_warps=cfg["warps"], num_stages=stages)
+
+
+def launch(kernel, grid, *args, **kwargs):
+    """``kernel[grid](*args, **kwargs)``, retried with one pipeline stage if the compiled kernel needs
+    more shared memory than this GPU has (the error is raised before anything runs)."""
+    try:
+        return kernel[grid](*args, **kwargs)
+    except OutOfResources as exc:
+        if kwargs.get("num_stages", 2) <= 1:
+            raise RuntimeError(f"flashqla triton backend: {kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel} "
+                               f"does not fit this GPU ({exc}); try FLASHQLA_TRITON_TUNE with a smaller bv "
+                               "or fewer stages, or bf16/fp16 inputs") from exc
+        return kernel[grid](*args, **dict(kwargs, num_stages=1))
 
 
 def _state_bv(geo: Geometry, device) -> int:
@@ -154,11 +171,11 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
     u = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev)
     G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)   # (hi, lo) planes
     Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=dev) if store_t else None
-    chunk_prep_kernel[(geo.chunks, geo.Hv)](
+    launch(chunk_prep_kernel, (geo.chunks, geo.Hv),
         k, v, g, beta, w, u, G, Tm if store_t else G, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
-        **_launch(tune("prep")))
+        **_launch(tune("prep"), geo))
     return w, u, G, Tm
 
 
@@ -185,13 +202,13 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         cfg = dict(tune("state"))
         cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
     dummy = u
-    chunk_state_fwd_kernel[(geo.N * geo.Hv, triton.cdiv(geo.V, BV))](
+    launch(chunk_state_fwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         h if h is not None else dummy, vn if vn is not None else dummy, o if o is not None else dummy,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, STORE_H=not fuse_output, FUSE_OUTPUT=fuse_output, IEEE=geo.ieee,
-        **_launch(cfg))
+        **_launch(cfg, geo))
     return (o if fuse_output else h), vn, ht
 
 
@@ -214,12 +231,12 @@ def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype)
 
     o = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=out_dtype, device=q.device)
     cfg = dict(tune("output"))
-    BV = min(cfg["bv"] or geo.V, geo.V)
+    BV = min(cfg["bv"] or (64 if geo.ieee else geo.V), geo.V)
     cfg["warps"] = cfg["warps"] or (8 if geo.K * BV >= 128 * 128 else 4)
-    chunk_output_kernel[(geo.chunks, geo.Hv, triton.cdiv(geo.V, BV))](
+    launch(chunk_output_kernel, (geo.chunks, geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, G, h, vn, o, geo.cu, geo.cidx, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
-        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, IEEE=geo.ieee, **_launch(cfg))
+        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, IEEE=geo.ieee, **_launch(cfg, geo))
     return o
 
 
@@ -254,11 +271,11 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
     cfg = tune("bstate")
     BV = min(cfg["bv"], geo.V)
-    chunk_state_bwd_kernel[(geo.N * geo.Hv, triton.cdiv(geo.V, BV))](
+    launch(chunk_state_bwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, IEEE=geo.ieee, **_launch(cfg))
+        STORE_DH0=dh0 is not None, IEEE=geo.ieee, **_launch(cfg, geo))
     return dh, dvn, dh0
 
 
@@ -283,13 +300,13 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale: 
     common = dict(K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, GRAD_PER_VHEAD=per_vhead,
                   IEEE=geo.ieee)
     cfg = tune("dqk")
-    chunk_bwd_dqk_kernel[grid](
+    launch(chunk_bwd_dqk_kernel, grid,
         q, k, G, h, dh, vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
-        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg))
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     cfg = tune("wy")
-    chunk_bwd_wy_kernel[grid](
+    launch(chunk_bwd_wy_kernel, grid,
         k, v, beta, G, Tm, w, u, h, dvn, dk_a, dG_a, dk, dv, dbeta, dg, geo.cu, geo.cidx,
-        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg))
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     if per_vhead:
         r = geo.Hv // geo.Hqk
         dq = dq.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)

@@ -1,0 +1,138 @@
+"""Compile-only checks of the Triton kernels for a GPU target, on a machine without a GPU.
+
+``python -m flashqla.backends.triton.aot [--arch 90 80] [--dtype bfloat16] [--head-dim 128]``
+compiles every kernel of this backend with its default launch configuration (``ops.tune``) through
+Triton's ahead-of-time path and ptxas (both ship in the triton wheel), and prints registers, local
+memory (stack: spills) and shared memory per kernel.  Exit status 1 when a kernel fails to compile or
+needs more shared memory than the smallest GPU of that arch family offers.
+
+Must run with TRITON_INTERPRET unset (interpreted kernels cannot be compiled); the tests call it in a
+subprocess.  This is a development tool: nothing at run time depends on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+# the smallest shared memory per block of each family we claim (bytes): sm_8x includes sm_86/89
+SMEM_LIMIT = {80: 99 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
+_PTR_FP32 = {"g_ptr", "beta_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dq_ptr", "dk_ptr", "dka_ptr",
+             "dGa_ptr", "dbeta_ptr", "dg_ptr"}
+_PTR_I32 = {"cu_ptr", "cidx_ptr", "coff_ptr"}
+_SCALAR_F32 = {"scale"}
+_DT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _signature(fn, consts: dict, dt: str) -> tuple[dict, dict]:
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name.endswith("_ptr"):
+            sig[name] = "*fp32" if name in _PTR_FP32 else "*i32" if name in _PTR_I32 else f"*{dt}"
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name in _SCALAR_F32 else "i32"
+    return sig, attrs
+
+
+def _variants(K: int, V: int, ieee: bool):
+    """(label, kernel, constexprs, launch config) for every kernel with all features on."""
+    from . import chunk_bwd_grads, chunk_bwd_state, chunk_output, chunk_prep, chunk_state, ops
+
+    feat = dict(K=K, V=V, IS_VARLEN=True, USE_L2=True, IEEE=ieee)
+
+    def cfg(name, bv_default=None):
+        c = dict(ops.tune(name))
+        bv = c.get("bv") or bv_default or V
+        warps = c.get("warps") or (4 if bv <= 32 else 8)
+        return min(bv, V), dict(num_warps=warps, num_stages=1 if ieee else c.get("stages", 2))
+
+    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True), cfg("prep")[1])]
+    bv, launch = cfg("fused")
+    out.append(("state+output (fused)", chunk_state.chunk_state_fwd_kernel,
+                dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True), launch))
+    for bv_state in (32, 64):
+        bv, launch = cfg("state", bv_state)
+        out.append((f"state (bv={bv})", chunk_state.chunk_state_fwd_kernel,
+                    dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False), launch))
+    bv, launch = cfg("output", 64 if ieee else V)
+    launch["num_warps"] = ops.tune("output")["warps"] or (8 if K * bv >= 128 * 128 else 4)
+    out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
+    bv, launch = cfg("bstate")
+    out.append(("bwd state", chunk_bwd_state.chunk_state_bwd_kernel,
+                dict(feat, BV=bv, HAS_DHT=True, STORE_DH0=True), launch))
+    bv, launch = cfg("dqk")
+    out.append(("bwd dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
+    bv, launch = cfg("wy")
+    out.append(("bwd wy", chunk_bwd_grads.chunk_bwd_wy_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
+    return out
+
+
+def _resources(cubin: bytes) -> dict:
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin", delete=False) as f:
+        f.write(cubin)
+    try:
+        out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
+    finally:
+        os.unlink(f.name)
+    get = lambda key: int(m.group(1)) if (m := re.search(rf"{key}:(\d+)", out)) else -1  # noqa: E731
+    return dict(regs=get("REG"), stack=get("STACK"))
+
+
+def compile_all(arch: int, dtype: str = "bfloat16", K: int = 128, V: int = 128) -> list[dict]:
+    """Compile every kernel for ``sm_<arch>``; one dict per kernel (label, ok, regs, stack, smem, error)."""
+    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+        raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    dt = _DT[dtype]
+    rows = []
+    for label, kern, consts, launch in _variants(K, V, dtype == "float32"):
+        fn = kern  # the JITFunction itself: ASTSource wants it
+        sig, attrs = _signature(fn, consts, dt)
+        row = dict(label=label, launch=launch)
+        try:
+            src = ASTSource(fn, sig, constexprs=consts, attrs=attrs)
+            ck = triton.compile(src, target=GPUTarget("cuda", arch, 32), options=launch)
+            row.update(ok=True, smem=int(ck.metadata.shared), **_resources(ck.asm["cubin"]))
+        except Exception as exc:  # report, do not stop at the first
+            row.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000])
+        rows.append(row)
+    return rows
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", type=int, nargs="+", default=[90, 80])
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(_DT))
+    ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    args = ap.parse_args(argv)
+    bad = 0
+    for arch in args.arch:
+        limit = SMEM_LIMIT.get(arch, 99 * 1024)
+        for row in compile_all(arch, args.dtype, args.head_dim, args.head_dim):
+            if not row["ok"]:
+                bad += 1
+                print(f"sm_{arch} {row['label']:<22} FAILED {row['error']}")
+                continue
+            over = row["smem"] > limit
+            bad += over
+            print(f"sm_{arch} {row['label']:<22} warps={row['launch']['num_warps']} stages={row['launch']['num_stages']}"
+                  f"  regs={row['regs']:>3} stack={row['stack']:>5} B  smem={row['smem'] // 1024:>3} KB"
+                  + ("  OVER the shared-memory limit" if over else ""))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
