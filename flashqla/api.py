@@ -91,6 +91,7 @@ def chunk_gated_delta_rule(
     *,
     varlen_meta: Optional[VarlenMeta] = None,
     backend_options: Optional[dict] = None,
+    context_parallel=False,
 ):
     """Chunked gated delta rule (GDN) with autograd; returns ``(o, final_state)``.
 
@@ -106,6 +107,9 @@ def chunk_gated_delta_rule(
         backend: ``"auto"`` or a backend name (see ``flashqla.explain``); a named backend never falls back.
         varlen_meta: ``flashqla.prepare_varlen(cu_seqlens)``, to keep the op free of host syncs.
         backend_options: backend-specific switches (documented by each backend).
+        context_parallel: exact context parallelism (:mod:`flashqla.cp`): ``False`` (default) off,
+            ``"auto"``/``True`` lets the cost model split long sequences, an int forces that many segments.
+            ``explain()`` shows what ``"auto"`` would decide.
 
     Returns:
         ``o`` ``[B, T, Hv, V]`` in v's dtype, and the final state (None unless ``output_final_state``).
@@ -113,6 +117,12 @@ def chunk_gated_delta_rule(
     Non-finite inputs are not scanned (that would cost a pass over the inputs and a host sync): a NaN or Inf
     reaches the outputs and state of the sequence (and head) it sits in, never those of another sequence.
     """
+    if context_parallel is not False and context_parallel is not None and context_parallel != 1:
+        from .cp import chunk_gated_delta_rule_cp
+        segments = None if context_parallel in (True, "auto") else context_parallel
+        return chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                         use_qk_l2norm_in_kernel, cu_seqlens, backend, segments,
+                                         varlen_meta=varlen_meta)
     spec, scale, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                  use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta)
     if q.shape[0] == 0 or q.shape[1] == 0:
@@ -168,6 +178,14 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     spec, _, _ = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                           use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=needs_grad)
     d = decide(spec, backend)
+    if q.shape[0] and q.shape[1]:
+        from .cp import cp_plan
+        try:
+            plan = cp_plan(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
+                           cu_seqlens, varlen_meta=varlen_meta, needs_grad=needs_grad)
+            d.context_parallel = f"context_parallel='auto' would: {plan.describe()} (the op's default is off)"
+        except Exception as exc:  # the plan is advice; never let it break explain()
+            d.context_parallel = f"no plan ({type(exc).__name__}: {exc})"
     if print_it:
         print(d)
     return d

@@ -54,3 +54,15 @@ def test_bf16_output_dtype_and_state_fp32():
     o, ht = flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
                                             initial_state=x["initial_state"], output_final_state=True)
     assert o.dtype == torch.bfloat16 and ht.dtype == torch.float32
+
+
+def test_context_parallel_flag_and_explain():
+    case = Case("cp", 1, 2, 32, 32, seqlens=(300, 70), gate="zero")  # g = 0: segments truly depend on each other
+    x = make_inputs(case, torch.float32)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"])
+    o1, h1 = flashqla.chunk_gated_delta_rule(*args, **kw)
+    o2, h2 = flashqla.chunk_gated_delta_rule(*args, **kw, context_parallel=3)
+    assert rel_l2(o2, o1) <= 1e-5 and rel_l2(h2, h1) <= 1e-5
+    d = flashqla.explain(*args, **kw)
+    assert "context_parallel='auto' would" in str(d)

@@ -191,11 +191,14 @@ class Decision:
     chosen: Optional[str]
     candidates: list[Candidate]
     note: str = ""
+    context_parallel: str = ""   # what the CP cost model decides for this call (filled in by explain())
 
     def __str__(self) -> str:
         lines = [f"flashqla dispatch for {self.spec.summary()}",
                  f"requested: {self.requested}" + (f" ({self.note})" if self.note else ""),
                  f"chosen: {self.chosen or 'none'}"]
+        if self.context_parallel:
+            lines.append(f"context parallelism: {self.context_parallel}")
         width = max([len(c.name) for c in self.candidates] + [7])
         for c in self.candidates:
             prio = "-" if c.priority is None else str(c.priority)
