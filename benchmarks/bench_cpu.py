@@ -1,6 +1,6 @@
 """Benchmark: the native cpu backend vs the PyTorch chunked reference (fp32), forward and forward+backward.
 
-    python benchmarks/bench_cpu.py [--reps 5] [--quick]
+    python benchmarks/bench_cpu.py [--reps 5] [--quick] [--threads N]
 
 Shapes: T in {1024, 8192} (B = 1), Hqk/Hv in {2/8, 16/32}, K = V = 128, fp32 inputs, logsigmoid gates,
 L2-normalised q/k, no initial/final state.  Each timing is the median of ``--reps`` runs after one
@@ -71,7 +71,12 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--quick", action="store_true", help="T=1024 only (smoke run)")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch.set_num_threads(N) for both sides; results go to cpu_bench_t<N>.*")
     args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    stem = f"cpu_bench_t{args.threads}" if args.threads else "cpu_bench"
 
     be = get_backend("cpu")
     ok, why = be.available()
@@ -113,10 +118,11 @@ def main():
     if args.no_write:
         return
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "cpu_bench.json"), "w") as f:
+    with open(os.path.join(RESULTS, stem + ".json"), "w") as f:
         json.dump(dict(env=env, rows=rows, geomean_speedup=gm), f, indent=2)
     lines = ["# cpu backend vs PyTorch chunked reference (fp32, K = V = 128, B = 1)", "",
-             f"Command: `python benchmarks/bench_cpu.py --reps {args.reps}`; median of reps after a warm-up; "
+             f"Command: `python benchmarks/bench_cpu.py --reps {args.reps}"
+             + (f" --threads {args.threads}" if args.threads else "") + "`; median of reps after a warm-up; "
              f"{env['torch_threads']} threads, {env['cpus']} CPUs, kernels: {env['isa']}, torch {env['torch']}; "
              f"cpu and reference runs interleaved; load average {load0[0]:.1f} at start, "
              f"{env['loadavg_at_end'][0]:.1f} at end (other processes share the machine).", "",
@@ -129,7 +135,7 @@ def main():
                      f"{r['fwdbwd_speedup']:.2f}x |")
     lines += ["", f"Geometric mean speedup: forward **{gm['fwd']:.2f}x**, forward+backward **{gm['fwdbwd']:.2f}x**.",
               ""]
-    with open(os.path.join(RESULTS, "cpu_bench.md"), "w") as f:
+    with open(os.path.join(RESULTS, stem + ".md"), "w") as f:
         f.write("\n".join(lines))
 
 

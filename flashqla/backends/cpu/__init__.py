@@ -16,9 +16,11 @@ Threading.  One work item per (sequence, value head), sorted longest first, Open
 on ``torch.get_num_threads()`` threads; the GIL is released for the whole native call.  Each chunk's
 products are small row-major GEMMs on a register-blocked micro-kernel (4 rows x up to 4 vectors),
 compiled three times (baseline, AVX2+FMA, AVX-512) and chosen at import by CPU feature
-(``FLASHQLA_CPU_ISA=generic|avx2|avx512`` overrides; ``_native.isa()`` reports).
+(``FLASHQLA_CPU_ISA=generic|avx2|avx512`` or ``_native.set_isa(name)`` overrides; ``_native.isa()``
+reports).  With fewer (sequence, head) items than threads the spare threads idle: a single
+sequence with a single value head runs on one core.
 
-Memory.  Forward: a few hundred KiB of scratch per thread, nothing saved beyond the inputs.
+Memory.  Forward: ~1.4 MiB of scratch per thread (K = V = 128), nothing saved beyond the inputs.
 Backward: per thread, the chunk start states and ``Vn`` of the sequence being processed
 (``ceil(T/64) * (K*V + 64*V)`` fp32, e.g. 12 MiB for T = 8192, K = V = 128), plus fp32 per-value-head
 d(q, k) buffers ``[tokens, Hv, K]`` (skipped for fp32 without GVA or L2 norm).  No ``T*K*V`` buffer.

@@ -20,8 +20,9 @@
 // Only differences G_r - G_j with r >= j are ever exponentiated, so strong decay underflows to 0 and
 // never overflows.  The backward differentiates exactly this form (derivation in bwd_item).
 //
-// Memory: forward scratch ~ (12*64*Kp + 8*64*Vp + 8*64*64 + Kp*Vp) floats per thread; backward adds
-// per-sequence storage of the chunk start states and Vn: nch * (Kp*Vp + 64*Vp) floats per thread.
+// Memory: one scratch layout serves both directions: ~1.4 MiB per thread for K = V = 128 (the
+// forward touches ~0.5 MiB of it, so a chunk's operands stay in L2).  The backward adds per-sequence
+// storage of the chunk start states and Vn: nch * (Kp*Vp + 64*Vp) floats per thread.
 
 namespace flashqla_cpu {
 namespace FQ_NS {
