@@ -7,7 +7,9 @@ Kernels (one file per stage, each opens with its grid / roles / memory budget):
                           chunk output fused in when there are enough programs        (N*Hv x V-blocks)
 * ``chunk_output.py``     chunk outputs, for the unfused forward                      (chunks x Hv)
 * ``chunk_bwd_state.py``  serial backward state recurrence: dh, dv_new, dh0          (N*Hv x V-blocks)
-* ``chunk_bwd_grads.py``  fused per-chunk gradients dq, dk, dv, dbeta, dg            (chunks x Hv)
+* ``chunk_bwd_grads.py``  per-chunk gradients: dq + dk part, then the WY part         (chunks x Hv)
+                          (dk, dv, dbeta, dg)
+* ``aot.py``              compile-only check for GPU targets (registers, spills, shared memory)
 
 Features: q/k/v in bf16 / fp16 (fp32 too, computed with full-fp32 dots: the accuracy path for tests),
 g and beta in fp32 / bf16 / fp16, K and V in {64, 128}, chunk 64, varlen from the device metadata of

@@ -1,10 +1,10 @@
 """Per-chunk gradients, two kernels parallel over chunks: ``chunk_bwd_dqk_kernel`` then ``chunk_bwd_wy_kernel``.
 
-Grid of both: ``(total_chunks, Hv)``; one program per (chunk, value head), 4 warps.
+Grid of both: ``(total_chunks, Hv)``; one program per (chunk, value head), 8 warps (``ops._DEFAULTS``).
 
-Why two: each needs two [64, K] fp32 accumulators live across its pass over V (64 regs/thread each
-at K=128 on 4 warps); one fused kernel would need four and spill heavily.  (8 warps do not help:
-Triton lays chained dots out with all warps along M, so an M=64 tile is duplicated per warp group.)
+Why two: each needs two [64, K] fp32 accumulators live across its pass over V; one fused kernel
+needed four and spilled kilobytes per thread at K = 128 (compile-only survey, sm_80 and sm_90).  Split,
+the sm_90 build has no spills and the sm_80 one at most ~160 B (``python -m flashqla.backends.triton.aot``).
 What crosses between them: ``dk_a`` [B,T,Hv,K] fp32 and ``dG_a`` [B,T,Hv] fp32.
 
 Math (hats = normalised q/k; ``L = exp(G_r - G_j)`` on ``j <= r``, ``D`` the same on ``j < r``; ``S`` the
@@ -41,7 +41,7 @@ from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_gate, load
 def _load_qk_hat(ptr, t0, L, hk, Hqk, K: tl.constexpr, USE_L2: tl.constexpr, DT: tl.constexpr):
     """(x_hat in the dot dtype DT, rsqrt(|x|^2 + eps) or ones) of a [64, K] q or k tile.
 
-    Keeping x_hat in DT (bf16: 32 regs/thread at K=128 on 4 warps, fp32: 64) is what lets these
+    Keeping x_hat in DT (bf16 [64, 128]: 16 regs/thread on 8 warps, half of fp32) is what lets these
     kernels fit; row reductions convert on the fly.
     """
     x = load_rows(ptr, t0, L, hk, Hqk, K, BT, 0).to(tl.float32)

@@ -151,14 +151,17 @@ def load_gate(G_ptr, t0, L, h, TT, GS, R: tl.constexpr, row0):
     clamped), which is what the recurrence sees: their gate is 0.
     """
     r = row0 + tl.arange(0, R)
-    p = G_ptr + h.to(tl.int64) * TT + t0 + tl.minimum(r, L - 1)
+    # the token index is also clamped into [0, TT): never out of bounds, whatever loads a compiler
+    # might issue for a loop iteration that does not exist (L <= 0, a length-0 sequence at token 0)
+    t = tl.minimum(tl.maximum(t0 + tl.minimum(r, L - 1), 0), TT - 1)
+    p = G_ptr + h.to(tl.int64) * TT + t
     return tl.load(p), tl.load(p + GS)
 
 
 @triton.jit
 def load_gate_last(G_ptr, t0, L, h, TT, GS):
-    """(hi, lo) of the cumulative gate at the chunk's last real row."""
-    p = G_ptr + h.to(tl.int64) * TT + t0 + L - 1
+    """(hi, lo) of the cumulative gate at the chunk's last real row (index clamped as above)."""
+    p = G_ptr + h.to(tl.int64) * TT + tl.minimum(tl.maximum(t0 + L - 1, 0), TT - 1)
     return tl.load(p), tl.load(p + GS)
 
 
