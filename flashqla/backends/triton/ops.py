@@ -213,17 +213,21 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
 
 
 def fuse_forward_output(geo: Geometry, device) -> bool:
-    """Fused state+output forward when its serial programs already fill the GPU (then the h / v_new
-    round trip through HBM is pure cost); the 3-kernel path when few (sequence, head) pairs leave the
-    serial kernel latency-bound and the parallel output kernel is the better place for that work.
-    ``FLASHQLA_TRITON_TUNE=fwd.fuse=0|1`` forces either (``fwd.fuse=-1``, the default, decides)."""
+    """Fused state+output forward unless the serial programs would be very few.
+
+    Fused, every serial step also loads q and computes the output (about 2.7x the tensor-core work of a
+    step, off the state's dependency chain) but the chunk states and v_new never go through HBM.  With
+    at least half as many programs as SMs that wins by a simple bytes/latency model (e.g. Hqk/Hv 16/32,
+    one 32k sequence: 128 programs); with very few (Hv = 8, one sequence: 32) the parallel output
+    kernel is the better place for that work.  A model, not a measurement: ``FLASHQLA_TRITON_TUNE=
+    fwd.fuse=0|1`` forces either (``fwd.fuse=-1``, the default, decides)."""
     forced = tune("fwd")["fuse"]
     if forced >= 0:
         return bool(forced)
     sms = _sm_count(device)
     if not sms:
         return True
-    return geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= sms
+    return 2 * geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= sms
 
 
 def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype):
