@@ -7,7 +7,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .dispatch.registry import Backend, Decision, FwdInputs, decide, select
+from .dispatch.registry import (Backend, BackendRuntimeError, BackendUnavailableError, Decision, FwdInputs,
+                                decide, record_runtime_failure, select)
 from .dispatch.spec import CallSpec
 from .validation import validate
 from .varlen import VarlenMeta
@@ -128,9 +129,19 @@ def chunk_gated_delta_rule(
     if q.shape[0] == 0 or q.shape[1] == 0:
         o, ht = _empty_call(spec, v, initial_state)
         return o, (ht if output_final_state else None)
-    be, _ = select(spec, backend)
-    o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, be, spec, scale, meta, backend_options)
-    return o, (ht if output_final_state else None)
+    while True:
+        be, d = select(spec, backend)
+        try:
+            o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, be, spec, scale, meta,
+                                               backend_options)
+            return o, (ht if output_final_state else None)
+        except (BackendUnavailableError, TypeError, ValueError):
+            raise  # the caller's input, not the kernels
+        except Exception as exc:
+            why = record_runtime_failure(be.name, spec, exc)
+            if d.requested != "auto":
+                raise BackendRuntimeError(f"flashqla backend {be.name!r} {why} ({spec.summary()})") from exc
+            # auto: the next backend in order serves this call; explain() now shows why this one was skipped
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -207,3 +207,32 @@ def test_measured_speed_table_orders_sm90_backends(monkeypatch):
     order, d = ranked(None, (4000,))
     assert order.index("tilelang") < order.index("triton") and "measured speed" not in str(d)
     assert registry.measured_order  # the hook stays importable for tools
+
+
+class CrashingBackend(Backend):
+    """Its kernels fail to launch: auto must move on, a named request must raise naming it."""
+
+    name = "crashy"
+    priorities = {"cpu": 1000}
+    has_backward = False
+
+    def forward(self, spec, x):
+        raise RuntimeError("launch failed: too many resources requested")
+
+
+def test_runtime_failure_moves_auto_to_next_backend():
+    from flashqla.dispatch import BackendRuntimeError, registry
+
+    register_backend(CrashingBackend())
+    try:
+        args = _inputs()
+        o, _ = flashqla.chunk_gated_delta_rule(*args)  # crashy fails, the next backend serves
+        ref, _ = chunk_gated_delta_rule_ref(*args)
+        torch.testing.assert_close(o, ref, rtol=1e-4, atol=1e-5)
+        d = flashqla.explain(*args, needs_grad=False)
+        assert d.chosen != "crashy" and "failed at run time" in d.reasons()["crashy"]
+        with pytest.raises(BackendRuntimeError, match="'crashy' failed at run time.*too many resources"):
+            flashqla.chunk_gated_delta_rule(*args, backend="crashy")
+    finally:
+        unregister_backend("crashy")
+        registry._RUNTIME_FAILURES.clear()

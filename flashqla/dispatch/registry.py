@@ -41,6 +41,22 @@ class BackendUnavailableError(ValueError):
     """The requested backend cannot serve this call (the message says why)."""
 
 
+class BackendRuntimeError(RuntimeError):
+    """A backend's kernels failed to compile or launch (the message names backend and configuration)."""
+
+
+# (backend name, CallSpec) -> why it failed at run time in this process; "auto" skips such pairs.
+_RUNTIME_FAILURES: dict = {}
+
+
+def record_runtime_failure(name: str, spec: CallSpec, exc: BaseException) -> str:
+    why = f"failed at run time on this configuration: {type(exc).__name__}: {str(exc).strip()[:300] or '(no message)'}"
+    _RUNTIME_FAILURES[(name, spec)] = why
+    log.warning("flashqla: backend %s failed for %s (%s); auto dispatch skips it for this configuration",
+                name, spec.summary(), why)
+    return why
+
+
 class Backend:
     """Base class of every backend; subclasses override what they need."""
 
@@ -209,7 +225,9 @@ class Decision:
         return {c.name: c.reason for c in self.candidates}
 
 
-def _check(backend: Backend, spec: CallSpec) -> Verdict:
+def _check(backend: Backend, spec: CallSpec, auto: bool = False) -> Verdict:
+    if auto and (backend.name, spec) in _RUNTIME_FAILURES:
+        return False, _RUNTIME_FAILURES[(backend.name, spec)]
     try:
         ok, why = backend.available()
         if not ok:
@@ -294,7 +312,7 @@ def decide(spec: CallSpec, backend: str = "auto") -> Decision:
         if requested == "auto" and name in disabled:
             candidates.append(Candidate(name, prio, "rejected", "disabled by FLASHQLA_DISABLE"))
             continue
-        ok, why = _check(b, spec)
+        ok, why = _check(b, spec, auto=requested == "auto")
         if ok and chosen is None:
             chosen = name
             reason = f"requested by name: {why}" if requested != "auto" else (
