@@ -17,7 +17,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import warpgroup
+from cutlass.cute.nvgpu import cpasync, warpgroup
 from cutlass.cutlass_dsl import T
 
 NUM_THREADS_PER_WG = 128
@@ -107,3 +107,62 @@ def warp_sum(x: cutlass.Float32) -> cutlass.Float32:
     for off in cutlass.range_constexpr(5):
         x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << off)
     return x
+
+
+# ------------------------------------------------------------------ trace-time helpers of the kernels
+# Plain Python: they run while a kernel is traced and emit exactly the ops their callers used to
+# write out inline, in the same order.
+
+def chunk_coords(mCi: cute.Tensor, mCu: cute.Tensor, chunk, head, hv, group, BT: int):
+    """Where chunk ``chunk`` of the chunk-major grid lies: ``(tok, valid, qk_head, row)`` -- its first
+    token, how many of its ``BT`` rows lie inside the sequence, the query/key head of value head
+    ``head`` (GQA group ``group``) and its row ``chunk * hv + head`` in the chunk-major workspaces."""
+    seq = mCi[chunk, 0]
+    cidx = mCi[chunk, 1]
+    bos = mCu[seq]
+    eos = mCu[seq + 1]
+    tok = bos + cidx * BT
+    valid = cutlass.min(eos - tok, BT)
+    qk_head = head // group
+    row = chunk * hv + head
+    return tok, valid, qk_head, row
+
+
+def token_tile(t: cute.Tensor, head, tok, col0, rows: int, cols: int) -> cute.Tensor:
+    """The ``(rows, cols)`` tile at token ``tok``, column ``col0`` of head ``head`` of a token-major
+    TMA tensor ``(tokens, features, heads)``."""
+    return cute.zipped_divide(cute.domain_offset((tok, col0), t[None, None, head]),
+                              (rows, cols))[((None, None), (0, 0))]
+
+
+def tma_load(atom: cute.CopyAtom, smem_tile: cute.Tensor, gmem_tile: cute.Tensor, bar, rank: int = 2):
+    """Issue the TMA copy of ``gmem_tile`` into ``smem_tile`` (both of ``rank`` modes), completing on
+    the mbarrier ``bar``."""
+    ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(smem_tile, 0, rank),
+                                   cute.group_modes(gmem_tile, 0, rank))
+    cute.copy(atom, tg, ts, tma_bar_ptr=bar)
+
+
+@cute.jit
+def init_tx_barrier(mbar, tidx):
+    """Thread 0 initialises the single-arrival transaction mbarrier ``mbar``; then the CTA syncs."""
+    if tidx == 0:
+        cute.arch.mbarrier_init(mbar, 1)
+        cute.arch.mbarrier_init_fence()
+    cute.arch.sync_threads()
+
+
+@cute.jit
+def zero_rows_past_end(raw_tiles: cutlass.Constexpr, valid, tidx, nthr: cutlass.Constexpr,
+                       BT: cutlass.Constexpr, K: cutlass.Constexpr):
+    """Zero rows ``valid ..`` of the ``BT``-row token tiles of a chunk (TMA read the next sequence's rows
+    there).  ``raw_tiles``: ``(tile, width)`` pairs of un-swizzled shared tiles; the CTA's ``nthr``
+    threads stride over ``(BT - valid) * K`` elements.  Fences the writes for the async proxy."""
+    if valid < BT:
+        for idx in cutlass.range((BT - valid) * K // nthr + 1, unroll=1):
+            e = idx * nthr + tidx
+            r = valid + e // K
+            if r < BT:
+                for tile, width in raw_tiles:
+                    tile[r, e % width] = tile.element_type(0.0)
+        cute.arch.fence_view_async_shared()

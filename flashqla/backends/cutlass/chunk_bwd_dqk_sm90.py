@@ -32,7 +32,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ._sm90 import acc_as_a_operand, fence_operand, ldsm_c_copy, quad_sum, warp_sum, wg_gemm
+from ._sm90 import (acc_as_a_operand, chunk_coords, fence_operand, init_tx_barrier, ldsm_c_copy, quad_sum,
+                    tma_load, token_tile, warp_sum, wg_gemm, zero_rows_past_end)
 
 BT = 64
 
@@ -151,27 +152,17 @@ class ChunkBwdDqkSm90:
         sdG = storage.sdG.get_tensor(cute.make_layout((BT,)))
         sRed = storage.sRed.get_tensor(cute.make_layout((8,)))
 
-        seq = mCi[chunk, 0]
-        cidx = mCi[chunk, 1]
-        bos = mCu[seq]
-        eos = mCu[seq + 1]
-        tok = bos + cidx * BT
-        valid = cutlass.min(eos - tok, BT)
-        qk_head = head // group
-        row = chunk * hv + head
+        tok, valid, qk_head, row = chunk_coords(mCi, mCu, chunk, head, hv, group, BT)
 
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        init_tx_barrier(mbar, tidx)
         if warp_idx == 0:
             for atom in (tma_q, tma_k, tma_do, tma_s, tma_ds, tma_vn, tma_dvn, tma_a):
                 cpasync.prefetch_descriptor(atom)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.tx_bytes)
-            gq = cute.zipped_divide(cute.domain_offset((tok, 0), tQ[None, None, qk_head]), (BT, K))[((None, None), (0, 0))]
-            gk = cute.zipped_divide(cute.domain_offset((tok, 0), tK[None, None, qk_head]), (BT, K))[((None, None), (0, 0))]
-            gdo = cute.zipped_divide(cute.domain_offset((tok, 0), tDO[None, None, head]), (BT, V))[((None, None), (0, 0))]
+            gq = token_tile(tQ, qk_head, tok, 0, BT, K)
+            gk = token_tile(tK, qk_head, tok, 0, BT, K)
+            gdo = token_tile(tDO, head, tok, 0, BT, V)
             gs = cute.local_tile(tS, (K, V), (row, 0))
             gds = cute.local_tile(tDS, (K, V), (row, 0))
             gvn = cute.local_tile(tVN, (BT, V), (row, 0))
@@ -180,22 +171,12 @@ class ChunkBwdDqkSm90:
             for atom, s_t, g_t in ((tma_q, sQ, gq), (tma_k, sK, gk), (tma_do, sDO, gdo), (tma_s, sS, gs),
                                    (tma_ds, sDS, gds), (tma_vn, sVN, gvn), (tma_dvn, sDVN, gdvn),
                                    (tma_a, sA, ga)):
-                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_t, 0, 2),
-                                               cute.group_modes(g_t, 0, 2))
-                cute.copy(atom, tg, ts, tma_bar_ptr=mbar)
+                tma_load(atom, s_t, g_t, mbar)
         if tidx < BT:
             sG[tidx] = mG[row * BT + tidx]
             sdG[tidx] = f32(0.0)
         cute.arch.mbarrier_wait(mbar, 0)
-        if valid < BT:
-            for idx in cutlass.range((BT - valid) * K // nthr + 1, unroll=1):
-                e = idx * nthr + tidx
-                r = valid + e // K
-                if r < BT:
-                    sQ_raw[r, e % K] = bf16(0.0)
-                    sK_raw[r, e % K] = bf16(0.0)
-                    sDO_raw[r, e % K] = bf16(0.0)
-            cute.arch.fence_view_async_shared()
+        zero_rows_past_end(((sQ_raw, K), (sK_raw, K), (sDO_raw, K)), valid, tidx, nthr, BT, K)
         cute.arch.sync_threads()
 
         KM = warpgroup.OperandMajorMode.K

@@ -27,7 +27,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ._sm90 import acc_as_a_operand, fence_operand, ldsm_c_copy, quad_sum, wg_gemm
+from ._sm90 import (acc_as_a_operand, chunk_coords, fence_operand, init_tx_barrier, ldsm_c_copy, quad_sum,
+                    tma_load, token_tile, wg_gemm, zero_rows_past_end)
 
 BT = 64
 R_PITCH = 65
@@ -138,34 +139,22 @@ class ChunkBwdWySm90:
         sB = storage.sB.get_tensor(cute.make_layout((BT,)))
         sdG = storage.sdG.get_tensor(cute.make_layout((BT,)))
 
-        seq = mCi[chunk, 0]
-        cidx = mCi[chunk, 1]
-        bos = mCu[seq]
-        eos = mCu[seq + 1]
-        tok = bos + cidx * BT
-        valid = cutlass.min(eos - tok, BT)
-        qk_head = head // group
-        row = chunk * hv + head
+        tok, valid, qk_head, row = chunk_coords(mCi, mCu, chunk, head, hv, group, BT)
 
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        init_tx_barrier(mbar, tidx)
         if warp_idx == 0:
             for atom in (tma_k, tma_v, tma_t, tma_dw, tma_du):
                 cpasync.prefetch_descriptor(atom)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.tx_bytes)
-            gk = cute.zipped_divide(cute.domain_offset((tok, 0), tK[None, None, qk_head]), (BT, K))[((None, None), (0, 0))]
-            gv = cute.zipped_divide(cute.domain_offset((tok, 0), tV[None, None, head]), (BT, V))[((None, None), (0, 0))]
+            gk = token_tile(tK, qk_head, tok, 0, BT, K)
+            gv = token_tile(tV, head, tok, 0, BT, V)
             gt = cute.local_tile(tT, (BT, BT), (row, 0))
             gdw = cute.local_tile(tDW, (BT, K), (row, 0))
             gdu = cute.local_tile(tDU, (BT, V), (row, 0))
             for atom, s_t, g_t in ((tma_k, sK, gk), (tma_v, sV, gv), (tma_t, sT, gt), (tma_dw, sDW, gdw),
                                    (tma_du, sDU, gdu)):
-                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_t, 0, 2),
-                                               cute.group_modes(g_t, 0, 2))
-                cute.copy(atom, tg, ts, tma_bar_ptr=mbar)
+                tma_load(atom, s_t, g_t, mbar)
         if tidx < BT:
             bval = f32(0.0)
             if tidx < valid:
@@ -174,14 +163,7 @@ class ChunkBwdWySm90:
             sG[tidx] = mG[row * BT + tidx]
             sdG[tidx] = mDG1[row * BT + tidx]
         cute.arch.mbarrier_wait(mbar, 0)
-        if valid < BT:
-            for idx in cutlass.range((BT - valid) * K // nthr + 1, unroll=1):
-                e = idx * nthr + tidx
-                r = valid + e // K
-                if r < BT:
-                    sK_raw[r, e % K] = bf16(0.0)
-                    sV_raw[r, e % V] = bf16(0.0)
-            cute.arch.fence_view_async_shared()
+        zero_rows_past_end(((sK_raw, K), (sV_raw, V)), valid, tidx, nthr, BT, K)
         cute.arch.sync_threads()
 
         KM = warpgroup.OperandMajorMode.K

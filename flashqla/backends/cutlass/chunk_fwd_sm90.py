@@ -40,7 +40,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ._sm90 import NUM_THREADS_PER_WG, acc_as_a_operand, convert_into, fence_operand, wg_gemm
+from ._sm90 import (NUM_THREADS_PER_WG, acc_as_a_operand, convert_into, fence_operand, tma_load, token_tile,
+                    wg_gemm)
 
 BT = 64  # chunk size
 
@@ -199,24 +200,16 @@ class ChunkFwdSm90:
                 pipe.producer_acquire(pstate)
                 bar = pipe.producer_get_barrier(pstate)
                 s = pstate.index
-                gq = cute.zipped_divide(cute.domain_offset((tok, 0), tQ[None, None, qk_head]),
-                                        (BT, K))[((None, None), (0, 0))]
-                gk = cute.zipped_divide(cute.domain_offset((tok, 0), tK[None, None, qk_head]),
-                                        (BT, K))[((None, None), (0, 0))]
+                gq = token_tile(tQ, qk_head, tok, 0, BT, K)
+                gk = token_tile(tK, qk_head, tok, 0, BT, K)
                 gw = cute.local_tile(tW, (BT, K), (row, 0))
                 gu = cute.local_tile(tU, (self.vblk, BT), (row * self.nvb + vb, 0))
                 ga = cute.local_tile(tA, (BT, BT), (row, 0))
                 gg = cute.local_tile(tG, (BT,), (row,))
                 for atom, s_t, g_t in ((tma_q, sQ, gq), (tma_k, sK, gk), (tma_w, sW, gw),
                                        (tma_u, sU, gu), (tma_a, sA, ga)):
-                    ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1),
-                                                   cute.group_modes(s_t[None, None, s], 0, 2),
-                                                   cute.group_modes(g_t, 0, 2))
-                    cute.copy(atom, tg, ts, tma_bar_ptr=bar)
-                ts, tg = cpasync.tma_partition(tma_g, 0, cute.make_layout(1),
-                                               cute.group_modes(sG[None, s], 0, 1),
-                                               cute.group_modes(gg, 0, 1))
-                cute.copy(tma_g, tg, ts, tma_bar_ptr=bar)
+                    tma_load(atom, s_t[None, None, s], g_t, bar)
+                tma_load(tma_g, sG[None, s], gg, bar, rank=1)
                 pipe.producer_commit(pstate)
                 pstate.advance()
         elif warp_idx < self.producer_warp:

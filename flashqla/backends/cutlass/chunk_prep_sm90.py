@@ -36,7 +36,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ._sm90 import fence_operand, wg_gemm
+from ._sm90 import (chunk_coords, fence_operand, init_tx_barrier, tma_load, token_tile, wg_gemm,
+                    zero_rows_past_end)
 
 BT = 64
 PITCH = 68          # fp32 row pitch of A and T
@@ -143,19 +144,9 @@ class ChunkPrepSm90:
         sG = storage.sG.get_tensor(cute.make_layout((BT,)))
         sB = storage.sB.get_tensor(cute.make_layout((BT,)))
 
-        seq = mCi[chunk, 0]
-        cidx = mCi[chunk, 1]
-        bos = mCu[seq]
-        eos = mCu[seq + 1]
-        tok = bos + cidx * BT
-        valid = cutlass.min(eos - tok, BT)
-        qk_head = head // group
-        row = chunk * hv + head
+        tok, valid, qk_head, row = chunk_coords(mCi, mCu, chunk, head, hv, group, BT)
 
-        if tidx == 0:
-            cute.arch.mbarrier_init(mbar, 1)
-            cute.arch.mbarrier_init_fence()
-        cute.arch.sync_threads()
+        init_tx_barrier(mbar, tidx)
 
         if warp_idx == 0:
             cpasync.prefetch_descriptor(tma_q)
@@ -164,10 +155,8 @@ class ChunkPrepSm90:
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.tx_bytes)
             for atom, tt, s_t, hh in ((tma_q, tQ, sQ, qk_head), (tma_k, tK, sK, qk_head), (tma_v, tV, sV, head)):
-                gt = cute.zipped_divide(cute.domain_offset((tok, 0), tt[None, None, hh]), (BT, K))[((None, None), (0, 0))]
-                ts, tg = cpasync.tma_partition(atom, 0, cute.make_layout(1), cute.group_modes(s_t, 0, 2),
-                                               cute.group_modes(gt, 0, 2))
-                cute.copy(atom, tg, ts, tma_bar_ptr=mbar)
+                gt = token_tile(tt, hh, tok, 0, BT, K)
+                tma_load(atom, s_t, gt, mbar)
 
         # gates: rows past the sequence end count as g = beta = 0
         if tidx < BT:
@@ -188,15 +177,7 @@ class ChunkPrepSm90:
             mGc[row * BT + tidx] = acc
 
         cute.arch.mbarrier_wait(mbar, 0)
-        if valid < BT:
-            for idx in cutlass.range((BT - valid) * K // nthr + 1, unroll=1):
-                e = idx * nthr + tidx
-                r = valid + e // K
-                if r < BT:
-                    sQ_raw[r, e % K] = bf16(0.0)
-                    sK_raw[r, e % K] = bf16(0.0)
-                    sV_raw[r, e % V] = bf16(0.0)
-            cute.arch.fence_view_async_shared()
+        zero_rows_past_end(((sQ_raw, K), (sK_raw, K), (sV_raw, V)), valid, tidx, nthr, BT, K)
         cute.arch.sync_threads()   # also publishes sG / sB
 
         # ---------------------------------------------------------------- k k^T and q k^T

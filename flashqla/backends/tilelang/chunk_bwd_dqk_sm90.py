@@ -36,6 +36,8 @@ def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_s
                   threads: int = 256):
     import tilelang.language as T
 
+    from ._common import make_l2_row_factors
+
     C = CHUNK
     acc = "float32"
     NT = T.dynamic("NT")
@@ -44,6 +46,7 @@ def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_s
     Hqk = T.dynamic("Hqk")
     Hv = T.dynamic("Hv")
     assert V % BVB == 0
+    l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
 
     @T.prim_func
     def gdn_bwd_dqk(
@@ -127,16 +130,8 @@ def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_s
 
             # L2-norm row factors of q and k
             if l2norm:
-                for r, d in T.Parallel(C, K):
-                    tmp_f[r, d] = T.cast(q_s[r, d], acc) * T.cast(q_s[r, d], acc)
-                T.reduce_sum(tmp_f, red_f, dim=1)
-                for r in T.Parallel(C):
-                    nq_s[r] = T.rsqrt(red_f[r] + L2_EPS)
-                for r, d in T.Parallel(C, K):
-                    tmp_f[r, d] = T.cast(k_s[r, d], acc) * T.cast(k_s[r, d], acc)
-                T.reduce_sum(tmp_f, red_f, dim=1)
-                for r in T.Parallel(C):
-                    nk_s[r] = T.rsqrt(red_f[r] + L2_EPS)
+                l2_row_factors(q_s, nq_s, tmp_f, red_f)
+                l2_row_factors(k_s, nk_s, tmp_f, red_f)
             else:
                 for r in T.Parallel(C):
                     nq_s[r] = 1.0

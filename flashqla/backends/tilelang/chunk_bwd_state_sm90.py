@@ -29,6 +29,8 @@ def build_bwd_state(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: 
                     num_stages: int = 2, threads: int = 128):
     import tilelang.language as T
 
+    from ._common import make_l2_row_factors
+
     C = CHUNK
     acc = "float32"
     NT = T.dynamic("NT")
@@ -39,6 +41,7 @@ def build_bwd_state(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: 
     DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
     D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
     assert V % BV == 0
+    l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
 
     @T.prim_func
     def gdn_bwd_state(
@@ -101,16 +104,8 @@ def build_bwd_state(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: 
                 T.copy(dS_s, dh_out[c0 + ci, h, :, v0:v0 + BV])
 
                 if l2norm:
-                    for r, d in T.Parallel(C, K):
-                        sq_f[r, d] = T.cast(q_s[r, d], acc) * T.cast(q_s[r, d], acc)
-                    T.reduce_sum(sq_f, ss_f, dim=1)
-                    for r in T.Parallel(C):
-                        nq_s[r] = T.rsqrt(ss_f[r] + L2_EPS)
-                    for r, d in T.Parallel(C, K):
-                        sq_f[r, d] = T.cast(k_s[r, d], acc) * T.cast(k_s[r, d], acc)
-                    T.reduce_sum(sq_f, ss_f, dim=1)
-                    for r in T.Parallel(C):
-                        nk_s[r] = T.rsqrt(ss_f[r] + L2_EPS)
+                    l2_row_factors(q_s, nq_s, sq_f, ss_f)
+                    l2_row_factors(k_s, nk_s, sq_f, ss_f)
                 else:
                     for r in T.Parallel(C):
                         nq_s[r] = 1.0

@@ -35,6 +35,8 @@ def build_fwd(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, s
               save_states: bool, num_stages: int = 2, threads: int = 128):
     import tilelang.language as T
 
+    from ._common import make_l2_row_factors
+
     C = CHUNK
     acc = "float32"
     NT = T.dynamic("NT")
@@ -47,6 +49,7 @@ def build_fwd(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, s
     HTN, HTH = (NS, Hv) if store_ht else T.dynamic("HTN, HTH")
     SVN, SVH = (NC, Hv) if save_states else T.dynamic("SVN, SVH")
     assert V % BV == 0
+    l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
 
     @T.prim_func
     def gdn_fwd_recurrent(
@@ -111,16 +114,8 @@ def build_fwd(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, s
                 T.gemm(w_s, S_s, vn_f, clear_accum=True)
 
                 if l2norm:
-                    for r, d in T.Parallel(C, K):
-                        sq_f[r, d] = T.cast(q_s[r, d], acc) * T.cast(q_s[r, d], acc)
-                    T.reduce_sum(sq_f, ss_f, dim=1)
-                    for r in T.Parallel(C):
-                        nq_s[r] = T.rsqrt(ss_f[r] + L2_EPS)
-                    for r, d in T.Parallel(C, K):
-                        sq_f[r, d] = T.cast(k_s[r, d], acc) * T.cast(k_s[r, d], acc)
-                    T.reduce_sum(sq_f, ss_f, dim=1)
-                    for r in T.Parallel(C):
-                        nk_s[r] = T.rsqrt(ss_f[r] + L2_EPS)
+                    l2_row_factors(q_s, nq_s, sq_f, ss_f)
+                    l2_row_factors(k_s, nk_s, sq_f, ss_f)
 
                 for r, j in T.Parallel(C, BV):
                     vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[r, j], acc) - vn_f[r, j], 0.0)

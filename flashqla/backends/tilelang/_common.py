@@ -1,0 +1,26 @@
+"""TileLang building blocks shared by the kernels of this backend.
+
+Imported only from inside the kernel builders (after ``tilelang`` imported fine); the macros expand
+inline into the calling ``T.prim_func``, so they produce the same TIR as the code written out there.
+"""
+
+from __future__ import annotations
+
+L2_EPS = 1e-6
+
+
+def make_l2_row_factors(C: int, D: int, acc: str = "float32", eps: float = L2_EPS):
+    """A ``T.macro`` ``(x_s, n_s, sq_f, ss_f)``: the fused-L2-norm row factors of a ``[C, D]`` tile,
+    ``n_s[r] = 1 / sqrt(sum_d x_s[r, d]^2 + eps)`` in ``acc`` (``sq_f`` ``[C, D]`` and ``ss_f`` ``[C]``
+    are scratch fragments)."""
+    import tilelang.language as T
+
+    @T.macro
+    def l2_row_factors(x_s, n_s, sq_f, ss_f):
+        for r, d in T.Parallel(C, D):
+            sq_f[r, d] = T.cast(x_s[r, d], acc) * T.cast(x_s[r, d], acc)
+        T.reduce_sum(sq_f, ss_f, dim=1)
+        for r in T.Parallel(C):
+            n_s[r] = T.rsqrt(ss_f[r] + eps)
+
+    return l2_row_factors
