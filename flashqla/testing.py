@@ -145,16 +145,22 @@ def oracle(case: Case, inputs: dict, grads: bool = True) -> dict:
             cu_seqlens=None if cu is None else cu.cpu(), compute_dtype=torch.float64)
         res = {"o": o.detach(), "ht": None if ht is None else ht.detach()}
         if grads:
-            outs, couts = [o], [inputs["do"].detach().double()]
-            if case.ht:
-                outs.append(ht)
-                couts.append(inputs["dht"].detach().double())
-            wrt = [leaves[n] for n in ("q", "k", "v", "g", "beta")] + ([h0] if h0 is not None else [])
-            gr = torch.autograd.grad(outs, wrt, couts, allow_unused=True)
-            names = ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if h0 is not None else [])
-            for n, t, w in zip(names, gr, wrt):
+            for n, (t, w) in _input_grads(case, inputs, o, ht, leaves, h0, torch.float64).items():
                 res[n] = torch.zeros_like(w) if t is None else t
     return res
+
+
+def _input_grads(case: Case, inputs: dict, o, ht, leaves: dict, h0, cot_dtype=None) -> dict:
+    """{grad name: (gradient or None, the input it is for)} for the cotangents do (and dht)."""
+    cast = (lambda t: t.detach().to(cot_dtype)) if cot_dtype is not None else (lambda t: t)
+    outs, couts = [o], [cast(inputs["do"])]
+    if case.ht:
+        outs.append(ht)
+        couts.append(cast(inputs["dht"]))
+    wrt = [leaves[n] for n in ("q", "k", "v", "g", "beta")] + ([h0] if h0 is not None else [])
+    gr = torch.autograd.grad(outs, wrt, couts, allow_unused=True)
+    names = ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if h0 is not None else [])
+    return {n: (t, w) for n, t, w in zip(names, gr, wrt)}
 
 
 class _PoisonEmpty(TorchFunctionMode):
@@ -229,14 +235,7 @@ def run_case(op, case: Case, backend: str, dtype: torch.dtype, device="cpu", gra
         elif ht is not None:
             raise AssertionError("final state returned although output_final_state=False")
         if grads:
-            outs, couts = [o], [inputs["do"]]
-            if case.ht:
-                outs.append(ht)
-                couts.append(inputs["dht"])
-            wrt = [leaves[n] for n in ("q", "k", "v", "g", "beta")] + ([h0] if h0 is not None else [])
-            gr = torch.autograd.grad(outs, wrt, couts, allow_unused=True)
-            names = ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if h0 is not None else [])
-            for n, t in zip(names, gr):
+            for n, (t, _) in _input_grads(case, inputs, o, ht, leaves, h0).items():
                 if t is None:
                     raise AssertionError(f"{backend}: no gradient for {n}")
                 errors[n] = rel_l2(t, ref[n])
