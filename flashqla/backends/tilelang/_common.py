@@ -24,3 +24,12 @@ def make_l2_row_factors(C: int, D: int, acc: str = "float32", eps: float = L2_EP
             n_s[r] = T.rsqrt(ss_f[r] + eps)
 
     return l2_row_factors
+
+
+def symbolic_sizes():
+    """The symbolic (``T.dynamic``) sizes the kernels share, so a new length never recompiles:
+    ``(NT, NC, NS, Hqk, Hv)`` -- tokens (B * T, or the packed varlen length), chunks over all
+    sequences, sequences, query/key heads, value heads."""
+    import tilelang.language as T
+
+    return T.dynamic("NT"), T.dynamic("NC"), T.dynamic("NS"), T.dynamic("Hqk"), T.dynamic("Hv")

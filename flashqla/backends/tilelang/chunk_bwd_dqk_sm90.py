@@ -36,15 +36,11 @@ def build_bwd_dqk(dtype: str, K: int, V: int, l2norm: bool, BVB: int = 64, num_s
                   threads: int = 256):
     import tilelang.language as T
 
-    from ._common import make_l2_row_factors
+    from ._common import make_l2_row_factors, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
-    NT = T.dynamic("NT")
-    NC = T.dynamic("NC")
-    NS = T.dynamic("NS")
-    Hqk = T.dynamic("Hqk")
-    Hv = T.dynamic("Hv")
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
     assert V % BVB == 0
     l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
 

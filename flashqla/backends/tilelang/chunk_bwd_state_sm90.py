@@ -29,15 +29,11 @@ def build_bwd_state(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: 
                     num_stages: int = 2, threads: int = 128):
     import tilelang.language as T
 
-    from ._common import make_l2_row_factors
+    from ._common import make_l2_row_factors, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
-    NT = T.dynamic("NT")
-    NC = T.dynamic("NC")
-    NS = T.dynamic("NS")
-    Hqk = T.dynamic("Hqk")
-    Hv = T.dynamic("Hv")
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
     DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
     D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
     assert V % BV == 0

@@ -30,13 +30,11 @@ CHUNK = 64
 def build_bwd_wy(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256):
     import tilelang.language as T
 
+    from ._common import symbolic_sizes
+
     C = CHUNK
     acc = "float32"
-    NT = T.dynamic("NT")
-    NC = T.dynamic("NC")
-    NS = T.dynamic("NS")
-    Hqk = T.dynamic("Hqk")
-    Hv = T.dynamic("Hv")
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
     L2_EPS = 1e-6
 
     @T.prim_func

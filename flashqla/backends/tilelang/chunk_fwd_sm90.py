@@ -35,15 +35,11 @@ def build_fwd(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, s
               save_states: bool, num_stages: int = 2, threads: int = 128):
     import tilelang.language as T
 
-    from ._common import make_l2_row_factors
+    from ._common import make_l2_row_factors, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
-    NT = T.dynamic("NT")
-    NC = T.dynamic("NC")
-    NS = T.dynamic("NS")
-    Hqk = T.dynamic("Hqk")
-    Hv = T.dynamic("Hv")
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
     # Tensors a variant does not use are tiny placeholders with their own symbolic sizes.
     H0N, H0H = (NS, Hv) if has_h0 else T.dynamic("H0N, H0H")
     HTN, HTH = (NS, Hv) if store_ht else T.dynamic("HTN, HTH")

@@ -39,13 +39,11 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                 threads: int = 128):
     import tilelang.language as T
 
+    from ._common import symbolic_sizes
+
     C = CHUNK
     acc = "float32"
-    NT = T.dynamic("NT")      # tokens (B * T, or the packed varlen length)
-    NC = T.dynamic("NC")      # total chunks over all sequences
-    NS = T.dynamic("NS")      # sequences
-    Hqk = T.dynamic("Hqk")
-    Hv = T.dynamic("Hv")
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
     # The X output is only written when the backward needs it; otherwise a tiny placeholder is
     # passed, with its own symbolic sizes.
     XN = NC if save_x else T.dynamic("XN")
