@@ -1,4 +1,4 @@
-"""``python -m flashqla {info,check,bench}`` (also installed as the ``flashqla`` command)."""
+"""``python -m flashqla {info,check,bench,precompile}`` (also installed as the ``flashqla`` command)."""
 
 from __future__ import annotations
 
@@ -7,13 +7,14 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli import bench, check, info
+    from .cli import bench, check, info, precompile
     parser = argparse.ArgumentParser(prog="python -m flashqla",
                                      description="flashqla: GDN chunked linear attention, many backends")
-    sub = parser.add_subparsers(dest="command", metavar="{info,check,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{info,check,bench,precompile}")
     info.add_parser(sub)
     check.add_parser(sub)
     bench.add_parser(sub)
+    precompile.add_parser(sub)
     return parser
 
 

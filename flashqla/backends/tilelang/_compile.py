@@ -14,6 +14,7 @@ flags, tile sizes); token counts, batch, number of sequences and head counts are
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Any, Callable
@@ -26,6 +27,25 @@ COMPILE_COUNT = 0
 COMPILE_SECONDS = 0.0
 _KERNELS: dict = {}
 _LOCK = threading.Lock()
+# While ``record_keys()`` is active: the list that get_kernel appends (name, builder, key) to.
+_RECORD = None
+
+
+@contextlib.contextmanager
+def record_keys():
+    """Within the block ``get_kernel`` compiles nothing: it appends ``(name, builder, key)`` to the
+    yielded list and returns a launcher that does nothing.  ``python -m flashqla precompile`` runs the
+    host code of ``ops`` on meta tensors under it to enumerate the variants from the real code paths."""
+    global _RECORD
+    prev, _RECORD = _RECORD, []
+    try:
+        yield _RECORD
+    finally:
+        _RECORD = prev
+
+
+def _no_launch(*args, **kwargs):
+    return None
 
 
 def compile_count() -> int:
@@ -40,6 +60,9 @@ def cached_kernels() -> list:
 def get_kernel(name: str, builder: Callable[..., Any], key: tuple):
     """The compiled kernel of ``builder(*key)``; compiles it (once per process) on first use."""
     global COMPILE_COUNT, COMPILE_SECONDS
+    if _RECORD is not None:
+        _RECORD.append((name, builder, key))
+        return _no_launch
     ck = (name, key)
     kern = _KERNELS.get(ck)
     if kern is not None:

@@ -1,0 +1,108 @@
+"""``python -m flashqla precompile``: enumerate / compile the tilelang kernels without a GPU."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from flashqla.__main__ import main
+
+HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
+needs_tilelang = pytest.mark.skipif(not HAVE_TILELANG, reason="tilelang is not installed")
+
+# The cheapest selection: one forward flag set, one dtype -> the two forward kernels.
+CHEAP = ["--modes", "fwd", "--dtypes", "bfloat16", "--beta-dtypes", "bfloat16",
+         "--flags", "h0=0,ht=0,l2norm=0,varlen=0,grad=0"]
+
+
+def _run(args, env_extra=None):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-m", "flashqla", "precompile", *args], capture_output=True,
+                          text=True, env=env, timeout=300)
+
+
+def test_bad_arch_exits_2(capsys):
+    assert main(["precompile", "--arch", "sm_80", "--list"]) == 2
+    assert "sm_90a" in capsys.readouterr().err
+
+
+def test_no_tilelang_exits_2(tmp_path):
+    code = ("import sys; sys.modules['tilelang'] = None\n"
+            "from flashqla.__main__ import main\n"
+            f"sys.exit(main(['precompile', '--list', '--cache-dir', {str(tmp_path)!r}]))")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "tilelang is not importable" in r.stderr
+
+
+@needs_tilelang
+def test_list_shows_every_variant(tmp_path, capsys):
+    from flashqla.backends.tilelang import _compile, ops
+
+    assert main(["precompile", "--list", "--heads", "16/32,8/32,4/4", "--cache-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "not part of any key" in out and "16/32, 8/32, 4/4" in out
+    listed = re.findall(r"^\s*\d+\s+(fwd|bwd)\s+(\S+)\s+key=(.*)$", out, re.M)
+    assert int(re.search(r"^(\d+) variants$", out, re.M).group(1)) == len(listed)
+    keys = {(n, k) for _, n, k in listed}
+    assert len(keys) == len(listed), "duplicates in --list"
+    # Independent of the enumeration: every key the kernel helpers of ops build, over all flags.
+    import itertools
+
+    import torch
+    want = set()
+    with _compile.record_keys() as rec:
+        for dt in (torch.bfloat16, torch.float16):
+            for bdt in (torch.bfloat16, torch.float16, torch.float32):
+                for a, b in itertools.product((False, True), repeat=2):
+                    ops.intra_kernel(dt, bdt, 128, 128, a, b)
+                    ops.bwd_wy_kernel(dt, bdt, 128, 128, a)
+            for fl in itertools.product((False, True), repeat=4):
+                ops.fwd_kernel(dt, 128, 128, *fl)
+            for fl in itertools.product((False, True), repeat=3):
+                ops.bwd_state_kernel(dt, 128, 128, *fl)
+            for a in (False, True):
+                ops.bwd_dqk_kernel(dt, 128, 128, a)
+    want = {(n, repr(k)) for n, _, k in rec}
+    assert keys == want
+    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_recurrent_sm90", "bwd_state_sm90",
+                                    "bwd_dqk_sm90", "bwd_wy_sm90"}
+
+
+@needs_tilelang
+def test_list_selection():
+    r = _run(["--list", *CHEAP])
+    assert r.returncode == 0, r.stderr
+    assert "2 variants" in r.stdout
+    assert "fwd_intra_sm90" in r.stdout and "fwd_recurrent_sm90" in r.stdout
+
+
+@needs_tilelang
+@pytest.mark.compile
+def test_compile_cold_then_warm(tmp_path):
+    cache = tmp_path / "cache"
+    r1 = _run([*CHEAP, "--cache-dir", str(cache)])
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    files = [p for p in cache.rglob("*") if p.is_file()]
+    assert files, "nothing written to the cache dir"
+    assert str(cache) in r1.stdout and "precompiled 2/2" in r1.stdout
+    assert r1.stderr.count("(new)") == 2
+    r2 = _run([*CHEAP, "--cache-dir", str(cache)])
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert r2.stderr.count("(cached)") == 2
+    t1 = float(re.search(r"compile ([\d.]+) s total", r1.stdout).group(1))
+    t2 = float(re.search(r"compile ([\d.]+) s total", r2.stdout).group(1))
+    print(f"cold {t1:.2f} s, warm {t2:.2f} s")
+    assert t2 < t1 / 5, (t1, t2)
+
+
+@needs_tilelang
+def test_default_cache_dir_from_env(tmp_path):
+    r = _run(["--list", *CHEAP], {"FLASHQLA_CACHE_DIR": str(tmp_path)})
+    assert r.returncode == 0, r.stderr
+    assert f"cache dir {tmp_path / 'tilelang'}" in r.stdout
