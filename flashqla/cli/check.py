@@ -57,32 +57,6 @@ def _decide(case, inputs, name: str, grads: bool):
     return False, ok, why
 
 
-def oracle_on(case, inputs: dict, device) -> dict:
-    """:func:`flashqla.testing.oracle` (float64 recurrence, with gradients), computed on ``device``: on a GPU
-    the token loop is launch-bound and far faster than the CPU's float64 for the longer CUDA cases."""
-    from flashqla.reference import recurrent_gated_delta_rule_ref
-    f64 = {n: inputs[n].detach().to(device, torch.float64).requires_grad_() for n in ("q", "k", "v", "g", "beta")}
-    h0 = inputs["initial_state"]
-    h0 = None if h0 is None else h0.detach().to(device, torch.float64).requires_grad_()
-    cu = inputs["cu_seqlens"]
-    with torch.enable_grad():
-        o, ht = recurrent_gated_delta_rule_ref(
-            f64["q"], f64["k"], f64["v"], f64["g"], f64["beta"], scale=case.scale, initial_state=h0,
-            output_final_state=case.ht, use_qk_l2norm_in_kernel=case.l2norm,
-            cu_seqlens=None if cu is None else cu.cpu(), compute_dtype=torch.float64)
-        outs, couts = [o], [inputs["do"].detach().to(device, torch.float64)]
-        if case.ht:
-            outs.append(ht)
-            couts.append(inputs["dht"].detach().to(device, torch.float64))
-        wrt = [f64[n] for n in ("q", "k", "v", "g", "beta")] + ([h0] if h0 is not None else [])
-        grads = torch.autograd.grad(outs, wrt, couts, allow_unused=True)
-    names = ["dq", "dk", "dv", "dg", "dbeta"] + (["dh0"] if h0 is not None else [])
-    res = {"o": o.detach().cpu(), "ht": None if ht is None else ht.detach().cpu()}
-    for n, t, w in zip(names, grads, wrt):
-        res[n] = (torch.zeros_like(w) if t is None else t).detach().cpu()
-    return res
-
-
 def run_check(args) -> int:
     import flashqla
     from flashqla import testing
@@ -150,7 +124,7 @@ def run_check(args) -> int:
                     note = "forward only (no backward)"
                 try:
                     if case.name not in refs:
-                        refs[case.name] = oracle_on(case, inputs, device)
+                        refs[case.name] = testing.oracle(case, inputs)  # float64, on the checked device
                     t0 = time.perf_counter()  # the backend's time, not the oracle's
                     res = testing.run_case(flashqla.chunk_gated_delta_rule, case, name, dtype, device,
                                            grads=with_grads, exact_fp32=exact, seed=args.seed, ref=refs[case.name])
