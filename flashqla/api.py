@@ -47,6 +47,22 @@ def _run_forward(be: Backend, spec: CallSpec, q, k, v, g, beta, scale, initial_s
     return be.forward(spec, inputs)
 
 
+def _dispatch(spec: CallSpec, backend: str, run):
+    """``(backend, run(backend))`` for the backend dispatch picks.  A run-time failure of its kernels is
+    recorded; under ``"auto"`` the next backend in order then serves the call (explain() shows why), a
+    backend asked for by name raises BackendRuntimeError naming itself and the configuration."""
+    while True:
+        be, d = select(spec, backend)
+        try:
+            return be, run(be)
+        except (BackendUnavailableError, TypeError, ValueError):
+            raise  # the caller's input, not the kernels
+        except Exception as exc:
+            why = record_runtime_failure(be.name, spec, exc)
+            if d.requested != "auto":
+                raise BackendRuntimeError(f"flashqla backend {be.name!r} {why} ({spec.summary()})") from exc
+
+
 def _cast_grads(grads, dtypes):
     out = []
     for gr, dt in zip(grads, dtypes):
@@ -129,19 +145,9 @@ def chunk_gated_delta_rule(
     if q.shape[0] == 0 or q.shape[1] == 0:
         o, ht = _empty_call(spec, v, initial_state)
         return o, (ht if output_final_state else None)
-    while True:
-        be, d = select(spec, backend)
-        try:
-            o, ht = _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, be, spec, scale, meta,
-                                               backend_options)
-            return o, (ht if output_final_state else None)
-        except (BackendUnavailableError, TypeError, ValueError):
-            raise  # the caller's input, not the kernels
-        except Exception as exc:
-            why = record_runtime_failure(be.name, spec, exc)
-            if d.requested != "auto":
-                raise BackendRuntimeError(f"flashqla backend {be.name!r} {why} ({spec.summary()})") from exc
-            # auto: the next backend in order serves this call; explain() now shows why this one was skipped
+    _, (o, ht) = _dispatch(spec, backend, lambda be: _ChunkGatedDeltaRule.apply(
+        q, k, v, g, beta, initial_state, be, spec, scale, meta, backend_options))
+    return o, (ht if output_final_state else None)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -156,9 +162,9 @@ def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None,
                                  use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=for_backward)
     if q.shape[0] == 0 or q.shape[1] == 0:
         raise ValueError("chunk_gated_delta_rule_fwd needs at least one token (q.shape[0] and q.shape[1] > 0)")
-    be, _ = select(spec, backend)
     with torch.no_grad():
-        o, ht, saved, aux = _run_forward(be, spec, q, k, v, g, beta, scale, initial_state, meta, backend_options)
+        be, (o, ht, saved, aux) = _dispatch(spec, backend, lambda be: _run_forward(
+            be, spec, q, k, v, g, beta, scale, initial_state, meta, backend_options))
     ctx = GDNContext(be, spec, tuple(saved), aux, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
                                                     None if initial_state is None else initial_state.dtype))
     return o, ht, ctx

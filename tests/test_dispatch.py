@@ -236,3 +236,15 @@ def test_runtime_failure_moves_auto_to_next_backend():
     finally:
         unregister_backend("crashy")
         registry._RUNTIME_FAILURES.clear()
+
+
+def test_runtime_failure_fallback_in_fwd_api_too():
+    from flashqla.dispatch import registry
+
+    register_backend(CrashingBackend())
+    try:
+        o, _, ctx = flashqla.chunk_gated_delta_rule_fwd(*_inputs(), for_backward=False)
+        assert ctx.backend.name != "crashy"
+    finally:
+        unregister_backend("crashy")
+        registry._RUNTIME_FAILURES.clear()
