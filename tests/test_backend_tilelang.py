@@ -389,6 +389,12 @@ def _fwd_variants():
                                  ("float16", True, False, True, False),
                                  ("float16", False, True, False, True)]:
         out.append(("fwd", (dt, 128, 128, 64, l2, h0, ht, save)))
+    # the warp-specialised recurrence: every V-block, every flag both ways
+    for dt, bv, l2, h0, ht, save in [("bfloat16", 32, False, False, True, False),
+                                     ("bfloat16", 64, True, True, True, True),
+                                     ("bfloat16", 128, False, True, False, True),
+                                     ("float16", 128, True, False, True, False)]:
+        out.append(("fwd_ws", (dt, 128, 128, bv, l2, h0, ht, save)))
     return out
 
 
@@ -403,9 +409,10 @@ def test_kernels_lower_for_sm90a(kind, args):
     from flashqla.backends.tilelang.chunk_bwd_state_sm90 import build_bwd_state
     from flashqla.backends.tilelang.chunk_bwd_wy_sm90 import build_bwd_wy
     from flashqla.backends.tilelang.chunk_fwd_sm90 import build_fwd
+    from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
     from flashqla.backends.tilelang.chunk_intra_sm90 import build_intra
 
-    builder = {"intra": build_intra, "fwd": build_fwd, "bwd_state": build_bwd_state,
+    builder = {"intra": build_intra, "fwd": build_fwd, "fwd_ws": build_fwd_ws, "bwd_state": build_bwd_state,
                "bwd_dqk": build_bwd_dqk, "bwd_wy": build_bwd_wy}[kind]
     kern = tilelang.compile(builder(*args), out_idx=None, target=TARGET)
     src = kern.get_kernel_source()
@@ -414,9 +421,14 @@ def test_kernels_lower_for_sm90a(kind, args):
     usage = resource_usage(kern)
     print(f"{kind}{args}: {usage}")
     assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
-    if kind in ("fwd", "bwd_state", "bwd_dqk"):
+    if kind in ("fwd", "bwd_state", "bwd_dqk") or (kind == "fwd_ws" and args[3] > 64):
         # warp-specialised pipelines: a TMA producer branch and setmaxnreg on the consumer side
         assert "warpgroup_reg_alloc" in src or "setmaxnreg" in src
+    if kind == "fwd_ws":
+        # three roles, each waiting on mbarriers; the consumers sync only their own warpgroup
+        # (a whole-CTA barrier inside a role would deadlock: only the one after the barrier init)
+        assert src.count("__syncthreads()") == 1
+        assert src.count(".wait(") >= 7
 
 
 def test_backend_registered_and_rejects_cpu():
@@ -806,7 +818,8 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
         db_out[bos:bos + nv] = (bk + (dBu * vc).sum(-1) + (dA * KKn).sum(-1))[:, :nv].T
 
 
-_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "bwd_state_sm90": _sim_bwd_state,
+_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd,
+               "bwd_state_sm90": _sim_bwd_state,
                "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy}
 
 
@@ -838,8 +851,10 @@ _HOST_CASES = [
 ]
 
 
+@pytest.mark.parametrize("variant", ["ws", "serial"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
-def test_host_path_with_simulated_kernels(case, simulated_kernels):
+def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     from flashqla.dispatch import FwdInputs, get_backend
     from flashqla.dispatch.device import fake_device
     from flashqla.validation import validate
@@ -861,8 +876,8 @@ def test_host_path_with_simulated_kernels(case, simulated_kernels):
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
-    assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_sm90", "bwd_state_sm90", "bwd_dqk_sm90",
-                                 "bwd_wy_sm90"]
+    fwd_name = "fwd_recurrent_ws_sm90" if variant == "ws" else "fwd_recurrent_sm90"
+    assert simulated_kernels == ["fwd_intra_sm90", fwd_name, "bwd_state_sm90", "bwd_dqk_sm90", "bwd_wy_sm90"]
     errs = {"o": rel_l2(o, ref["o"])}
     if case.ht:
         errs["ht"] = rel_l2(ht, ref["ht"])

@@ -7,6 +7,7 @@ tensors from ``torch.arange`` on the device, so both cases run the same kernels.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -17,12 +18,15 @@ from .chunk_bwd_dqk_sm90 import build_bwd_dqk
 from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_wy_sm90 import build_bwd_wy
 from .chunk_fwd_sm90 import build_fwd
+from .chunk_fwd_ws_sm90 import build_fwd_ws
 from .chunk_intra_sm90 import build_intra
 
 CHUNK = 64
 # State columns per CTA of the recurrence kernels (V / BV CTAs per sequence and head).
 FWD_BV = 64
 BWD_BV = 64
+# The warp-specialised forward recurrence picks its V-block per call (see fwd_ws_bv).
+FWD_WS_BVS = (32, 64, 128)
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -89,6 +93,54 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
     return get_kernel("fwd_recurrent_sm90", build_fwd,
                       (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht),
                        bool(save_states)))
+
+
+def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV):
+    return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws,
+                      (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht),
+                       bool(save_states)))
+
+
+_SM_COUNT: dict = {}
+
+
+def _sm_count(device) -> int:
+    if device.type != "cuda":
+        return 0
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def fwd_variant() -> str:
+    """``ws`` (warp-specialised recurrence, default) or ``serial`` (one warpgroup does everything);
+    ``FLASHQLA_TILELANG_FWD`` overrides."""
+    v = os.environ.get("FLASHQLA_TILELANG_FWD", "ws").strip().lower() or "ws"
+    if v not in ("ws", "serial"):
+        raise ValueError(f"FLASHQLA_TILELANG_FWD must be 'ws' or 'serial', got {v!r}")
+    return v
+
+
+def fwd_ws_bv(num_seqs: int, Hv: int, V: int, device) -> int:
+    """V-block of the warp-specialised recurrence.  The recurrence is a serial walk per (sequence,
+    head, V-block): with few of those, split V further so that more SMs walk in parallel (each walk's
+    chain gets shorter GEMMs too); with many, keep whole 128-column blocks (q k^T and the w / q / k
+    tiles are then loaded and multiplied once per head instead of V / BV times).  Thresholds at 70% and
+    35% of the SMs (one CTA per SM).  ``FLASHQLA_TILELANG_BV`` overrides."""
+    forced = os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
+    if forced:
+        bv = int(forced)
+        if bv not in FWD_WS_BVS or V % bv:
+            raise ValueError(f"FLASHQLA_TILELANG_BV must be one of {FWD_WS_BVS} dividing V={V}, got {bv}")
+        return bv
+    sms = _sm_count(device) or 132
+    walks = num_seqs * Hv
+    if walks >= 0.7 * sms and V % 128 == 0:
+        return 128
+    if 2 * walks >= 0.7 * sms and V % 64 == 0:
+        return 64
+    return 32 if V % 32 == 0 else V
 
 
 def bwd_state_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV=BWD_BV):
@@ -161,8 +213,16 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     else:
         hs = dummy((1, 1, K, V), dt, dev)
         vn = dummy((1, 1, CHUNK, V), dt, dev)
-    fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(
-        qf, kf, w, u, G, meta.cu_seqlens, meta.chunk_offsets, h0f, o, ht, hs, vn, float(scale), ratio)
+    fwd_args = (qf, kf, w, u, G, meta.cu_seqlens, meta.chunk_offsets, h0f, o, ht, hs, vn, float(scale), ratio)
+    if fwd_variant() == "serial":
+        fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(*fwd_args)
+    elif dev.type == "meta":
+        # key enumeration (precompile): every V-block the call-time choice can make
+        for bv in FWD_WS_BVS:
+            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args)
+    else:
+        bv = fwd_ws_bv(NS, Hv, V, dev)
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args)
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,

@@ -1,0 +1,220 @@
+"""Forward stage 2 (Hopper), warp-specialised: the state recurrence and the chunk output in two
+consumer warpgroups, fed by a TMA producer warp.
+
+Same contract as ``chunk_fwd_sm90.build_fwd`` (same arguments, same outputs), so ``ops`` can run either;
+this one keeps only the state's own dependency chain on the serial path.
+
+Grid ``(V / BV, Hv, N)``; CTA ``(bv, h, n)`` owns state columns ``bv*BV ..`` of value head ``h`` of
+sequence ``n`` and walks its chunks in order (trip count read on the device: no host sync; a length-0
+sequence writes ``ht = h0``).  384 threads, three roles, each a ``T.serial`` loop over the chunks:
+
+* warpgroup 0 (threads 0-127), the **state chain**, the only serial dependency::
+
+      Sb    = bf16(S)                           -> shared, released to warpgroup 1
+      v_new = u - w Sb                          rows past the sequence end forced to 0
+      S     = exp(G_last) S + k^T (nk exp(G_last - G) v_new)
+
+  two wgmma per chunk (64 x BV x K, then K x BV x 64);
+* warpgroup 1 (threads 128-255), the **output**, one chunk behind at most::
+
+      P     = (q k^T) nq_r nk_j exp(G_r - G_j)  for j <= r   (needs no state: runs ahead)
+      o     = scale * (nq exp(G) (q Sb) + P v_new)
+
+  three wgmma per chunk, and the row factors ``nq``, ``nk`` of the fused L2 norm (1 without it);
+* warpgroup 2 (threads 256-383), the **producer**: one warp issues the TMA loads of q, k (rows
+  ``bos .. bos + 64`` of the packed tensors, query/key head ``h // ratio``), w, u, G (chunk-major
+  tiles of stage 1) into a two-slot ring; the other three warps idle.
+
+Synchronisation (mbarriers; the phase of use ``j`` of a barrier has parity ``j % 2``; a wait for the
+parity before phase 0 returns at once, which is how the first use of every "free" barrier passes):
+``ready[s]`` (producer -> both consumers, 32 arrivals + TMA bytes), ``free[s]`` (both consumers ->
+producer, 256 arrivals), ``state_ready`` / ``state_free`` (Sb, warpgroup 0 <-> 1), ``vnew_ready`` /
+``vnew_free`` (v_new, 0 <-> 1), ``norm_ready`` (the L2 row factors, 1 -> 0).  Sb and v_new are single
+buffers: the output warpgroup reads Sb while the state warpgroup runs its first GEMM of the same chunk
+and is done long before the next chunk's Sb is written, so a second copy would buy nothing.
+
+Shared memory (bf16, K = V = 128): ring of two slots of q, k, w (16 KB each), u (2 BV B/row), G
+(256 B); Sb (K x BV), v_new, the decayed v_new (64 x BV), P (8 KB).  BV = 64: ~153 KB; BV = 128: ~201
+KB; one CTA per SM.  Registers: S is ``K * BV / 128`` fp32 per thread of warpgroup 0; ``setmaxnreg``
+gives the consumers more and the producer 40 when BV = 128.
+
+Decay numerics are those of the serial kernel: only ``G_last - G_r``, ``G_r - G_j`` (<= 0 after the
+causal mask) and ``G_r`` are exponentiated, so g = -1e4 underflows to 0 and never overflows.
+"""
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
+                 save_states: bool):
+    import tilelang.language as T
+
+    from ._common import symbolic_sizes
+
+    C = CHUNK
+    acc = "float32"
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
+    H0N, H0H = (NS, Hv) if has_h0 else T.dynamic("H0N, H0H")
+    HTN, HTH = (NS, Hv) if store_ht else T.dynamic("HTN, HTH")
+    SVN, SVH = (NC, Hv) if save_states else T.dynamic("SVN, SVH")
+    assert V % BV == 0
+    big = BV > 64
+
+    @T.macro
+    def l2_row_factors(x_s, n_s, s, sq_f, ss_f):
+        # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
+        for r, d in T.Parallel(C, K):
+            sq_f[r, d] = T.cast(x_s[s, r, d], acc) * T.cast(x_s[s, r, d], acc)
+        T.reduce_sum(sq_f, ss_f, dim=1)
+        for r in T.Parallel(C):
+            n_s[s, r] = T.rsqrt(ss_f[r] + L2_EPS)
+
+    @T.prim_func
+    def gdn_fwd_recurrent_ws(
+        q: T.Tensor((NT, Hqk, K), dtype),
+        k: T.Tensor((NT, Hqk, K), dtype),
+        w: T.Tensor((NC, Hv, C, K), dtype),
+        u: T.Tensor((NC, Hv, C, V), dtype),
+        G: T.Tensor((NC, Hv, C), acc),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_offsets: T.Tensor((NS + 1,), "int32"),
+        h0: T.Tensor((H0N, H0H, K, V), acc),
+        o: T.Tensor((NT, Hv, V), dtype),
+        ht: T.Tensor((HTN, HTH, K, V), acc),
+        h_out: T.Tensor((SVN, SVH, K, V), dtype),
+        vn_out: T.Tensor((SVN, SVH, C, V), dtype),
+        scale: T.float32,
+        ratio: T.int32,
+    ):
+        with T.Kernel(V // BV, Hv, NS, threads=384) as (bv, h, n):
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            w_s = T.alloc_shared((2, C, K), dtype)
+            u_s = T.alloc_shared((2, C, BV), dtype)
+            G_s = T.alloc_shared((2, C), acc)
+            S_s = T.alloc_shared((K, BV), dtype)
+            vn_s = T.alloc_shared((C, BV), dtype)
+            vd_s = T.alloc_shared((C, BV), dtype)
+            P_s = T.alloc_shared((C, C), dtype)
+            nq_s = T.alloc_shared((2, C), acc)
+            nk_s = T.alloc_shared((2, C), acc)
+
+            S_f = T.alloc_fragment((K, BV), acc)
+            vn_f = T.alloc_fragment((C, BV), acc)
+            P_f = T.alloc_fragment((C, C), acc)
+            o_f = T.alloc_fragment((C, BV), acc)
+            sq_f = T.alloc_fragment((C, K), acc)
+            ss_f = T.alloc_fragment((C,), acc)
+
+            ready = T.alloc_barrier(arrive_count=[32, 32])
+            free = T.alloc_barrier(arrive_count=[256, 256])
+            state_ready = T.alloc_barrier(arrive_count=128)
+            state_free = T.alloc_barrier(arrive_count=128)
+            vnew_ready = T.alloc_barrier(arrive_count=128)
+            vnew_free = T.alloc_barrier(arrive_count=128)
+            norm_ready = T.alloc_barrier(arrive_count=128)
+
+            tx = T.get_thread_binding()
+            hq = h // ratio
+            bos0 = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            c0 = chunk_offsets[n]
+            nchunks = chunk_offsets[n + 1] - c0
+            v0 = bv * BV
+
+            if tx < 128:
+                # ---- state chain ----
+                if big:
+                    T.set_max_nreg(240, 1)
+                if has_h0:
+                    T.copy(h0[n, h, :, v0:v0 + BV], S_f)
+                else:
+                    T.clear(S_f)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    bos = bos0 + i * C
+                    T.barrier_wait(ready[s], (i // 2) % 2)
+                    T.barrier_wait(state_free, (i + 1) % 2)
+                    T.copy(S_f, S_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(state_ready)
+                    if save_states:
+                        T.copy(S_s, h_out[c0 + i, h, :, v0:v0 + BV])
+                    T.gemm(w_s[s, :, :], S_s, vn_f, clear_accum=True)
+                    for r, j in T.Parallel(C, BV):
+                        vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
+                    T.barrier_wait(vnew_free, (i + 1) % 2)
+                    T.copy(vn_f, vn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(vnew_ready)
+                    if save_states:
+                        T.copy(vn_s, vn_out[c0 + i, h, :, v0:v0 + BV])
+                    if l2norm:
+                        T.barrier_wait(norm_ready, i % 2)
+                        for r, j in T.Parallel(C, BV):
+                            vd_s[r, j] = vn_f[r, j] * nk_s[s, r] * T.exp(G_s[s, C - 1] - G_s[s, r])
+                    else:
+                        for r, j in T.Parallel(C, BV):
+                            vd_s[r, j] = vn_f[r, j] * T.exp(G_s[s, C - 1] - G_s[s, r])
+                    T.fence_proxy_async()
+                    for a, b in T.Parallel(K, BV):
+                        S_f[a, b] = S_f[a, b] * T.exp(G_s[s, C - 1])
+                    T.gemm(k_s[s, :, :], vd_s, S_f, transpose_A=True)
+                    T.barrier_arrive(free[s])
+                if store_ht:
+                    T.copy(S_f, ht[n, h, :, v0:v0 + BV])
+            elif tx < 256:
+                # ---- output ----
+                if big:
+                    T.set_max_nreg(208, 1)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    bos = bos0 + i * C
+                    T.barrier_wait(ready[s], (i // 2) % 2)
+                    if l2norm:
+                        l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
+                        l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
+                        T.barrier_arrive(norm_ready)
+                    T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
+                    if l2norm:
+                        for r, j in T.Parallel(C, C):
+                            P_s[r, j] = T.if_then_else(
+                                j <= r, P_f[r, j] * nq_s[s, r] * nk_s[s, j] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
+                    else:
+                        for r, j in T.Parallel(C, C):
+                            P_s[r, j] = T.if_then_else(j <= r, P_f[r, j] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_wait(state_ready, i % 2)
+                    T.gemm(q_s[s, :, :], S_s, o_f, clear_accum=True)
+                    T.barrier_arrive(state_free)
+                    if l2norm:
+                        for r, j in T.Parallel(C, BV):
+                            o_f[r, j] = o_f[r, j] * nq_s[s, r] * T.exp(G_s[s, r])
+                    else:
+                        for r, j in T.Parallel(C, BV):
+                            o_f[r, j] = o_f[r, j] * T.exp(G_s[s, r])
+                    T.barrier_wait(vnew_ready, i % 2)
+                    T.gemm(P_s, vn_s, o_f)
+                    T.barrier_arrive(vnew_free)
+                    T.barrier_arrive(free[s])
+                    for r, j in T.Parallel(C, BV):
+                        if bos + r < eos:
+                            o[bos + r, h, v0 + j] = o_f[r, j] * scale
+            else:
+                # ---- producer: one warp issues every TMA load of a slot ----
+                if big:
+                    T.set_max_nreg(40, 0)
+                if tx < 288:
+                    for i in T.serial(nchunks):
+                        s = i % 2
+                        bos = bos0 + i * C
+                        T.barrier_wait(free[s], (i // 2 + 1) % 2)
+                        T.tma_copy(q[bos:bos + C, hq, :], q_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(k[bos:bos + C, hq, :], k_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(w[c0 + i, h, :, :], w_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(u[c0 + i, h, :, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(G[c0 + i, h, :], G_s[s, :], barrier=ready[s])
+                        T.barrier_arrive(ready[s])
+
+    return gdn_fwd_recurrent_ws
