@@ -398,8 +398,15 @@ def _fwd_variants():
     return out
 
 
+def _bwd_ws_variants():
+    return [("bwd_state_ws", ("bfloat16", 128, 128, 64, False, False, False)),
+            ("bwd_state_ws", ("bfloat16", 128, 128, 32, True, True, True)),
+            ("bwd_state_ws", ("float16", 128, 128, 64, True, True, False))]
+
+
 @pytest.mark.compile
-@pytest.mark.parametrize("kind,args", _fwd_variants() + _bwd_variants(), ids=lambda x: str(x).replace(" ", ""))
+@pytest.mark.parametrize("kind,args", _fwd_variants() + _bwd_variants() + _bwd_ws_variants(),
+                         ids=lambda x: str(x).replace(" ", ""))
 def test_kernels_lower_for_sm90a(kind, args):
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here")
@@ -407,12 +414,14 @@ def test_kernels_lower_for_sm90a(kind, args):
     from flashqla.backends.tilelang._compile import TARGET
     from flashqla.backends.tilelang.chunk_bwd_dqk_sm90 import build_bwd_dqk
     from flashqla.backends.tilelang.chunk_bwd_state_sm90 import build_bwd_state
+    from flashqla.backends.tilelang.chunk_bwd_state_ws_sm90 import build_bwd_state_ws
     from flashqla.backends.tilelang.chunk_bwd_wy_sm90 import build_bwd_wy
     from flashqla.backends.tilelang.chunk_fwd_sm90 import build_fwd
     from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
     from flashqla.backends.tilelang.chunk_intra_sm90 import build_intra
 
     builder = {"intra": build_intra, "fwd": build_fwd, "fwd_ws": build_fwd_ws, "bwd_state": build_bwd_state,
+               "bwd_state_ws": build_bwd_state_ws,
                "bwd_dqk": build_bwd_dqk, "bwd_wy": build_bwd_wy}[kind]
     kern = tilelang.compile(builder(*args), out_idx=None, target=TARGET)
     src = kern.get_kernel_source()
@@ -424,11 +433,11 @@ def test_kernels_lower_for_sm90a(kind, args):
     if kind in ("fwd", "bwd_state", "bwd_dqk") or (kind == "fwd_ws" and args[3] > 64):
         # warp-specialised pipelines: a TMA producer branch and setmaxnreg on the consumer side
         assert "warpgroup_reg_alloc" in src or "setmaxnreg" in src
-    if kind == "fwd_ws":
+    if kind in ("fwd_ws", "bwd_state_ws"):
         # three roles, each waiting on mbarriers; the consumers sync only their own warpgroup
         # (a whole-CTA barrier inside a role would deadlock: only the one after the barrier init)
         assert src.count("__syncthreads()") == 1
-        assert src.count(".wait(") >= 7
+        assert src.count(".wait(") >= (7 if kind == "fwd_ws" else 5)
 
 
 def test_backend_registered_and_rejects_cpu():
@@ -819,7 +828,7 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
 
 
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd,
-               "bwd_state_sm90": _sim_bwd_state,
+               "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
                "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy}
 
 
@@ -855,6 +864,7 @@ _HOST_CASES = [
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
     from flashqla.dispatch import FwdInputs, get_backend
     from flashqla.dispatch.device import fake_device
     from flashqla.validation import validate
@@ -876,8 +886,9 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
-    fwd_name = "fwd_recurrent_ws_sm90" if variant == "ws" else "fwd_recurrent_sm90"
-    assert simulated_kernels == ["fwd_intra_sm90", fwd_name, "bwd_state_sm90", "bwd_dqk_sm90", "bwd_wy_sm90"]
+    sfx = "_ws" if variant == "ws" else ""
+    assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90", "bwd_dqk_sm90",
+                                 "bwd_wy_sm90"]
     errs = {"o": rel_l2(o, ref["o"])}
     if case.ht:
         errs["ht"] = rel_l2(ht, ref["ht"])

@@ -16,6 +16,7 @@ import torch
 from ._compile import get_kernel
 from .chunk_bwd_dqk_sm90 import build_bwd_dqk
 from .chunk_bwd_state_sm90 import build_bwd_state
+from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
 from .chunk_bwd_wy_sm90 import build_bwd_wy
 from .chunk_fwd_sm90 import build_fwd
 from .chunk_fwd_ws_sm90 import build_fwd_ws
@@ -148,6 +149,24 @@ def bwd_state_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV=BWD_BV):
                       (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0)))
 
 
+def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
+    return get_kernel("bwd_state_ws_sm90", build_bwd_state_ws,
+                      (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0)))
+
+
+def bwd_variant() -> str:
+    """``ws`` (warp-specialised state-gradient recurrence, default) or ``serial``;
+    ``FLASHQLA_TILELANG_BWD`` overrides."""
+    v = os.environ.get("FLASHQLA_TILELANG_BWD", "ws").strip().lower() or "ws"
+    if v not in ("ws", "serial"):
+        raise ValueError(f"FLASHQLA_TILELANG_BWD must be 'ws' or 'serial', got {v!r}")
+    return v
+
+
+# the backward's warp-specialised kernel holds more tiles (fp32 Pt dO, dOs, +-dv_new): at most 64 columns
+BWD_WS_BVS = (32, 64)
+
+
 def bwd_dqk_kernel(dtype, K, V, l2norm):
     return get_kernel("bwd_dqk_sm90", build_bwd_dqk, (_tl_dtype(dtype), K, V, bool(l2norm)))
 
@@ -245,8 +264,15 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
     dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
     dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
-    bwd_state_kernel(dt, K, V, l2norm, has_dht, has_h0)(
-        q, k, w, G, dof, meta.cu_seqlens, meta.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio)
+    state_args = (q, k, w, G, dof, meta.cu_seqlens, meta.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio)
+    if bwd_variant() == "serial":
+        bwd_state_kernel(dt, K, V, l2norm, has_dht, has_h0)(*state_args)
+    elif dev.type == "meta":
+        for bv in BWD_WS_BVS:
+            bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
+    else:
+        bv = min(fwd_ws_bv(NS, Hv, V, dev), BWD_WS_BVS[-1])
+        bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
 
     dq_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)
     dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)

@@ -1,0 +1,202 @@
+"""Backward stage 1 (Hopper), warp-specialised: the reverse state-gradient recurrence with the
+state-independent half of each chunk's work moved off the serial chain.
+
+Same contract as ``chunk_bwd_state_sm90.build_bwd_state`` (same arguments and outputs), so ``ops`` can run
+either.  Grid ``(V / BV, Hv, N)``; CTA ``(bv, h, n)`` owns columns ``bv*BV ..`` of ``dS`` (the gradient of
+the state) of value head ``h`` of sequence ``n`` and walks its chunks from last to first.  384 threads:
+
+* warpgroup 0 (threads 0-127), the **gradient chain**; with ``dS`` the gradient w.r.t. the state after
+  the chunk and ``dSb`` its 16-bit copy (stored: stage 2 reads it)::
+
+      dv_new = Pt dO + diag(nk exp(G_last - G)) (k dSb)     rows past the end forced to 0 (stored)
+      dS     = exp(G_last) dS + q^T dOs - w^T dv_new
+
+  three wgmma per chunk (``k dSb``, ``q^T dOs``, ``w^T dv_new``);
+* warpgroup 1 (threads 128-255), the **state-free terms**, running up to a chunk ahead: the L2 row
+  factors, ``Pt = scale (k q^T) nk_j nq_r exp(G_r - G_j)`` (``j <= r < eos``), ``Pt dO`` (fp32, handed
+  over in shared memory) and ``dOs = diag(scale nq exp(G)) dO`` (rows past the end zero);
+* warpgroup 2, the **producer**: one warp streams q, k, w, the dO tile and G into a two-slot ring
+  with TMA.
+
+Barriers as in the forward (``chunk_fwd_ws_sm90``): ``ready[s]`` / ``free[s]`` for the ring,
+``aux_ready`` / ``aux_free`` for the single ``Pt dO`` / ``dOs`` / row-factor handoff.  After the first
+chunk ``dh0 = dS``.  Only differences ``G_r - G_j``, ``G_last - G_r`` (<= 0) and ``G_r`` are
+exponentiated (finite for g = -1e4).
+
+Shared memory (bf16, K = V = 128, BV = 64): ring 2 x (q, k, w 16 KB, dO 8 KB, G) ~113 KB; dSb 16 KB,
+Pt 8 KB, ``Pt dO`` fp32 16 KB, dOs, dv_new, -dv_new 8 KB each: ~177 KB, one CTA per SM.
+"""
+
+CHUNK = 64
+L2_EPS = 1e-6
+
+
+def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: bool, need_dh0: bool):
+    import tilelang.language as T
+
+    from ._common import symbolic_sizes
+
+    C = CHUNK
+    acc = "float32"
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
+    DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
+    D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
+    assert V % BV == 0
+    big = BV > 64
+
+    @T.macro
+    def l2_row_factors(x_s, n_s, s, sq_f, ss_f):
+        # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
+        for r, d in T.Parallel(C, K):
+            sq_f[r, d] = T.cast(x_s[s, r, d], acc) * T.cast(x_s[s, r, d], acc)
+        T.reduce_sum(sq_f, ss_f, dim=1)
+        for r in T.Parallel(C):
+            n_s[s, r] = T.rsqrt(ss_f[r] + L2_EPS)
+
+    @T.prim_func
+    def gdn_bwd_state_ws(
+        q: T.Tensor((NT, Hqk, K), dtype),
+        k: T.Tensor((NT, Hqk, K), dtype),
+        w: T.Tensor((NC, Hv, C, K), dtype),
+        G: T.Tensor((NC, Hv, C), acc),
+        do: T.Tensor((NT, Hv, V), dtype),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_offsets: T.Tensor((NS + 1,), "int32"),
+        dht: T.Tensor((DTN, DTH, K, V), acc),
+        dh_out: T.Tensor((NC, Hv, K, V), dtype),
+        dvn_out: T.Tensor((NC, Hv, C, V), dtype),
+        dh0: T.Tensor((D0N, D0H, K, V), acc),
+        scale: T.float32,
+        ratio: T.int32,
+    ):
+        with T.Kernel(V // BV, Hv, NS, threads=384) as (bv, h, n):
+            q_s = T.alloc_shared((2, C, K), dtype)
+            k_s = T.alloc_shared((2, C, K), dtype)
+            w_s = T.alloc_shared((2, C, K), dtype)
+            do_s = T.alloc_shared((2, C, BV), dtype)
+            G_s = T.alloc_shared((2, C), acc)
+            nq_s = T.alloc_shared((2, C), acc)
+            nk_s = T.alloc_shared((2, C), acc)
+            dS_s = T.alloc_shared((K, BV), dtype)
+            Pt_s = T.alloc_shared((C, C), dtype)
+            a2_s = T.alloc_shared((C, BV), acc)
+            dos_s = T.alloc_shared((C, BV), dtype)
+            dvn_s = T.alloc_shared((C, BV), dtype)
+            ndvn_s = T.alloc_shared((C, BV), dtype)
+
+            dS_f = T.alloc_fragment((K, BV), acc)
+            a1_f = T.alloc_fragment((C, BV), acc)
+            Pt_f = T.alloc_fragment((C, C), acc)
+            a2_f = T.alloc_fragment((C, BV), acc)
+            sq_f = T.alloc_fragment((C, K), acc)
+            ss_f = T.alloc_fragment((C,), acc)
+
+            ready = T.alloc_barrier(arrive_count=[32, 32])
+            free = T.alloc_barrier(arrive_count=[256, 256])
+            aux_ready = T.alloc_barrier(arrive_count=128)
+            aux_free = T.alloc_barrier(arrive_count=128)
+
+            tx = T.get_thread_binding()
+            hq = h // ratio
+            bos0 = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            c0 = chunk_offsets[n]
+            nchunks = chunk_offsets[n + 1] - c0
+            v0 = bv * BV
+
+            if tx < 128:
+                # ---- gradient chain ----
+                if big:
+                    T.set_max_nreg(240, 1)
+                if has_dht:
+                    T.copy(dht[n, h, :, v0:v0 + BV], dS_f)
+                else:
+                    T.clear(dS_f)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    T.barrier_wait(ready[s], (i // 2) % 2)
+                    T.copy(dS_f, dS_s)
+                    T.fence_proxy_async()
+                    T.copy(dS_s, dh_out[c0 + ci, h, :, v0:v0 + BV])
+                    T.gemm(k_s[s, :, :], dS_s, a1_f, clear_accum=True)
+                    T.barrier_wait(aux_ready, i % 2)
+                    if l2norm:
+                        for r, j in T.Parallel(C, BV):
+                            a1_f[r, j] = T.if_then_else(
+                                bos + r < eos,
+                                a2_s[r, j] + a1_f[r, j] * nk_s[s, r] * T.exp(G_s[s, C - 1] - G_s[s, r]), 0.0)
+                    else:
+                        for r, j in T.Parallel(C, BV):
+                            a1_f[r, j] = T.if_then_else(
+                                bos + r < eos, a2_s[r, j] + a1_f[r, j] * T.exp(G_s[s, C - 1] - G_s[s, r]), 0.0)
+                    T.copy(a1_f, dvn_s)
+                    for r, j in T.Parallel(C, BV):
+                        ndvn_s[r, j] = -a1_f[r, j]
+                    T.fence_proxy_async()
+                    T.copy(dvn_s, dvn_out[c0 + ci, h, :, v0:v0 + BV])
+                    for a, b in T.Parallel(K, BV):
+                        dS_f[a, b] = dS_f[a, b] * T.exp(G_s[s, C - 1])
+                    T.gemm(q_s[s, :, :], dos_s, dS_f, transpose_A=True)
+                    T.gemm(w_s[s, :, :], ndvn_s, dS_f, transpose_A=True)
+                    T.barrier_arrive(aux_free)
+                    T.barrier_arrive(free[s])
+                if need_dh0:
+                    T.copy(dS_f, dh0[n, h, :, v0:v0 + BV])
+            elif tx < 256:
+                # ---- state-free terms ----
+                if big:
+                    T.set_max_nreg(208, 1)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    T.barrier_wait(ready[s], (i // 2) % 2)
+                    if l2norm:
+                        l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
+                        l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
+                    T.gemm(k_s[s, :, :], q_s[s, :, :], Pt_f, transpose_B=True, clear_accum=True)
+                    # Pt[j, r]: key row j, query row r
+                    if l2norm:
+                        for j, r in T.Parallel(C, C):
+                            Pt_s[j, r] = T.if_then_else(
+                                (j <= r) & (bos + r < eos),
+                                Pt_f[j, r] * scale * nk_s[s, j] * nq_s[s, r] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
+                    else:
+                        for j, r in T.Parallel(C, C):
+                            Pt_s[j, r] = T.if_then_else(
+                                (j <= r) & (bos + r < eos), Pt_f[j, r] * scale * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
+                    T.fence_proxy_async()
+                    T.gemm(Pt_s, do_s[s, :, :], a2_f, clear_accum=True)
+                    T.barrier_wait(aux_free, (i + 1) % 2)
+                    T.copy(a2_f, a2_s)
+                    if l2norm:
+                        for r, j in T.Parallel(C, BV):
+                            dos_s[r, j] = T.if_then_else(
+                                bos + r < eos, T.cast(do_s[s, r, j], acc) * (scale * nq_s[s, r] * T.exp(G_s[s, r])), 0.0)
+                    else:
+                        for r, j in T.Parallel(C, BV):
+                            dos_s[r, j] = T.if_then_else(
+                                bos + r < eos, T.cast(do_s[s, r, j], acc) * (scale * T.exp(G_s[s, r])), 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(aux_ready)
+                    T.barrier_arrive(free[s])
+            else:
+                # ---- producer: one warp issues every TMA load of a slot ----
+                if big:
+                    T.set_max_nreg(40, 0)
+                if tx < 288:
+                    for i in T.serial(nchunks):
+                        s = i % 2
+                        ci = nchunks - 1 - i
+                        bos = bos0 + ci * C
+                        T.barrier_wait(free[s], (i // 2 + 1) % 2)
+                        T.tma_copy(q[bos:bos + C, hq, :], q_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(k[bos:bos + C, hq, :], k_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(w[c0 + ci, h, :, :], w_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(do[bos:bos + C, h, v0:v0 + BV], do_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(G[c0 + ci, h, :], G_s[s, :], barrier=ready[s])
+                        T.barrier_arrive(ready[s])
+
+    return gdn_bwd_state_ws
