@@ -38,13 +38,13 @@ from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_gate, load
 
 
 @triton.jit
-def _load_qk_hat(ptr, t0, L, hk, Hqk, K: tl.constexpr, USE_L2: tl.constexpr, DT: tl.constexpr):
+def _load_qk_hat(ptr, t0, L, hk, Hqk, K: tl.constexpr, USE_L2: tl.constexpr, DT: tl.constexpr, TT):
     """(x_hat in the dot dtype DT, rsqrt(|x|^2 + eps) or ones) of a [64, K] q or k tile.
 
     Keeping x_hat in DT (bf16 [64, 128]: 16 regs/thread on 8 warps, half of fp32) is what lets these
     kernels fit; row reductions convert on the fly.
     """
-    x = load_rows(ptr, t0, L, hk, Hqk, K, BT, 0).to(tl.float32)
+    x = load_rows(ptr, t0, L, hk, Hqk, K, BT, 0, TT).to(tl.float32)
     if USE_L2:
         rx = tl.rsqrt(tl.sum(x * x, 1) + L2_EPS)
         x = x * rx[:, None]
@@ -55,15 +55,15 @@ def _load_qk_hat(ptr, t0, L, hk, Hqk, K: tl.constexpr, USE_L2: tl.constexpr, DT:
 
 @triton.jit
 def _store_qk_grad(ptr, dx, x, rx, t0, L, h, hk, Hqk, Hv, K: tl.constexpr, USE_L2: tl.constexpr,
-                   GRAD_PER_VHEAD: tl.constexpr):
+                   GRAD_PER_VHEAD: tl.constexpr, TT):
     """Store dx (w.r.t. x_hat) after the L2-norm Jacobian, in this value head's slot under GVA."""
     if USE_L2:
         xf = x.to(tl.float32)
         dx = rx[:, None] * (dx - xf * tl.sum(xf * dx, 1)[:, None])
     if GRAD_PER_VHEAD:
-        store_rows(ptr, dx, t0, L, h, Hv, K, BT, 0)
+        store_rows(ptr, dx, t0, L, h, Hv, K, BT, 0, TT)
     else:
-        store_rows(ptr, dx, t0, L, hk, Hqk, K, BT, 0)
+        store_rows(ptr, dx, t0, L, hk, Hqk, K, BT, 0, TT)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -88,8 +88,8 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, do_ptr, dq_
     for v0 in range(0, V, BV):
         S = load_state(h_ptr, sbase, K, V, v0, BV)
         dSn = load_state(dh_ptr, sbase, K, V, v0, BV)
-        do = load_cols(do_ptr, t0, L, h, Hv, V, BT, v0, BV)
-        vn = load_cols(vn_ptr, t0, L, h, Hv, V, BT, v0, BV)
+        do = load_cols(do_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
+        vn = load_cols(vn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
         acc_q = mma(do, tl.trans(S), acc_q, IEEE, DT)
         acc_k = mma(vn, tl.trans(dSn), acc_k, IEEE, DT)
         ds = mma(do, tl.trans(vn), ds, IEEE, DT)
@@ -102,11 +102,11 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, do_ptr, dq_
     dP = tl.where(incl, ds * tl.exp(tl.where(incl, d, 0.0)), 0.0) * scale
 
     # dq (complete here)
-    k, rk = _load_qk_hat(k_ptr, t0, L, hk, Hqk, K, USE_L2, DT)
+    k, rk = _load_qk_hat(k_ptr, t0, L, hk, Hqk, K, USE_L2, DT, TT)
     dq = mma(dP, k, acc_q * (scale * tl.exp(gh + gl))[:, None], IEEE, DT)
-    q, rq = _load_qk_hat(q_ptr, t0, L, hk, Hqk, K, USE_L2, DT)
+    q, rq = _load_qk_hat(q_ptr, t0, L, hk, Hqk, K, USE_L2, DT, TT)
     dG = tl.sum(q.to(tl.float32) * dq, 1)
-    _store_qk_grad(dq_ptr, dq, q, rq, t0, L, h, hk, Hqk, Hv, K, USE_L2, GRAD_PER_VHEAD)
+    _store_qk_grad(dq_ptr, dq, q, rq, t0, L, h, hk, Hqk, Hv, K, USE_L2, GRAD_PER_VHEAD, TT)
 
     # dk from the scores and the state update (the WY part is added by the next kernel)
     dks = acc_k * tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)[:, None]
@@ -114,8 +114,8 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, do_ptr, dq_
     dk = mma(tl.trans(dP), q, dks, IEEE, DT)
     dG -= tl.sum(k.to(tl.float32) * dk, 1)
     dG += tl.where(r == L - 1, last, 0.0)
-    store_rows(dka_ptr, dk, t0, L, h, Hv, K, BT, 0)
-    store_vec(dGa_ptr, dG, t0, L, h, Hv, BT)
+    store_rows(dka_ptr, dk, t0, L, h, Hv, K, BT, 0, TT)
+    store_vec(dGa_ptr, dG, t0, L, h, Hv, BT, TT)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -132,7 +132,7 @@ def chunk_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Tm_ptr, w_ptr, u_ptr, h_p
     blk = pid.to(tl.int64) * Hv + h
     sbase = blk * K * V
 
-    beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0)
+    beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0, TT)
     Tm = tl.load(Tm_ptr + blk * 4096 + r[:, None] * 64 + r[None, :], mask=r[:, None] >= r[None, :], other=0.0)
     TmT = tl.trans(Tm)
     # pass over V; live: one [64, K] fp32 accumulator, one [64, 64] and Tinv
@@ -140,22 +140,22 @@ def chunk_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Tm_ptr, w_ptr, u_ptr, h_p
     dA = tl.zeros([BT, BT], dtype=tl.float32)        # -dYu u^T (dYw w^T added below)
     dbeta = tl.zeros([BT], dtype=tl.float32)
     for v0 in range(0, V, BV):
-        dvn = load_cols(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV)
+        dvn = load_cols(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
         dyu = mm(TmT, dvn, IEEE, DT)                       # Tinv^T du, du = dv_new
-        store_cols(dv_ptr, beta[:, None] * dyu, t0, L, h, Hv, V, BT, v0, BV)
-        vv = load_cols(v_ptr, t0, L, h, Hv, V, BT, v0, BV)
+        store_cols(dv_ptr, beta[:, None] * dyu, t0, L, h, Hv, V, BT, v0, BV, TT)
+        vv = load_cols(v_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
         dbeta += tl.sum(dyu * vv.to(tl.float32), 1)
-        uu = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV)
+        uu = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
         S = load_state(h_ptr, sbase, K, V, v0, BV)
         ndyu = -dyu
         dA = mma(ndyu, tl.trans(uu), dA, IEEE, DT)
         dyw = mma(ndyu, tl.trans(S), dyw, IEEE, DT)
 
-    ww = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0)
+    ww = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
     dA = mma(-dyw, tl.trans(ww), dA, IEEE, DT)
     gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv.to(tl.int64) * TT, BT, 0)
     eg = tl.exp(gh + gl)
-    k, rk = _load_qk_hat(k_ptr, t0, L, hk, Hqk, K, USE_L2, DT)
+    k, rk = _load_qk_hat(k_ptr, t0, L, hk, Hqk, K, USE_L2, DT, TT)
     kdy = tl.sum(dyw * k.to(tl.float32), 1)
     dk = (beta * eg)[:, None] * dyw
     dbeta += eg * kdy
@@ -174,9 +174,9 @@ def chunk_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Tm_ptr, w_ptr, u_ptr, h_p
     E = dA * beta[:, None] * Dm
     dk = mma(E, k, dk, IEEE, DT)
     dk = mma(tl.trans(E), k, dk, IEEE, DT)
-    dk += load_rows(dka_ptr, t0, L, h, Hv, K, BT, 0)
-    dG += load_vec(dGa_ptr, t0, L, h, Hv, BT, 0)
+    dk += load_rows(dka_ptr, t0, L, h, Hv, K, BT, 0, TT)
+    dG += load_vec(dGa_ptr, t0, L, h, Hv, BT, 0, TT)
 
-    _store_qk_grad(dk_ptr, dk, k, rk, t0, L, h, hk, Hqk, Hv, K, USE_L2, GRAD_PER_VHEAD)
-    store_vec(dbeta_ptr, dbeta, t0, L, h, Hv, BT)
-    store_vec(dg_ptr, tl.cumsum(dG, 0, reverse=True), t0, L, h, Hv, BT)
+    _store_qk_grad(dk_ptr, dk, k, rk, t0, L, h, hk, Hqk, Hv, K, USE_L2, GRAD_PER_VHEAD, TT)
+    store_vec(dbeta_ptr, dbeta, t0, L, h, Hv, BT, TT)
+    store_vec(dg_ptr, tl.cumsum(dG, 0, reverse=True), t0, L, h, Hv, BT, TT)

@@ -48,16 +48,18 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
         dS = tl.zeros([K, BV], dtype=tl.float32)
 
     for j in range(0, nt):
-        i = nt - 1 - j
+        # never below 0, also in an iteration the pipeliner may prefetch (j = nt): i = -1 would address
+        # the 64 tokens *before* the sequence, before the buffer for the first one
+        i = tl.maximum(nt - 1 - j, 0)
         t0 = bos + i * BT
         L = tl.minimum(eos - t0, BT).to(tl.int32)
         valid = r < L
         store_state(dh_ptr, dS, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
 
-        q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
-        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
-        w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0)
-        do = load_cols(do_ptr, t0, L, h, Hv, V, BT, v0, BV)
+        q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
+        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
+        w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
+        do = load_cols(do_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
         gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
         lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
 
@@ -69,7 +71,7 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
         fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
         # gate factors go on the [64, BV] side of each product (diag(c) X) Y = diag(c) (X Y), etc.
         dvn = scale * mm(pt, do, IEEE, DT) + fac[:, None] * mm(k, dS, IEEE, DT)
-        store_cols(dvn_ptr, dvn, t0, L, h, Hv, V, BT, v0, BV)
+        store_cols(dvn_ptr, dvn, t0, L, h, Hv, V, BT, v0, BV, TT)
         dog = do * (scale * tl.exp(gh + gl))[:, None]
         dS = dS * tl.exp(lh + ll) + mm(tl.trans(q), dog, IEEE, DT) - mm(tl.trans(w), dvn, IEEE, DT)
 

@@ -35,11 +35,11 @@ def chunk_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_
     r = tl.arange(0, BT)
     valid = r < L
 
-    q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
-    k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
+    q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
+    k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
     gh, gl = load_gate(G_ptr, t0, L, h, TT, Hv.to(tl.int64) * TT, BT, 0)
     S = load_state(h_ptr, (pid.to(tl.int64) * Hv + h) * K * V, K, V, v0, BV)
-    vn = load_cols(vn_ptr, t0, L, h, Hv, V, BT, v0, BV)
+    vn = load_cols(vn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
 
     o = mm(q, S, IEEE, DT) * tl.exp(gh + gl)[:, None]
     m = (r[:, None] >= r[None, :]) & valid[:, None]
@@ -47,4 +47,4 @@ def chunk_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
     a = tl.where(m, a * tl.exp(tl.where(m, d, 0.0)), 0.0)
     o += mm(a, vn, IEEE, DT)
-    store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV)
+    store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV, TT)

@@ -41,7 +41,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import BT, L2_EPS, chunk_coords, gdiff, l2n, load_rows, load_vec, mm, mmf, store_rows
+from .common import BT, L2_EPS, chunk_coords, gdiff, l2n, load_rows, load_vec, mm, mmf, store_rows, tok_rows
 
 
 @triton.jit
@@ -96,16 +96,16 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
 
     # chunk-local cumulative gate in fp64, kept as an fp32 (hi, lo) pair; padded rows (g = 0)
     # repeat the last real value
-    g = load_vec(g_ptr, t0, L, h, Hv, BT, 0)
+    g = load_vec(g_ptr, t0, L, h, Hv, BT, 0, TT)
     Gd = tl.cumsum(g.to(tl.float64), 0)
     gh = Gd.to(tl.float32)
     gl = (Gd - gh.to(tl.float64)).to(tl.float32)
-    gp = G_ptr + h.to(tl.int64) * TT + t0 + r
+    gp = G_ptr + h.to(tl.int64) * TT + tok_rows(t0, r, TT)
     tl.store(gp, gh, mask=valid)
     tl.store(gp + Hv.to(tl.int64) * TT, gl, mask=valid)
 
-    beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0)
-    kc = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
+    beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0, TT)
+    kc = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
     Ti = ut_inverse(kc, beta, gh, gl, IEEE, DT)
     if STORE_T:
         blk = pid.to(tl.int64) * Hv + h
@@ -113,6 +113,6 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     Tc = Ti.to(DT)
 
     yw = (beta * tl.exp(gh + gl))[:, None] * kc.to(tl.float32)
-    store_rows(w_ptr, mm(Tc, yw, IEEE, DT), t0, L, h, Hv, K, BT, 0)
-    yu = beta[:, None] * load_rows(v_ptr, t0, L, h, Hv, V, BT, 0).to(tl.float32)
-    store_rows(u_ptr, mm(Tc, yu, IEEE, DT), t0, L, h, Hv, V, BT, 0)
+    store_rows(w_ptr, mm(Tc, yw, IEEE, DT), t0, L, h, Hv, K, BT, 0, TT)
+    yu = beta[:, None] * load_rows(v_ptr, t0, L, h, Hv, V, BT, 0, TT).to(tl.float32)
+    store_rows(u_ptr, mm(Tc, yu, IEEE, DT), t0, L, h, Hv, V, BT, 0, TT)

@@ -61,23 +61,23 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
         valid = r < L
         if STORE_H:
             store_state(h_ptr, S, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
-        w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0)
-        u = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV)
+        w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
+        u = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
         Sc = S.to(DT)
         vn = u - mm(w, Sc, IEEE, DT)
         if STORE_H:
-            store_cols(vn_ptr, vn, t0, L, h, Hv, V, BT, v0, BV)
-        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
+            store_cols(vn_ptr, vn, t0, L, h, Hv, V, BT, v0, BV, TT)
+        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
         gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
         lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
         if FUSE_OUTPUT:
-            q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0), USE_L2, L2_EPS).to(DT)
+            q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
             m = (r[:, None] >= r[None, :]) & valid[:, None]
             a = mm(q, tl.trans(k), IEEE, DT)
             a = tl.where(m, a * tl.exp(tl.where(m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]),
                                                  0.0)), 0.0)
             o = mma(a, vn, mm(q, Sc, IEEE, DT) * tl.exp(gh + gl)[:, None], IEEE, DT)
-            store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV)
+            store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
         fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
         # (diag(fac) k)^T v_new = k^T (diag(fac) v_new): scale the smaller tile
         S = mma(tl.trans(k), vn * fac[:, None], S * tl.exp(lh + ll), IEEE, DT)

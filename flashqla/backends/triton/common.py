@@ -93,53 +93,66 @@ def seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN: tl.constexpr, BT: tl.const
 
 
 @triton.jit
-def load_rows(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0):
+def tok_rows(t0, r, TT):
+    """Global token index of chunk rows ``r`` (int64), clamped into ``[0, TT)``.
+
+    Rows past the end of the sequence are masked at every load/store; the clamp additionally keeps
+    the *address* of a masked lane inside the buffer.  A compiled kernel may issue the loads of a loop
+    iteration that does not exist (the software pipeliner prefetches iteration i+1, predicated off), or
+    keep a masked lane's address in a ``cp.async`` with src-size 0: neither may then point outside the
+    tensor, whatever the hardware does with such an address.  For real rows the clamp is the identity.
+    """
+    return tl.minimum(tl.maximum(t0 + r, 0), TT - 1).to(tl.int64)
+
+
+@triton.jit
+def load_rows(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0, TT):
     """Tile [R, D] of rows ``row0 .. row0+R`` of chunk-relative tokens, zero past ``L``.
 
     Tiles keep their storage dtype: a bf16 dot operand held in fp32 would take twice the registers.
     """
     r = row0 + tl.arange(0, R)
     d = tl.arange(0, D)
-    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
     return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0)
 
 
 @triton.jit
-def store_rows(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0):
+def store_rows(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0, TT):
     r = row0 + tl.arange(0, R)
     d = tl.arange(0, D)
-    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
     tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
 
 
 @triton.jit
-def load_cols(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr):
+def load_cols(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr, TT):
     """Tile [R, BC] (storage dtype): columns ``c0 .. c0+BC`` of a [*, H, D] tensor, zero past ``L``."""
     r = tl.arange(0, R)
     d = c0 + tl.arange(0, BC)
-    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
     return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0)
 
 
 @triton.jit
-def store_cols(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr):
+def store_cols(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr, TT):
     r = tl.arange(0, R)
     d = c0 + tl.arange(0, BC)
-    offs = ((t0 + r).to(tl.int64)[:, None] * H + head) * D + d[None, :]
+    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
     tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
 
 
 @triton.jit
-def load_vec(ptr, t0, L, head, H, R: tl.constexpr, row0):
+def load_vec(ptr, t0, L, head, H, R: tl.constexpr, row0, TT):
     """Per-token scalars [R] (fp32) of a [*, H] tensor, zero past ``L``."""
     r = row0 + tl.arange(0, R)
-    return tl.load(ptr + (t0 + r).to(tl.int64) * H + head, mask=r < L, other=0.0).to(tl.float32)
+    return tl.load(ptr + tok_rows(t0, r, TT) * H + head, mask=r < L, other=0.0).to(tl.float32)
 
 
 @triton.jit
-def store_vec(ptr, x, t0, L, head, H, R: tl.constexpr):
+def store_vec(ptr, x, t0, L, head, H, R: tl.constexpr, TT):
     r = tl.arange(0, R)
-    tl.store(ptr + (t0 + r).to(tl.int64) * H + head, x.to(ptr.dtype.element_ty), mask=r < L)
+    tl.store(ptr + tok_rows(t0, r, TT) * H + head, x.to(ptr.dtype.element_ty), mask=r < L)
 
 
 @triton.jit
