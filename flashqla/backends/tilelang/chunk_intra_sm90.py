@@ -13,26 +13,50 @@ Per CTA, with rows past the sequence end treated as ``g = beta = 0`` (they then 
    ``n_r = rsqrt(|k_r|^2 + 1e-6)`` come from KK's diagonal, and are applied to fp32 products only, so
    the normalised k is never rounded to 16 bits.
 4. ``A[r, j] = beta_r n_r n_j KK[r, j] exp(G_r - G_j)`` for ``j < r`` (only differences of G are
-   exponentiated: finite for any decay, also ``g = -1e4``), stored transposed in shared memory.
-5. ``X = (I + A)^-1`` by forward substitution in fp32 registers: thread ``j < 64`` owns column ``j``
-   and runs the right-looking update ``x_r -= A[r, m] x_m`` (independent FMAs for every r > m; the
-   A column is a broadcast read).
+   exponentiated: finite for any decay, also ``g = -1e4``), stored row-major in shared memory.
+5. ``X = (I + A)^-1`` in fp32 on the CUDA cores, blocked (see below), every thread busy.
 6. ``w = (X diag(beta exp(G) n)) k`` and ``u = (X diag(beta)) v``: the column scalings are folded into
    two 16-bit copies of X, so k and v enter the wgmma unmodified (one rounding fewer than scaling k
-   and v).
+   and v).  Each product is staged through the shared tile of its own operand (k_s for w, v_s for
+   u: the operand is dead once its wgmma finished) and written with TMA.
+
+The inverse (all fp32, exact algebra; ``test_tilelang_intra.py`` replays these steps on the CPU).
+Blocks of 16: ``A_ij`` (i, j = 0..3), ``D_b = (I + A_bb)^-1``; halves of 32: ``(0) = blocks 0,1``,
+``(1) = blocks 2,3``.  With ``L = [[L11, 0], [L21, L22]]`` unit lower triangular,
+``L^-1 = [[L11^-1, 0], [-L22^-1 L21 L11^-1, L22^-1]]``, applied twice:
+
+* P1  ``D_b`` by forward substitution: threads 0..63, thread = (block b, column c), 120 FMAs on a
+  16-vector in registers (threads 64..127 have nothing to do here; this step is the short one).
+* P2a ``Y_p = A_{2p+1,2p} D_2p``           (p = 0, 1: two 16x16x16 products, 4 outputs / thread)
+* P2b ``X_{2p+1,2p} = -D_{2p+1} Y_p``        -> the two 32x32 diagonal halves ``X_(0)``, ``X_(1)``
+* P3a ``Y = A_(1)(0) X_(0)``                (32x32 by 32; the zero block of X_(0) is skipped)
+* P3b ``X_(1)(0) = -X_(1) Y``               (32x32 by 32; the zero block of X_(1) is skipped)
+
+Each of P2a..P3b is a small GEMM in which a thread owns a few rows (warp-uniform, so A / X rows are
+broadcast reads, vectorisable to 16 bytes) of one or two columns (lane-dependent, consecutive: no bank
+conflict); 8 accumulators at most, ~630 FMAs and ~330 shared loads per thread in all (the former
+column-per-thread substitution: 2016 FMAs + 2016 loads on 64 threads, the rest idle).  Intermediates
+``Y`` go to the upper triangle of ``A_s`` (zero, never read as A).  ``X_s`` is cleared up front, so
+its upper triangle is the exact zero of X (X_out is written whole).  Both fp32 tiles have a row stride
+of 72 words: the A rows two neighbouring half-warps broadcast, and the fragment -> A_s stores, fall
+in different banks.  A ``__syncthreads`` separates the phases (every phase writes only what no thread
+reads in the same phase).
 
 Outputs, chunk-major so that stage 2 reads whole tiles with TMA and the padded tail rows of a last
 chunk are well defined (zero in w and u, ``G = G_last`` in G): ``w [NC, Hv, 64, K]``, ``u [NC, Hv, 64,
 V]`` in the input dtype, ``G [NC, Hv, 64]`` fp32 and, when the backward needs it, ``X [NC, Hv, 64,
 64]`` fp32.
 
-Shared memory (bf16/fp16, K = V = 128): k 16 KB, v 16 KB, A^T 16 KB (fp32), two X copies 8 KB each,
-w/u staging 16 KB each, small vectors; TileLang reuses dead buffers, ~100 KB, two CTAs per SM.
+Shared memory (bf16/fp16, K = V = 128): k 16 KB, v 16 KB (also the w / u staging), A 18 KB and X
+18 KB (fp32, padded), the two 16-bit X copies 8 KB each (TileLang places them over the dead A tile),
+small vectors: ~70 KB, three CTAs per SM (registers stay under 168 per thread for the same reason).
 """
 
 
 CHUNK = 64
 L2_EPS = 1e-6
+# Row stride (fp32 words) of the A and X tiles in shared memory (see the module docstring).
+PAD = 72
 
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
@@ -41,6 +65,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
 
     from ._common import symbolic_sizes
 
+    assert threads == 128, "the inverse's thread mapping is written for one warpgroup"
     C = CHUNK
     acc = "float32"
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
@@ -69,11 +94,11 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             n_s = T.alloc_shared((C,), acc)
-            At_s = T.alloc_shared((C, C), acc)
+            cw_s = T.alloc_shared((C,), acc)
+            A_s = T.alloc_shared((C, PAD), acc)
+            X_s = T.alloc_shared((C, PAD), acc)
             Xw_s = T.alloc_shared((C, C), dtype)
             Xu_s = T.alloc_shared((C, C), dtype)
-            w_s = T.alloc_shared((C, K), dtype)
-            u_s = T.alloc_shared((C, V), dtype)
             kk_f = T.alloc_fragment((C, C), acc)
             w_f = T.alloc_fragment((C, K), acc)
             u_f = T.alloc_fragment((C, V), acc)
@@ -85,13 +110,14 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             hq = h // ratio
 
             # Both TMA loads in flight at once (one mbarrier, every thread arrives once), overlapped
-            # with the small gate / beta loads and the cumsum.
+            # with the small gate / beta loads, the cumsum and the clearing of X.
             T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
             T.tma_copy(v[bos:bos + C, h, :], v_s, barrier=bar)
             T.mbarrier_arrive(bar)
             for r in T.Parallel(C):
                 g_s[r] = T.if_then_else(bos + r < eos, g[bos + r, h], 0.0)
                 b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, h], acc), 0.0)
+            T.clear(X_s)
             T.cumsum(g_s, dim=0)
             T.mbarrier_wait_parity(bar, 0)
 
@@ -101,37 +127,115 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                     if r == j:
                         n_s[r] = T.rsqrt(kk_f[r, j] + L2_EPS)
                 for r, j in T.Parallel(C, C):
-                    At_s[j, r] = T.if_then_else(
+                    A_s[r, j] = T.if_then_else(
                         r > j, kk_f[r, j] * b_s[r] * n_s[r] * n_s[j] * T.exp(g_s[r] - g_s[j]), 0.0)
             else:
                 for r in T.Parallel(C):
                     n_s[r] = 1.0
                 for r, j in T.Parallel(C, C):
-                    At_s[j, r] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * T.exp(g_s[r] - g_s[j]), 0.0)
+                    A_s[r, j] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * T.exp(g_s[r] - g_s[j]), 0.0)
+            for r in T.Parallel(C):
+                cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
+            T.sync_threads()
 
             tx = T.get_thread_binding()
-            if tx < C:
-                x = T.alloc_local((C,), acc)
-                for m in T.unroll(C):
-                    x[m] = T.if_then_else(m == tx, 1.0, 0.0)
-                for m in T.unroll(C):
-                    for r in T.unroll(m + 1, C):
-                        x[r] = x[r] - At_s[m, r] * x[m]
-                cw = b_s[tx] * T.exp(g_s[tx]) * n_s[tx]
-                cb = b_s[tx]
-                for r in T.unroll(C):
-                    Xw_s[r, tx] = T.cast(x[r] * cw, dtype)
-                    Xu_s[r, tx] = T.cast(x[r] * cb, dtype)
-                if save_x:
-                    for r in T.unroll(C):
-                        X_out[c, h, r, tx] = x[r]
+            warp = tx // 32
+            lane = tx % 32
+
+            # ---- P1: D_b = (I + A_bb)^-1, thread (b, col) = (tx // 16, tx % 16), tx < 64
+            if tx < 64:
+                d0 = (tx // 16) * 16
+                cc = tx % 16
+                x = T.alloc_local((16,), acc)
+                for m in T.unroll(16):
+                    x[m] = T.if_then_else(m == cc, 1.0, 0.0)
+                for m in T.unroll(16):
+                    for r in T.unroll(m + 1, 16):
+                        x[r] = x[r] - A_s[d0 + r, d0 + m] * x[m]
+                for r in T.unroll(16):
+                    X_s[d0 + r, d0 + cc] = x[r]
+            T.sync_threads()
+
+            # ---- P2: the 32x32 diagonal halves.  Half p = tx // 64 (base row/col 32 p); in it,
+            # column cc = tx % 16 and rows ri + 4 i (i = 0..3) of the 16x16 block, ri = (tx % 64) // 16.
+            p0 = (tx // 64) * 32
+            ri = (tx % 64) // 16
+            c2 = tx % 16
+            y2 = T.alloc_local((4,), acc)
+            # P2a: Y = A_{lower} D_upper  -> upper-triangle scratch A_s[p0 + 0:16, p0 + 16:32]
+            for i in T.unroll(4):
+                y2[i] = 0.0
+            for m in T.unroll(16):
+                for i in T.unroll(4):
+                    y2[i] = y2[i] + A_s[p0 + 16 + ri + 4 * i, p0 + m] * X_s[p0 + m, p0 + c2]
+            for i in T.unroll(4):
+                A_s[p0 + ri + 4 * i, p0 + 16 + c2] = y2[i]
+            T.sync_threads()
+            # P2b: X_{lower-left} = -D_lower Y  -> X_s[p0 + 16:32, p0 + 0:16]
+            for i in T.unroll(4):
+                y2[i] = 0.0
+            for m in T.unroll(16):
+                for i in T.unroll(4):
+                    y2[i] = y2[i] - X_s[p0 + 16 + ri + 4 * i, p0 + 16 + m] * A_s[p0 + m, p0 + 16 + c2]
+            for i in T.unroll(4):
+                X_s[p0 + 16 + ri + 4 * i, p0 + c2] = y2[i]
+            T.sync_threads()
+
+            # ---- P3a: Y = A[32:64, 0:32] X[0:32, 0:32]  -> scratch A_s[0:32, 32:64].
+            # Thread: rows r3 + 8 i (i = 0..3), r3 = tx // 16; columns c3 and 16 + c3, c3 = tx % 16.
+            # Column 16 + c3 only meets rows 16..31 of X_(0) (its rows 0..15 are zero there).
+            r3 = tx // 16
+            c3 = tx % 16
+            ya = T.alloc_local((4,), acc)
+            yb = T.alloc_local((4,), acc)
+            for i in T.unroll(4):
+                ya[i] = 0.0
+                yb[i] = 0.0
+            for m in T.unroll(16):
+                for i in T.unroll(4):
+                    ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
+            for m in T.unroll(16, 32):
+                for i in T.unroll(4):
+                    ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
+                    yb[i] = yb[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, 16 + c3]
+            for i in T.unroll(4):
+                A_s[r3 + 8 * i, 32 + c3] = ya[i]
+                A_s[r3 + 8 * i, 48 + c3] = yb[i]
+            T.sync_threads()
+
+            # ---- P3b: X[32:64, 0:32] = -X[32:64, 32:64] Y  (Y in A_s[0:32, 32:64]).
+            # Thread: column lane; rows warp + 4 i of the upper 16 (X_(1) rows there only meet Y's
+            # rows 0..15) and 16 + warp + 4 i of the lower 16.
+            za = T.alloc_local((4,), acc)
+            zb = T.alloc_local((4,), acc)
+            for i in T.unroll(4):
+                za[i] = 0.0
+                zb[i] = 0.0
+            for m in T.unroll(16):
+                for i in T.unroll(4):
+                    za[i] = za[i] - X_s[32 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+                    zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+            for m in T.unroll(16, 32):
+                for i in T.unroll(4):
+                    zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+            for i in T.unroll(4):
+                X_s[32 + warp + 4 * i, lane] = za[i]
+                X_s[48 + warp + 4 * i, lane] = zb[i]
+            T.sync_threads()
+
+            if save_x:
+                for r, j in T.Parallel(C, C):
+                    X_out[c, h, r, j] = X_s[r, j]
+            for r, j in T.Parallel(C, C):
+                Xw_s[r, j] = T.cast(X_s[r, j] * cw_s[j], dtype)
+                Xu_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
 
             T.gemm(Xw_s, k_s, w_f, clear_accum=True)
+            T.copy(w_f, k_s)
+            T.copy(k_s, w_out[c, h, :, :])
             T.gemm(Xu_s, v_s, u_f, clear_accum=True)
-            T.copy(w_f, w_s)
-            T.copy(u_f, u_s)
-            T.copy(w_s, w_out[c, h, :, :])
-            T.copy(u_s, u_out[c, h, :, :])
+            T.copy(u_f, v_s)
+            T.copy(v_s, u_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
     return gdn_fwd_intra
