@@ -47,9 +47,12 @@ chunk are well defined (zero in w and u, ``G = G_last`` in G): ``w [NC, Hv, 64, 
 V]`` in the input dtype, ``G [NC, Hv, 64]`` fp32 and, when the backward needs it, ``X [NC, Hv, 64,
 64]`` fp32.
 
-Shared memory (bf16/fp16, K = V = 128): k 16 KB, v 16 KB (also the w / u staging), A 18 KB and X
-18 KB (fp32, padded), the two 16-bit X copies 8 KB each (TileLang places them over the dead A tile),
-small vectors: ~70 KB, three CTAs per SM (registers stay under 168 per thread for the same reason).
+Budget (bf16/fp16, K = V = 128, ptxas for sm_90a): shared memory k 16 KB, v 16 KB (also the w / u
+staging), A 18 KB and X 18 KB (fp32, padded), the two 16-bit X copies 8 KB each (TileLang places them
+over the A tile, dead by then), small vectors: 69 KB dynamic + 2 KB static (the cumsum), so three CTAs
+per SM; 92 registers per thread, no local memory (the former kernel: 255 registers for its 64-float
+substitution column next to the two 64-float accumulators, 66 KB, two CTAs per SM).  With three
+CTAs per SM one CTA's TMA loads / stores overlap the other CTAs' arithmetic.
 """
 
 
