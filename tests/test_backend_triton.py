@@ -133,7 +133,7 @@ def test_forward_both_paths(monkeypatch, fuse):
 def test_tune_override_is_checked(monkeypatch):
     from flashqla.backends.triton import ops
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "dqk.bv=32, wy.warps=4")
-    assert ops.tune("dqk")["bv"] == 32 and ops.tune("wy")["warps"] == 4 and ops.tune("prep")["warps"] == 8
+    assert ops.tune("dqk")["bv"] == 32 and ops.tune("wy")["warps"] == 4 and ops.tune("prep")["warps"] == 0
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "dqk.blocks=3")
     with pytest.raises(ValueError, match="FLASHQLA_TRITON_TUNE"):
         ops.tune("dqk")

@@ -53,7 +53,9 @@ def _variants(K: int, V: int, ieee: bool):
         warps = c.get("warps") or (4 if bv <= 32 else 8)
         return min(bv, V), dict(num_warps=warps, num_stages=1 if ieee else c.get("stages", 2))
 
-    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True), cfg("prep")[1])]
+    prep_launch = dict(cfg("prep")[1], num_warps=ops.tune("prep")["warps"] or (8 if ieee else 4))
+    out = [("prep", chunk_prep.chunk_prep_kernel,
+            dict(feat, STORE_T=True, BW=min(ops.tune("prep")["bv"], K, V)), prep_launch)]
     bv, launch = cfg("fused")
     out.append(("state+output (fused)", chunk_state.chunk_state_fwd_kernel,
                 dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True), launch))

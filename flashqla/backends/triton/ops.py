@@ -97,7 +97,7 @@ def _sm_count(device) -> int:
 _DEFAULTS = {
     "fwd": dict(fuse=-1),                        # -1: fuse_forward_output decides
     "fused": dict(warps=4, stages=2, bv=32),     # the state kernel with FUSE_OUTPUT
-    "prep": dict(warps=8, stages=2),
+    "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
     "state": dict(warps=0, stages=2, bv=0),      # warps 0: 4 at bv <= 32, else 8
     "output": dict(warps=0, stages=2, bv=0),     # bv 0: V; warps 0: 8 at K*bv >= 128*128, else 4
     "bstate": dict(warps=4, stages=2, bv=32),
@@ -126,7 +126,7 @@ def tune(kernel: str) -> dict:
                     cfg[field] = int(val)
             except (ValueError, KeyError) as exc:
                 raise ValueError(f"FLASHQLA_TRITON_TUNE: cannot parse {item!r} (kernel.key=int with kernel in "
-                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse)") from exc
+                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, prep.maxnreg)") from exc
         _tune_cache[key] = cfg
     return _tune_cache[key]
 
@@ -135,7 +135,10 @@ def _launch(cfg: dict, geo: "Geometry" = None) -> dict:
     # fp32 inputs (the accuracy path: full-fp32 dots) double every shared-memory tile; one stage
     # keeps them within an A100's 163 KB
     stages = 1 if geo is not None and geo.ieee else cfg["stages"]
-    return dict(num_warps=cfg["warps"], num_stages=stages)
+    out = dict(num_warps=cfg["warps"], num_stages=stages)
+    if cfg.get("maxnreg") and not interpreting():
+        out["maxnreg"] = cfg["maxnreg"]    # register cap (occupancy) for tuning runs
+    return out
 
 
 def launch(kernel, grid, *args, **kwargs):
@@ -163,6 +166,14 @@ def _state_bv(geo: Geometry, device) -> int:
     return 64
 
 
+def _prep_cfg(geo: Geometry) -> dict:
+    # 4 warps: two programs per SM at ~228 registers (bf16, K = V = 128, sm_90); fp32 inputs (full-fp32
+    # FMA dots) spill ~15 KB per thread at 4 warps, ~1 KB at 8
+    cfg = dict(tune("prep"))
+    cfg["warps"] = cfg["warps"] or (8 if geo.ieee else 4)
+    return cfg
+
+
 def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
     from .chunk_prep import chunk_prep_kernel
 
@@ -175,7 +186,7 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
         k, v, g, beta, w, u, G, Tm if store_t else G, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
-        **_launch(tune("prep"), geo))
+        BW=min(tune("prep")["bv"], geo.K, geo.V), **_launch(_prep_cfg(geo), geo))
     return w, u, G, Tm
 
 
@@ -213,21 +224,25 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
 
 
 def fuse_forward_output(geo: Geometry, device) -> bool:
-    """Fused state+output forward unless the serial programs would be very few.
+    """Fused state+output forward only when the serial programs come in several waves.
 
-    Fused, every serial step also loads q and computes the output (about 2.7x the tensor-core work of a
-    step, off the state's dependency chain) but the chunk states and v_new never go through HBM.  With
-    at least half as many programs as SMs that wins by a simple bytes/latency model (e.g. Hqk/Hv 16/32,
-    one 32k sequence: 128 programs); with very few (Hv = 8, one sequence: 32) the parallel output
-    kernel is the better place for that work.  A model, not a measurement: ``FLASHQLA_TRITON_TUNE=
-    fwd.fuse=0|1`` forces either (``fwd.fuse=-1``, the default, decides)."""
+    Fused, every serial step also loads q and computes the output: about 2.7x the work of a bare state
+    step, all of it on the serial chain of one program (4 warps, no warp specialisation), but the chunk
+    states and v_new never go through HBM.  H200 run 4 (16/32 heads, K = V = 128): fused 1.77 ms at one
+    32k sequence (128 programs: one wave) against FLA's state 0.60 + output 0.57 ms, i.e. ~3.5 us per
+    fused step against ~1.2 us per bare one; the h / v_new round trip the fusion saves is ~0.3 ms of
+    HBM time there.  So while the programs fit in about one wave (two per SM) the chain's latency
+    dominates and the unfused path (bare state kernel + parallel output kernel) wins; with many waves
+    (many sequences x heads) the kernel is throughput-bound and saving the traffic wins.  A model, not
+    a measurement: ``FLASHQLA_TRITON_TUNE=fwd.fuse=0|1`` forces either (``fwd.fuse=-1``, the default,
+    decides); ``benchmarks/check_triton_gpu.py --case bench`` times both."""
     forced = tune("fwd")["fuse"]
     if forced >= 0:
         return bool(forced)
     sms = _sm_count(device)
     if not sms:
         return True
-    return 2 * geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= sms
+    return geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= 4 * sms
 
 
 def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype):
