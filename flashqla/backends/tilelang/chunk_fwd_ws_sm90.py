@@ -17,8 +17,9 @@ sequence writes ``ht = h0``).  384 threads, three roles, each a ``T.serial`` loo
   two wgmma per chunk (64 x BV x K, then K x BV x 64);
 * warpgroup 1 (threads 128-255), the **output**, one chunk behind at most::
 
-      P     = (q k^T) nq_r nk_j exp(G_r - G_j)  for j <= r   (needs no state: runs ahead)
-      o     = scale * (nq exp(G) (q Sb) + P v_new)
+      o     = nq exp(G) (q Sb)                  first, so Sb is released early
+      P     = (q k^T) nq_r nk_j exp(G_r - G_j)  for j <= r   (needs no state)
+      o     = scale * (o + P v_new)
 
   three wgmma per chunk, and the row factors ``nq``, ``nk`` of the fused L2 norm (1 without it);
 * warpgroup 2 (threads 256-383), the **producer**: one warp issues the TMA loads of q, k (rows
@@ -29,13 +30,15 @@ Synchronisation (mbarriers; the phase of use ``j`` of a barrier has parity ``j %
 parity before phase 0 returns at once, which is how the first use of every "free" barrier passes):
 ``ready[s]`` (producer -> both consumers, 32 arrivals + TMA bytes), ``free[s]`` (both consumers ->
 producer, 256 arrivals), ``state_ready`` / ``state_free`` (Sb, warpgroup 0 <-> 1), ``vnew_ready`` /
-``vnew_free`` (v_new, 0 <-> 1), ``norm_ready`` (the L2 row factors, 1 -> 0).  Sb and v_new are single
-buffers: the output warpgroup reads Sb while the state warpgroup runs its first GEMM of the same chunk
-and is done long before the next chunk's Sb is written, so a second copy would buy nothing.
+``vnew_free`` (v_new, 0 <-> 1), ``norm_ready`` (the L2 row factors, 1 -> 0).  Sb and v_new have two
+buffers each (BV <= 64): with one, the state warpgroup's next chunk waited for the output warpgroup to
+finish this chunk's ``P v_new``, the next ``q k^T`` and ``q Sb`` -- the output work landed on the serial
+chain (measured: ~3 us per chunk at BV = 32).  With two, it waits only for the chunk before, long done.
+At BV = 128 shared memory holds one buffer.
 
 Shared memory (bf16, K = V = 128): ring of two slots of q, k, w (16 KB each), u (2 BV B/row), G
-(256 B); Sb (K x BV), v_new, the decayed v_new (64 x BV), P (8 KB).  BV = 64: ~153 KB; BV = 128: ~201
-KB; one CTA per SM.  Registers: S is ``K * BV / 128`` fp32 per thread of warpgroup 0; ``setmaxnreg``
+(256 B); Sb (K x BV) and v_new (64 x BV), twice at BV <= 64; the decayed v_new (64 x BV), P (8 KB).
+BV = 32: ~140 KB; BV = 64: ~177 KB; BV = 128: ~201 KB; one CTA per SM.  Registers: S is ``K * BV / 128`` fp32 per thread of warpgroup 0; ``setmaxnreg``
 gives the consumers more and the producer 40 when BV = 128.
 
 Decay numerics are those of the serial kernel: only ``G_last - G_r``, ``G_r - G_j`` (<= 0 after the
@@ -60,6 +63,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     SVN, SVH = (NC, Hv) if save_states else T.dynamic("SVN, SVH")
     assert V % BV == 0
     big = BV > 64
+    # Sb and v_new: two buffers where shared memory allows (BV <= 64), so the state warpgroup never
+    # waits for the output warpgroup of the previous chunk, only of the one before it
+    nb = 1 if big else 2
 
     @T.macro
     def l2_row_factors(x_s, n_s, s, sq_f, ss_f):
@@ -93,8 +99,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             w_s = T.alloc_shared((2, C, K), dtype)
             u_s = T.alloc_shared((2, C, BV), dtype)
             G_s = T.alloc_shared((2, C), acc)
-            S_s = T.alloc_shared((K, BV), dtype)
-            vn_s = T.alloc_shared((C, BV), dtype)
+            S_s = T.alloc_shared((nb, K, BV), dtype)
+            vn_s = T.alloc_shared((nb, C, BV), dtype)
             vd_s = T.alloc_shared((C, BV), dtype)
             P_s = T.alloc_shared((C, C), dtype)
             nq_s = T.alloc_shared((2, C), acc)
@@ -109,10 +115,10 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
 
             ready = T.alloc_barrier(arrive_count=[32, 32])
             free = T.alloc_barrier(arrive_count=[256, 256])
-            state_ready = T.alloc_barrier(arrive_count=128)
-            state_free = T.alloc_barrier(arrive_count=128)
-            vnew_ready = T.alloc_barrier(arrive_count=128)
-            vnew_free = T.alloc_barrier(arrive_count=128)
+            state_ready = T.alloc_barrier(arrive_count=[128] * nb)
+            state_free = T.alloc_barrier(arrive_count=[128] * nb)
+            vnew_ready = T.alloc_barrier(arrive_count=[128] * nb)
+            vnew_free = T.alloc_barrier(arrive_count=[128] * nb)
             norm_ready = T.alloc_barrier(arrive_count=128)
 
             tx = T.get_thread_binding()
@@ -133,23 +139,24 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.clear(S_f)
                 for i in T.serial(nchunks):
                     s = i % 2
+                    b = i % 2 if nb == 2 else 0
                     bos = bos0 + i * C
                     T.barrier_wait(ready[s], (i // 2) % 2)
-                    T.barrier_wait(state_free, (i + 1) % 2)
-                    T.copy(S_f, S_s)
+                    T.barrier_wait(state_free[b], (i // nb + 1) % 2)
+                    T.copy(S_f, S_s[b, :, :])
                     T.fence_proxy_async()
-                    T.barrier_arrive(state_ready)
+                    T.barrier_arrive(state_ready[b])
                     if save_states:
-                        T.copy(S_s, h_out[c0 + i, h, :, v0:v0 + BV])
-                    T.gemm(w_s[s, :, :], S_s, vn_f, clear_accum=True)
+                        T.copy(S_s[b, :, :], h_out[c0 + i, h, :, v0:v0 + BV])
+                    T.gemm(w_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
                     for r, j in T.Parallel(C, BV):
                         vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
-                    T.barrier_wait(vnew_free, (i + 1) % 2)
-                    T.copy(vn_f, vn_s)
+                    T.barrier_wait(vnew_free[b], (i // nb + 1) % 2)
+                    T.copy(vn_f, vn_s[b, :, :])
                     T.fence_proxy_async()
-                    T.barrier_arrive(vnew_ready)
+                    T.barrier_arrive(vnew_ready[b])
                     if save_states:
-                        T.copy(vn_s, vn_out[c0 + i, h, :, v0:v0 + BV])
+                        T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
                     if l2norm:
                         T.barrier_wait(norm_ready, i % 2)
                         for r, j in T.Parallel(C, BV):
@@ -170,12 +177,23 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.set_max_nreg(208, 1)
                 for i in T.serial(nchunks):
                     s = i % 2
+                    b = i % 2 if nb == 2 else 0
                     bos = bos0 + i * C
                     T.barrier_wait(ready[s], (i // 2) % 2)
                     if l2norm:
                         l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
                         l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
                         T.barrier_arrive(norm_ready)
+                    # q Sb first: releasing Sb early keeps the state warpgroup off this one's work
+                    T.barrier_wait(state_ready[b], (i // nb) % 2)
+                    T.gemm(q_s[s, :, :], S_s[b, :, :], o_f, clear_accum=True)
+                    T.barrier_arrive(state_free[b])
+                    if l2norm:
+                        for r, j in T.Parallel(C, BV):
+                            o_f[r, j] = o_f[r, j] * nq_s[s, r] * T.exp(G_s[s, r])
+                    else:
+                        for r, j in T.Parallel(C, BV):
+                            o_f[r, j] = o_f[r, j] * T.exp(G_s[s, r])
                     T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
                     if l2norm:
                         for r, j in T.Parallel(C, C):
@@ -185,18 +203,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         for r, j in T.Parallel(C, C):
                             P_s[r, j] = T.if_then_else(j <= r, P_f[r, j] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
                     T.fence_proxy_async()
-                    T.barrier_wait(state_ready, i % 2)
-                    T.gemm(q_s[s, :, :], S_s, o_f, clear_accum=True)
-                    T.barrier_arrive(state_free)
-                    if l2norm:
-                        for r, j in T.Parallel(C, BV):
-                            o_f[r, j] = o_f[r, j] * nq_s[s, r] * T.exp(G_s[s, r])
-                    else:
-                        for r, j in T.Parallel(C, BV):
-                            o_f[r, j] = o_f[r, j] * T.exp(G_s[s, r])
-                    T.barrier_wait(vnew_ready, i % 2)
-                    T.gemm(P_s, vn_s, o_f)
-                    T.barrier_arrive(vnew_free)
+                    T.barrier_wait(vnew_ready[b], (i // nb) % 2)
+                    T.gemm(P_s, vn_s[b, :, :], o_f)
+                    T.barrier_arrive(vnew_free[b])
                     T.barrier_arrive(free[s])
                     for r, j in T.Parallel(C, BV):
                         if bos + r < eos:
