@@ -691,7 +691,7 @@ def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
 
 
 def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio):
-    dt, K, V, BV, l2norm, has_h0, store_ht, save = key
+    dt, K, V, BV, l2norm, has_h0, store_ht, save = key[:8]   # (the ws kernel adds its ring layout)
     NT, Hv = o.shape[0], o.shape[1]
     idx = torch.arange(C)
     incl = idx[:, None] >= idx[None, :]

@@ -24,7 +24,10 @@ sequence writes ``ht = h0``).  384 threads, three roles, each a ``T.serial`` loo
   three wgmma per chunk, and the row factors ``nq``, ``nk`` of the fused L2 norm (1 without it);
 * warpgroup 2 (threads 256-383), the **producer**: one warp issues the TMA loads of q, k (rows
   ``bos .. bos + 64`` of the packed tensors, query/key head ``h // ratio``), w, u, G (chunk-major
-  tiles of stage 1) into a two-slot ring; the other three warps idle.
+  tiles of stage 1) into a ring of R slots (R = 3 at BV = 32, else 2: what shared memory holds); the
+  other three warps idle.  The output warpgroup hands its slot back as soon as P is built (before it
+  waits for v_new), so a slot is refilled while the state chain is still on that chunk and the TMA
+  latency stays off the chain.
 
 Synchronisation (mbarriers; the phase of use ``j`` of a barrier has parity ``j % 2``; a wait for the
 parity before phase 0 returns at once, which is how the first use of every "free" barrier passes):
@@ -36,9 +39,9 @@ finish this chunk's ``P v_new``, the next ``q k^T`` and ``q Sb`` -- the output w
 chain (measured: ~3 us per chunk at BV = 32).  With two, it waits only for the chunk before, long done.
 At BV = 128 shared memory holds one buffer.
 
-Shared memory (bf16, K = V = 128): ring of two slots of q, k, w (16 KB each), u (2 BV B/row), G
-(256 B); Sb (K x BV) and v_new (64 x BV), twice at BV <= 64; the decayed v_new (64 x BV), P (8 KB).
-BV = 32: ~140 KB; BV = 64: ~177 KB; BV = 128: ~201 KB; one CTA per SM.  Registers: S is ``K * BV / 128`` fp32 per thread of warpgroup 0; ``setmaxnreg``
+Shared memory (bf16, K = V = 128): ring slots of q, k, w (16 KB each), u (2 BV B/row), G (256 B);
+Sb (K x BV) and v_new (64 x BV), twice at BV <= 64; the decayed v_new (64 x BV), P (8 KB).
+BV = 32: ~194 KB (3 slots); BV = 64: ~177 KB; BV = 128: ~201 KB; one CTA per SM.  Registers: S is ``K * BV / 128`` fp32 per thread of warpgroup 0; ``setmaxnreg``
 gives the consumers more and the producer 40 when BV = 128.
 
 Decay numerics are those of the serial kernel: only ``G_last - G_r``, ``G_r - G_j`` (<= 0 after the
@@ -49,8 +52,13 @@ CHUNK = 64
 L2_EPS = 1e-6
 
 
+def ws_layout(BV: int) -> tuple:
+    """(ring slots, Sb / v_new buffers) that fit shared memory at this V-block (see the docstring)."""
+    return {32: (3, 2), 64: (2, 2), 128: (2, 1)}[BV]
+
+
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
-                 save_states: bool):
+                 save_states: bool, ring: int = 0, nbuf: int = 0):
     import tilelang.language as T
 
     from ._common import symbolic_sizes
@@ -63,9 +71,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     SVN, SVH = (NC, Hv) if save_states else T.dynamic("SVN, SVH")
     assert V % BV == 0
     big = BV > 64
-    # Sb and v_new: two buffers where shared memory allows (BV <= 64), so the state warpgroup never
-    # waits for the output warpgroup of the previous chunk, only of the one before it
-    nb = 1 if big else 2
+    R0, nb0 = ws_layout(BV)
+    R = ring or R0          # ring slots of q, k, w, u, G
+    nb = nbuf or nb0        # buffers of Sb and v_new
 
     @T.macro
     def l2_row_factors(x_s, n_s, s, sq_f, ss_f):
@@ -94,17 +102,17 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         ratio: T.int32,
     ):
         with T.Kernel(V // BV, Hv, NS, threads=384) as (bv, h, n):
-            q_s = T.alloc_shared((2, C, K), dtype)
-            k_s = T.alloc_shared((2, C, K), dtype)
-            w_s = T.alloc_shared((2, C, K), dtype)
-            u_s = T.alloc_shared((2, C, BV), dtype)
-            G_s = T.alloc_shared((2, C), acc)
+            q_s = T.alloc_shared((R, C, K), dtype)
+            k_s = T.alloc_shared((R, C, K), dtype)
+            w_s = T.alloc_shared((R, C, K), dtype)
+            u_s = T.alloc_shared((R, C, BV), dtype)
+            G_s = T.alloc_shared((R, C), acc)
             S_s = T.alloc_shared((nb, K, BV), dtype)
             vn_s = T.alloc_shared((nb, C, BV), dtype)
             vd_s = T.alloc_shared((C, BV), dtype)
             P_s = T.alloc_shared((C, C), dtype)
-            nq_s = T.alloc_shared((2, C), acc)
-            nk_s = T.alloc_shared((2, C), acc)
+            nq_s = T.alloc_shared((R, C), acc)
+            nk_s = T.alloc_shared((R, C), acc)
 
             S_f = T.alloc_fragment((K, BV), acc)
             vn_f = T.alloc_fragment((C, BV), acc)
@@ -113,8 +121,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             sq_f = T.alloc_fragment((C, K), acc)
             ss_f = T.alloc_fragment((C,), acc)
 
-            ready = T.alloc_barrier(arrive_count=[32, 32])
-            free = T.alloc_barrier(arrive_count=[256, 256])
+            ready = T.alloc_barrier(arrive_count=[32] * R)
+            free = T.alloc_barrier(arrive_count=[256] * R)
             state_ready = T.alloc_barrier(arrive_count=[128] * nb)
             state_free = T.alloc_barrier(arrive_count=[128] * nb)
             vnew_ready = T.alloc_barrier(arrive_count=[128] * nb)
@@ -138,10 +146,10 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 else:
                     T.clear(S_f)
                 for i in T.serial(nchunks):
-                    s = i % 2
+                    s = i % R
                     b = i % 2 if nb == 2 else 0
                     bos = bos0 + i * C
-                    T.barrier_wait(ready[s], (i // 2) % 2)
+                    T.barrier_wait(ready[s], (i // R) % 2)
                     T.barrier_wait(state_free[b], (i // nb + 1) % 2)
                     T.copy(S_f, S_s[b, :, :])
                     T.fence_proxy_async()
@@ -176,10 +184,10 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 if big:
                     T.set_max_nreg(208, 1)
                 for i in T.serial(nchunks):
-                    s = i % 2
+                    s = i % R
                     b = i % 2 if nb == 2 else 0
                     bos = bos0 + i * C
-                    T.barrier_wait(ready[s], (i // 2) % 2)
+                    T.barrier_wait(ready[s], (i // R) % 2)
                     if l2norm:
                         l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
                         l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
@@ -203,10 +211,12 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         for r, j in T.Parallel(C, C):
                             P_s[r, j] = T.if_then_else(j <= r, P_f[r, j] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
                     T.fence_proxy_async()
+                    # done with the ring slot (q, k, G, row factors): hand it back before waiting for v_new,
+                    # so the producer can refill it while the state chain is still on this chunk
+                    T.barrier_arrive(free[s])
                     T.barrier_wait(vnew_ready[b], (i // nb) % 2)
                     T.gemm(P_s, vn_s[b, :, :], o_f)
                     T.barrier_arrive(vnew_free[b])
-                    T.barrier_arrive(free[s])
                     for r, j in T.Parallel(C, BV):
                         if bos + r < eos:
                             o[bos + r, h, v0 + j] = o_f[r, j] * scale
@@ -216,9 +226,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.set_max_nreg(40, 0)
                 if tx < 288:
                     for i in T.serial(nchunks):
-                        s = i % 2
+                        s = i % R
                         bos = bos0 + i * C
-                        T.barrier_wait(free[s], (i // 2 + 1) % 2)
+                        T.barrier_wait(free[s], (i // R + 1) % 2)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s[s, :, :], barrier=ready[s])
                         T.tma_copy(k[bos:bos + C, hq, :], k_s[s, :, :], barrier=ready[s])
                         T.tma_copy(w[c0 + i, h, :, :], w_s[s, :, :], barrier=ready[s])

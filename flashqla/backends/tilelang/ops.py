@@ -19,7 +19,7 @@ from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
 from .chunk_bwd_wy_sm90 import build_bwd_wy
 from .chunk_fwd_sm90 import build_fwd
-from .chunk_fwd_ws_sm90 import build_fwd_ws
+from .chunk_fwd_ws_sm90 import build_fwd_ws, ws_layout
 from .chunk_intra_sm90 import build_intra
 
 CHUNK = 64
@@ -97,9 +97,25 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
 
 
 def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV):
+    ring, nbuf = fwd_ws_layout(BV)
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws,
                       (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht),
-                       bool(save_states)))
+                       bool(save_states), ring, nbuf))
+
+
+def fwd_ws_layout(BV: int) -> tuple:
+    """(ring slots, Sb / v_new buffers) of the warp-specialised forward at this V-block: the builder's
+    choice (what fits shared memory), or ``FLASHQLA_TILELANG_WS="R,nb"`` for experiments."""
+    forced = os.environ.get("FLASHQLA_TILELANG_WS", "").strip()
+    if forced:
+        try:
+            ring, nbuf = (int(x) for x in forced.split(","))
+        except ValueError:
+            raise ValueError(f"FLASHQLA_TILELANG_WS must be 'R,nb' (ring slots, state buffers), got {forced!r}")
+        if ring not in (2, 3) or nbuf not in (1, 2):
+            raise ValueError(f"FLASHQLA_TILELANG_WS: ring slots 2 or 3, state buffers 1 or 2, got {forced!r}")
+        return ring, nbuf
+    return ws_layout(BV)
 
 
 _SM_COUNT: dict = {}
