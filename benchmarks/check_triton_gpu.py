@@ -91,13 +91,20 @@ def run_crash_case() -> int:
     log: list = []
     _wrap_launch(log, sync=True)
     dims = (2, 8, 128, 128) if not SMOKE else (1, 2, 64, 64)
-    case = Case("crash", *dims, seqlens=CRASH_SEQLENS, l2norm=True)
+    # feature bisection knobs (the default is the failing case): CHECK_L2=0 drops the fused L2 norm,
+    # CHECK_DENSE=1 replaces the packed sequences by a dense batch of 2 x 300 tokens
+    use_l2 = os.environ.get("CHECK_L2", "1") != "0"
+    if os.environ.get("CHECK_DENSE", "0") == "1":
+        case = Case("crash", *dims, B=2, T=300, l2norm=use_l2)
+    else:
+        case = Case("crash", *dims, seqlens=CRASH_SEQLENS, l2norm=use_l2)
     dt = getattr(torch, DTYPE_NAME)
     x = make_inputs(case, dt, DEV)
-    meta = flashqla.prepare_varlen(x["cu_seqlens"])
+    meta = flashqla.prepare_varlen(x["cu_seqlens"]) if x["cu_seqlens"] is not None else None
     _sync()
-    print(f"  cu_seqlens={x['cu_seqlens'].tolist()} chunk_offsets={meta.chunk_offsets.tolist()} "
-          f"chunk_indices={meta.chunk_indices.tolist()}", flush=True)
+    if meta is not None:
+        print(f"  cu_seqlens={x['cu_seqlens'].tolist()} chunk_offsets={meta.chunk_offsets.tolist()} "
+              f"chunk_indices={meta.chunk_indices.tolist()}", flush=True)
     scale = dims[2] ** -0.5
     q, k, v, g, beta, h0, do, dht = (x[n] for n in ("q", "k", "v", "g", "beta", "initial_state", "do", "dht"))
     res: dict = {}
@@ -122,21 +129,24 @@ def run_crash_case() -> int:
     with poisoned_outputs(DEV):
         geo = ops.Geometry(q, v, meta)
         try:
+            L2 = use_l2
             stage("prep(store_t)", lambda: dict(zip(("w", "u", "G", "Tm"),
-                                                    ops.prep(geo, k, v, g, beta, True, store_t=True))))
+                                                    ops.prep(geo, k, v, g, beta, L2, store_t=True))))
             stage("prep(fwd)", lambda: dict(zip(("w_fwd", "u_fwd", "G_fwd"),
-                                                ops.prep(geo, k, v, g, beta, True, store_t=False)[:3])))
+                                                ops.prep(geo, k, v, g, beta, L2, store_t=False)[:3])))
             stage("state_fwd(unfused)", lambda: dict(zip(("h", "vn", "ht_u"), ops.state_fwd(
-                geo, q, k, res["w"], res["u"], res["G"], h0, True, True))))
-            stage("output", lambda: dict(o_u=ops.output(geo, q, k, res["G"], res["h"], res["vn"], scale, True,
+                geo, q, k, res["w"], res["u"], res["G"], h0, True, L2))))
+            stage("output", lambda: dict(o_u=ops.output(geo, q, k, res["G"], res["h"], res["vn"], scale, L2,
                                                         dt)))
-            stage("state_fwd(fused)", lambda: dict(zip(("o_f", "_", "ht_f"), ops.state_fwd(
-                geo, q, k, res["w"], res["u"], res["G"], h0, True, True, scale, fuse_output=True))))
+            # the two kernels that faulted on the H200 (run 6) last, the backward one first: a fault
+            # leaves the CUDA context unusable, so each stage before it still reports
             stage("state_bwd", lambda: dict(zip(("dh", "dvn", "dh0"), ops.state_bwd(
-                geo, q, k, res["w"], res["G"], do, dht, True, scale, True))))
+                geo, q, k, res["w"], res["G"], do, dht, True, scale, L2))))
             stage("grads(dqk+wy)", lambda: dict(zip(("dq", "dk", "dv", "dbeta", "dg"), ops.grads(
                 geo, q, k, v, beta, res["G"], res["Tm"], res["w"], res["u"], res["h"], res["dh"], res["vn"],
-                res["dvn"], do, scale, True))))
+                res["dvn"], do, scale, L2))))
+            stage("state_fwd(fused)", lambda: dict(zip(("o_f", "_", "ht_f"), ops.state_fwd(
+                geo, q, k, res["w"], res["u"], res["G"], h0, True, L2, scale, fuse_output=True))))
         except Exception:
             print("  (stopped at the first failing stage: the CUDA context is unusable after a fault)")
             return max(failures, 1)
@@ -297,6 +307,12 @@ def main() -> int:
         tune = "fused.stages=1,state.stages=1,bstate.stages=1,prep.stages=1,dqk.stages=1,wy.stages=1,output.stages=1"
         print(f"== crash case with FLASHQLA_TRITON_TUNE={tune}", flush=True)
         rcs["crash(stages=1)"] = _child(["--case", "crash"], 20, {"FLASHQLA_TRITON_TUNE": tune})
+    print("== feature bisection of the crash case (L2 norm on/off x packed/dense)", flush=True)
+    for l2, dense in (("0", "0"), ("1", "1"), ("0", "1")):
+        print(f"-- CHECK_L2={l2} CHECK_DENSE={dense}", flush=True)
+        rcs[f"crash(l2={l2},dense={dense})"] = _child(["--case", "crash"], 25, {"CHECK_L2": l2, "CHECK_DENSE": dense})
+    print("-- 8 warps in the serial kernels", flush=True)
+    rcs["crash(8 warps)"] = _child(["--case", "crash"], 25, {"FLASHQLA_TRITON_TUNE": "fused.warps=8,bstate.warps=8"})
     print("== oracle (bf16, forward + backward)", flush=True)
     rcs["oracle"] = _child(["--case", "oracle"], 25)
     print("== forward kernel timings (ms, do_bench), Hqk/Hv 16/32, K = V = 128, bf16", flush=True)
