@@ -269,6 +269,8 @@ def main() -> int:
     ap.add_argument("--case", choices=("all", "crash", "oracle", "bench"), default="all")
     ap.add_argument("--rep-ms", type=int, default=60)
     ap.add_argument("--cpu-smoke", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--bisect-only", action="store_true",
+                    help="only the crash case and its feature bisection (no oracle, no timings)")
     args = ap.parse_args()
     global DEV, DTYPE_NAME, SMOKE
     if args.cpu_smoke:
@@ -300,6 +302,14 @@ def main() -> int:
           f"FLASHQLA_TRITON_TUNE={os.environ.get('FLASHQLA_TRITON_TUNE', '')!r}", flush=True)
     t0 = time.time()
     rcs = {}
+    if args.bisect_only:
+        for label, env in (("default", {}), ("CHECK_L2=0", {"CHECK_L2": "0"}),
+                           ("CHECK_DENSE=1", {"CHECK_DENSE": "1"}),
+                           ("8 warps", {"FLASHQLA_TRITON_TUNE": "fused.warps=8,bstate.warps=8"})):
+            print(f"-- crash case, {label}", flush=True)
+            rcs[label] = _child(["--case", "crash"], 25, env)
+        print(f"== summary ({time.time() - t0:.0f}s): " + ", ".join(f"{k}: rc {v}" for k, v in rcs.items()))
+        return 0
     print("== crash case, stage by stage (default tuning)", flush=True)
     rcs["crash"] = _child(["--case", "crash"], 30)
     if rcs["crash"]:
