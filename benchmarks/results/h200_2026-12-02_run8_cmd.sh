@@ -7,6 +7,8 @@ export PYTHONPATH=$PWD:$PYTHONPATH
 T="timeout -s INT -k 5"
 tl=tests/test_backend_tilelang.py
 python -c "import cutlass" 2>/dev/null && echo "cutlass importable (stacked bundle)" || echo "cutlass NOT importable"
+echo "== first call with the precompiled cache (fresh process)"
+$T 40 python benchmarks/first_call.py --backend tilelang --heads 8/32 2>&1 | grep first_call
 echo "== tilelang tests (ws forward, default layouts)"
 $T 70 python -m pytest -m gpu -q -p no:cacheprovider $tl -k "forward_matches_oracle or backward_matches_oracle or 1e4" 2>&1 | grep -v INFO | tail -6
 echo "== tilelang forward V-block / layout sweep (per-kernel)"
