@@ -829,7 +829,8 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
 
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
-               "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy}
+               "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy,
+               "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}
 
 
 @pytest.fixture

@@ -183,11 +183,26 @@ def bwd_variant() -> str:
 BWD_WS_BVS = (32, 64)
 
 
+def bwd_par_variant() -> str:
+    """Per-chunk backward kernels (dqk, wy): ``v1`` (default) or ``v2``; ``FLASHQLA_TILELANG_BWD_PAR``."""
+    v = os.environ.get("FLASHQLA_TILELANG_BWD_PAR", "v1").strip().lower() or "v1"
+    if v not in ("v1", "v2"):
+        raise ValueError(f"FLASHQLA_TILELANG_BWD_PAR must be 'v1' or 'v2', got {v!r}")
+    return v
+
+
 def bwd_dqk_kernel(dtype, K, V, l2norm):
+    if bwd_par_variant() == "v2":
+        from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
+        return get_kernel("bwd_dqk_v2_sm90", build_bwd_dqk_v2, (_tl_dtype(dtype), K, V, bool(l2norm)))
     return get_kernel("bwd_dqk_sm90", build_bwd_dqk, (_tl_dtype(dtype), K, V, bool(l2norm)))
 
 
 def bwd_wy_kernel(dtype, beta_dtype, K, V, l2norm):
+    if bwd_par_variant() == "v2":
+        from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
+        return get_kernel("bwd_wy_v2_sm90", build_bwd_wy_v2,
+                          (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
     return get_kernel("bwd_wy_sm90", build_bwd_wy,
                       (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
 

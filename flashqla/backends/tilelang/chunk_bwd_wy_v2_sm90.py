@@ -1,0 +1,188 @@
+"""Backward stage 3 (Hopper), v2: same contract as ``chunk_bwd_wy_sm90.build_bwd_wy`` (same arguments,
+same outputs, same math -- see that module's docstring); ``FLASHQLA_TILELANG_BWD_PAR=v2`` selects it.
+
+Why v1 is slow (H200, 16/32 heads, 32k tokens: 1.51 ms for a grid of 512 x 32 CTAs that each move
+~176 KB, a ~0.7 ms memory floor): 132 registers x 256 threads round to 34816 registers per CTA, so
+only ONE CTA fits an SM (65536 registers) although its 105 KB of shared memory would allow two; with
+one CTA per SM every load latency (TMA tiles, X, dk^p) and every ``__syncthreads`` of the ~12
+cross-warpgroup row reductions is exposed, nothing overlaps it.
+
+What v2 changes (same wgmma products, same rounding points):
+
+* ``__launch_bounds__(256, 2)`` (``T.annotate_min_blocks_per_sm(2)``) and an order of work that fits
+  128 registers without spilling: ``dBu = Xb^T du`` is finished (dv stored, ``dBu . v`` reduced, the
+  product formed in place: no separate scratch fragment) before ``dBw = Xb^T dw`` starts, and the
+  ``dBw . k`` / L2-norm row products reuse the dead ``dBu`` fragment as scratch.  Two CTAs per SM: one
+  CTA's loads and barriers overlap the other's arithmetic.
+* ``rowsum(dA * A * beta)_r = beta_r rowsum(dA * A)_r``: one cross-warpgroup row reduction fewer.
+* ``W`` (fp32) lives in shared memory with a row stride of 65 words: ``W + W^T`` reads W by columns,
+  which at stride 64 put all 32 lanes of a warp in one bank (32-way conflict); at 65 lane ``l`` hits
+  bank ``(l + c) % 32``.
+"""
+
+CHUNK = 64
+WPAD = 65
+
+
+def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256):
+    import tilelang.language as T
+
+    from ._common import symbolic_sizes
+
+    C = CHUNK
+    acc = "float32"
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
+    L2_EPS = 1e-6
+    assert K == V, "the dBu fragment doubles as the [C, K] scratch"
+
+    @T.prim_func
+    def gdn_bwd_wy_v2(
+        k: T.Tensor((NT, Hqk, K), dtype),
+        v: T.Tensor((NT, Hv, V), dtype),
+        beta: T.Tensor((NT, Hv), beta_dtype),
+        G: T.Tensor((NC, Hv, C), acc),
+        X: T.Tensor((NC, Hv, C, C), acc),
+        dw: T.Tensor((NC, Hv, C, K), dtype),
+        du: T.Tensor((NC, Hv, C, V), dtype),
+        dkp: T.Tensor((NC, Hv, C, K), acc),
+        dGp: T.Tensor((NC, Hv, C), acc),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_indices: T.Tensor((NC, 2), "int32"),
+        dk_out: T.Tensor((NT, Hv, K), acc),
+        dv_out: T.Tensor((NT, Hv, V), acc),
+        dg_out: T.Tensor((NT, Hv), acc),
+        db_out: T.Tensor((NT, Hv), acc),
+        ratio: T.int32,
+    ):
+        with T.Kernel(NC, Hv, threads=threads) as (c, hv):
+            T.annotate_min_blocks_per_sm(2)
+            k_s = T.alloc_shared((C, K), dtype)
+            v_s = T.alloc_shared((C, V), dtype)
+            dw_s = T.alloc_shared((C, K), dtype)
+            du_s = T.alloc_shared((C, V), dtype)
+            Xb_s = T.alloc_shared((C, C), dtype)
+            Bw_s = T.alloc_shared((C, K), dtype)
+            Bu_s = T.alloc_shared((C, V), dtype)
+            dX_s = T.alloc_shared((C, C), dtype)
+            T1_s = T.alloc_shared((C, C), dtype)
+            W_s = T.alloc_shared((C, WPAD), acc)
+            Ws_s = T.alloc_shared((C, C), dtype)
+            G_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            nk_s = T.alloc_shared((C,), acc)
+            bk_s = T.alloc_shared((C,), acc)
+            bv_s = T.alloc_shared((C,), acc)
+            bA_s = T.alloc_shared((C,), acc)
+            cA_s = T.alloc_shared((C,), acc)
+            kd_s = T.alloc_shared((C,), acc)
+            dG_s = T.alloc_shared((C,), acc)
+
+            KK_f = T.alloc_fragment((C, C), acc)
+            dX_f = T.alloc_fragment((C, C), acc)
+            T1_f = T.alloc_fragment((C, C), acc)
+            dA_f = T.alloc_fragment((C, C), acc)
+            dBw_f = T.alloc_fragment((C, K), acc)
+            dBu_f = T.alloc_fragment((C, V), acc)
+            red_f = T.alloc_fragment((C,), acc)
+            cred_f = T.alloc_fragment((C,), acc)   # column sums: a different layout than row sums
+            bar = T.alloc_barrier(threads)
+
+            seq = chunk_indices[c, 0]
+            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
+            eos = cu_seqlens[seq + 1]
+            hq = hv // ratio
+
+            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
+            T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=bar)
+            T.tma_copy(dw[c, hv, :, :], dw_s, barrier=bar)
+            T.tma_copy(du[c, hv, :, :], du_s, barrier=bar)
+            T.mbarrier_arrive(bar)
+            for r, j in T.Parallel(C, C):
+                Xb_s[r, j] = X[c, hv, r, j]
+            for r in T.Parallel(C):
+                G_s[r] = G[c, hv, r]
+                b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, hv], acc), 0.0)
+                dG_s[r] = dGp[c, hv, r]
+            T.mbarrier_wait_parity(bar, 0)
+
+            T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
+            if l2norm:
+                for r, j in T.Parallel(C, C):
+                    if r == j:
+                        nk_s[r] = T.rsqrt(KK_f[r, j] + L2_EPS)
+            else:
+                for r in T.Parallel(C):
+                    nk_s[r] = 1.0
+            for r, d in T.Parallel(C, K):
+                Bw_s[r, d] = T.cast(k_s[r, d], acc) * (b_s[r] * T.exp(G_s[r]) * nk_s[r])
+            for r, d in T.Parallel(C, V):
+                Bu_s[r, d] = T.cast(v_s[r, d], acc) * b_s[r]
+
+            # dX, then dA = -(X^T dX) X^T on the strictly lower part
+            T.gemm(dw_s, Bw_s, dX_f, transpose_B=True, clear_accum=True)
+            T.gemm(du_s, Bu_s, dX_f, transpose_B=True)
+            T.copy(dX_f, dX_s)
+            T.gemm(Xb_s, dX_s, T1_f, transpose_A=True, clear_accum=True)
+            T.copy(T1_f, T1_s)
+            T.gemm(T1_s, Xb_s, dA_f, transpose_B=True, clear_accum=True)
+            # dA = -(fragment) on the strictly lower part; W = dA beta_r E; KK_f becomes dA * KKn (= dA * A / beta_r)
+            for r, j in T.Parallel(C, C):
+                W_s[r, j] = T.if_then_else(r > j, -dA_f[r, j] * b_s[r] * T.exp(G_s[r] - G_s[j]), 0.0)
+                KK_f[r, j] = T.if_then_else(
+                    r > j, -dA_f[r, j] * KK_f[r, j] * nk_s[r] * nk_s[j] * T.exp(G_s[r] - G_s[j]), 0.0)
+            T.reduce_sum(KK_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                bA_s[r] = red_f[r]
+            for r, j in T.Parallel(C, C):
+                KK_f[r, j] = KK_f[r, j] * b_s[r]
+            T.reduce_sum(KK_f, cred_f, dim=0)
+            for r in T.Parallel(C):
+                cA_s[r] = cred_f[r]
+            for r, j in T.Parallel(C, C):
+                Ws_s[r, j] = (W_s[r, j] + W_s[j, r]) * nk_s[j]
+
+            # dBu first (dv, dBu . v), then dBw in a fragment of its own; dBu's is the scratch after
+            T.gemm(Xb_s, du_s, dBu_f, transpose_A=True, clear_accum=True)
+            for r, d in T.Parallel(C, V):
+                if bos + r < eos:
+                    dv_out[bos + r, hv, d] = dBu_f[r, d] * b_s[r]
+            for r, d in T.Parallel(C, V):
+                dBu_f[r, d] = dBu_f[r, d] * T.cast(v_s[r, d], acc)
+            T.reduce_sum(dBu_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                bv_s[r] = red_f[r]
+
+            T.gemm(Xb_s, dw_s, dBw_f, transpose_A=True, clear_accum=True)
+            for r, d in T.Parallel(C, K):
+                dBu_f[r, d] = dBw_f[r, d] * T.cast(k_s[r, d], acc)
+            T.reduce_sum(dBu_f, red_f, dim=1)
+            for r in T.Parallel(C):
+                bk_s[r] = red_f[r] * T.exp(G_s[r]) * nk_s[r]
+
+            # dk
+            for r, d in T.Parallel(C, K):
+                dBw_f[r, d] = dBw_f[r, d] * (b_s[r] * T.exp(G_s[r])) + dkp[c, hv, r, d]
+            T.gemm(Ws_s, k_s, dBw_f)
+            if l2norm:
+                for r, d in T.Parallel(C, K):
+                    dBu_f[r, d] = dBw_f[r, d] * T.cast(k_s[r, d], acc)
+                T.reduce_sum(dBu_f, red_f, dim=1)
+                for r in T.Parallel(C):
+                    kd_s[r] = red_f[r] * nk_s[r] * nk_s[r]
+                for r, d in T.Parallel(C, K):
+                    dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
+            for r, d in T.Parallel(C, K):
+                if bos + r < eos:
+                    dk_out[bos + r, hv, d] = dBw_f[r, d]
+
+            # dbeta, dg
+            for r in T.Parallel(C):
+                dG_s[r] = dG_s[r] + b_s[r] * bk_s[r] + b_s[r] * bA_s[r] - cA_s[r]
+                if bos + r < eos:
+                    db_out[bos + r, hv] = bk_s[r] + bv_s[r] + bA_s[r]
+            T.cumsum(dG_s, dim=0, reverse=True)
+            for r in T.Parallel(C):
+                if bos + r < eos:
+                    dg_out[bos + r, hv] = dG_s[r]
+
+    return gdn_bwd_wy_v2

@@ -1,0 +1,198 @@
+"""v2 of the per-chunk backward kernels (``FLASHQLA_TILELANG_BWD_PAR=v2``): lowering for sm_90a, the
+host path with simulated kernels, and CPU proofs of the v2 rewrites of the math:
+
+* wy: ``rowsum(dA * KKn * beta)_r = beta_r rowsum(dA * KKn)_r`` (one reduction fewer) and the in-kernel
+  order of the dg / dbeta terms, against the v1 formulas in float64;
+* dqk: the last row's gate term ``exp(G_last) sum_a sdr_a + sum_t D_t dD_t`` as the kernel splits it
+  over 32 lanes (4 + 2 terms per lane, then a butterfly ``warp_reduce_sum``), against a float64 sum;
+* wy: the W tile's row stride 65 makes the transposed read of ``W + W^T`` bank-conflict free (the
+  per-lane index formula of the generated CUDA, replayed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
+C = 64
+
+
+def _v2_variants():
+    return [("dqk", ("bfloat16", 128, 128, False)), ("dqk", ("float16", 128, 128, True)),
+            ("wy", ("bfloat16", "bfloat16", 128, 128, False)), ("wy", ("float16", "float32", 128, 128, True))]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("kind,args", _v2_variants(), ids=lambda x: str(x).replace(" ", ""))
+def test_v2_kernels_lower_for_sm90a(kind, args):
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
+    from flashqla.backends.tilelang.chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
+    from test_backend_tilelang import resource_usage
+
+    builder = {"dqk": build_bwd_dqk_v2, "wy": build_bwd_wy_v2}[kind]
+    kern = tilelang.compile(builder(*args), out_idx=None, target=TARGET)
+    src = kern.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
+    usage = resource_usage(kern)
+    print(f"{kind}_v2{args}: {usage}")
+    assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
+    if kind == "wy":
+        # two CTAs per SM: <= 128 registers at 256 threads
+        assert "__launch_bounds__(256, 2)" in src
+        import re
+        m = re.search(r"REG:(\d+)", usage)
+        if m:
+            assert int(m.group(1)) <= 128
+    else:
+        # no serial per-thread loop over the K / C rows any more
+        assert "for (int a = 0; a < 128" not in src
+        assert "warp_reduce_sum" in src
+
+
+def test_host_path_v2_with_simulated_kernels(monkeypatch):
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import test_backend_tilelang as tb
+    from flashqla.backends.tilelang import ops
+
+    calls = []
+
+    def fake_get_kernel(name, builder, key):
+        func = builder(*key)
+
+        def run(*args):
+            tb._check_signature(func, args)
+            calls.append(name)
+            with torch.no_grad():
+                tb._SIMULATORS[name](key, *args)
+        return run
+
+    monkeypatch.setattr(ops, "get_kernel", fake_get_kernel)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v2")
+    assert ops.bwd_par_variant() == "v2"
+    from flashqla.dispatch import FwdInputs, get_backend
+    from flashqla.dispatch.device import fake_device
+    from flashqla.testing import oracle, rel_l2, make_inputs, poisoned_outputs, TOLERANCES
+    from flashqla.validation import validate
+
+    case = tb._HOST_CASES[0]
+    be = get_backend("tilelang")
+    inp = make_inputs(case, torch.bfloat16)
+    ref = oracle(case, inp, grads=True)
+    with fake_device("cuda", (9, 0)):
+        spec, scale, meta = validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], case.scale,
+                                     inp["initial_state"], case.ht, case.l2norm, inp["cu_seqlens"],
+                                     needs_grad=True)
+    x = FwdInputs(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], scale=scale,
+                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], varlen=meta,
+                  output_final_state=case.ht, use_qk_l2norm=case.l2norm)
+    with poisoned_outputs("cpu"):
+        o, ht, saved, aux = be.forward(spec, x)
+        grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
+    assert "bwd_dqk_v2_sm90" in calls and "bwd_wy_v2_sm90" in calls
+    tol = TOLERANCES["bfloat16"]
+    for name, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
+        if name in ref:
+            assert rel_l2(t, ref[name]) <= tol[name], name
+
+
+def test_env_switch_rejects_unknown(monkeypatch):
+    from flashqla.backends.tilelang import ops
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v3")
+    with pytest.raises(ValueError):
+        ops.bwd_par_variant()
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_PAR")
+    assert ops.bwd_par_variant() == "v1"
+
+
+def _chunk(seed, ragged):
+    g = torch.Generator().manual_seed(seed)
+    G = torch.cumsum(-torch.nn.functional.softplus(torch.randn(C, generator=g, dtype=torch.float64) * 3), 0)
+    b = torch.rand(C, generator=g, dtype=torch.float64)
+    if ragged:
+        b[ragged:] = 0.0
+    KK = torch.randn(C, C, generator=g, dtype=torch.float64)
+    dAraw = torch.randn(C, C, generator=g, dtype=torch.float64)
+    nk = torch.rand(C, generator=g, dtype=torch.float64) + 0.5
+    return G, b, KK, dAraw, nk
+
+
+@pytest.mark.parametrize("seed,ragged", [(0, 0), (1, 37), (2, 1)])
+def test_wy_v2_gate_terms_match_v1(seed, ragged):
+    """v2's dg / dbeta assembly (fp32, kernel order) equals v1's (float64)."""
+    G, b, KK, dAraw, nk = _chunk(seed, ragged)
+    r, j = torch.meshgrid(torch.arange(C), torch.arange(C), indexing="ij")
+    strict = r > j
+
+    def v1(dt):
+        G_, b_, KK_, dA_, nk_ = (t.to(dt) for t in (G, b, KK, dAraw, nk))
+        dA = torch.where(strict, -dA_, 0.0)
+        KKn = torch.where(strict, KK_ * nk_[:, None] * nk_[None] * torch.exp(G_[:, None] - G_[None]), 0.0)
+        dAA = dA * KKn
+        bA = dAA.sum(1)
+        dAAb = dAA * b_[:, None]
+        return bA, dAAb.sum(1), dAAb.sum(0)
+
+    def v2(dt):
+        G_, b_, KK_, dA_, nk_ = (t.to(dt) for t in (G, b, KK, dAraw, nk))
+        E = torch.exp(torch.where(strict, G_[:, None] - G_[None], torch.zeros((), dtype=dt)))
+        KKf = torch.where(strict, -dA_ * KK_ * nk_[:, None] * nk_[None] * E, 0.0)
+        bA = KKf.sum(1)
+        cA = (KKf * b_[:, None]).sum(0)
+        return bA, b_ * bA, cA
+
+    ref = v1(torch.float64)
+    got = v2(torch.float32)
+    for x, y in zip(got, ref):
+        assert torch.isfinite(x).all()
+        assert torch.allclose(x.double(), y, rtol=1e-5, atol=1e-5 * float(y.abs().max()) + 1e-12)
+
+
+def _butterfly(vals):
+    """warp_reduce_sum over 32 lanes (xor shuffles 16, 8, 4, 2, 1), every lane ends with the sum."""
+    v = vals.clone()
+    for off in (16, 8, 4, 2, 1):
+        v = v + v[torch.arange(32) ^ off]
+    return v
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dqk_v2_last_row_term(seed):
+    g = torch.Generator().manual_seed(seed)
+    sdr = torch.randn(128, generator=g, dtype=torch.float64)
+    dD = torch.randn(C, generator=g, dtype=torch.float64)
+    G = torch.cumsum(-torch.rand(C, generator=g, dtype=torch.float64) * 2, 0)
+    ref = torch.exp(G[-1]) * sdr.sum() + (torch.exp(G[-1] - G) * dD).sum()
+    s32, d32, G32 = sdr.float(), dD.float(), G.float()
+    lane = torch.arange(32)
+    part = (s32[lane] + s32[lane + 32] + s32[lane + 64] + s32[lane + 96]) * torch.exp(G32[-1]) \
+        + torch.exp(G32[-1] - G32[lane]) * d32[lane] + torch.exp(G32[-1] - G32[lane + 32]) * d32[lane + 32]
+    tot = _butterfly(part)
+    assert torch.allclose(tot, tot[0].expand(32))
+    assert abs(float(tot[0]) - float(ref)) <= 1e-5 * (float(sdr.abs().sum() + dD.abs().sum()) + 1)
+    # every index 0..127 of sdr and 0..63 of dD is read exactly once
+    assert sorted(torch.cat([lane, lane + 32, lane + 64, lane + 96]).tolist()) == list(range(128))
+    assert sorted(torch.cat([lane, lane + 32]).tolist()) == list(range(64))
+
+
+def test_wy_v2_transposed_w_read_is_conflict_free():
+    """Ws[r, j] = W[r, j] + W[j, r]: the generated loop (i = 0..15, thread tx) reads W at
+    ``i * 4 + (tx >> 6) + (tx & 63) * WPAD`` for the transposed term; 4-byte words, 32 banks."""
+    from flashqla.backends.tilelang.chunk_bwd_wy_v2_sm90 import WPAD
+    for pad, want_free in ((WPAD, True), (64, False)):
+        worst = 1
+        for i in range(16):
+            for warp in range(8):
+                tx = torch.arange(32) + 32 * warp
+                word = i * 4 + (tx >> 6) + (tx & 63) * pad
+                banks = word % 32
+                worst = max(worst, int(torch.bincount(banks, minlength=32).max()))
+        assert (worst == 1) == want_free, (pad, worst)
