@@ -130,6 +130,22 @@ def test_forward_both_paths(monkeypatch, fuse):
     assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
 
 
+def test_l2_norm_applied_separately_matches_oracle(monkeypatch):
+    # FLASHQLA_TRITON_L2=separate: q/k normalised up front, kernels without the option, dq/dk mapped back
+    # through the norm's Jacobian on the host; same answers as the fused option (fp32: to 1e-4 / 1e-3)
+    monkeypatch.setenv("FLASHQLA_TRITON_L2", "separate")
+    case = Case("l2_separate", 1, 2, 64, 64, seqlens=(70, 1, 0, 33), l2norm=True)
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=True)
+    fwd = {n: e for n, e in res.errors.items() if n in ("o", "ht")}
+    grads = {n: e for n, e in res.errors.items() if n not in ("o", "ht")}
+    assert set(grads) >= {"dq", "dk", "dv", "dg", "dbeta"}
+    assert all(e <= FWD_TOL for e in fwd.values()), fwd
+    assert all(e <= GRAD_TOL for e in grads.values()), grads
+    monkeypatch.setenv("FLASHQLA_TRITON_L2", "elsewhere")
+    with pytest.raises(ValueError, match="FLASHQLA_TRITON_L2"):
+        run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=False)
+
+
 def test_tune_override_is_checked(monkeypatch):
     from flashqla.backends.triton import ops
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "dqk.bv=32, wy.warps=4")

@@ -264,9 +264,38 @@ def _device_guard(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
+L2_EPS_HOST = 1e-6
+
+
+def l2_mode() -> str:
+    """Where the fused q/k L2 norm is applied: ``fused`` (default: inside every kernel, on fp32 products,
+    normalised q/k never rounded) or ``separate`` (q and k normalised once up front, rounded to their dtype,
+    kernels run without the option; the backward maps dq/dk through the norm's Jacobian).
+    ``FLASHQLA_TRITON_L2`` overrides."""
+    m = os.environ.get("FLASHQLA_TRITON_L2", "fused").strip().lower() or "fused"
+    if m not in ("fused", "separate"):
+        raise ValueError(f"FLASHQLA_TRITON_L2 must be 'fused' or 'separate', got {m!r}")
+    return m
+
+
+def _l2_normalise(x):
+    xf = x.float()
+    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2_EPS_HOST)).to(x.dtype)
+
+
+def _l2_backward(x, dy):
+    """dx of y = x * rsqrt(|x|^2 + eps) (row-wise over the last dim), fp32."""
+    xf, dyf = x.float(), dy.float()
+    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2_EPS_HOST)
+    return r * dyf - xf * (r * r * r) * (xf * dyf).sum(-1, keepdim=True)
+
+
 def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool):
     """Returns ``(o, final_state or None)``."""
     with _device_guard(q):
+        if use_l2 and l2_mode() == "separate":
+            return _forward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0, meta,
+                            output_final_state, False)
         return _forward(q, k, v, g, beta, scale, h0, meta, output_final_state, use_l2)
 
 
@@ -337,6 +366,10 @@ def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
     """Returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``; recomputes w, u, the inverse and the chunk
     states rather than keeping them from the forward (6 launches, + the group sum under GVA)."""
     with _device_guard(q):
+        if use_l2 and l2_mode() == "separate":
+            dqn, dkn, dv, dg, dbeta, dh0 = _backward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0,
+                                                     meta, do, dht, False)
+            return _l2_backward(q, dqn), _l2_backward(k, dkn), dv, dg, dbeta, dh0
         return _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2)
 
 
