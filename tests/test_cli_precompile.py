@@ -20,6 +20,10 @@ CHEAP = ["--modes", "fwd", "--dtypes", "bfloat16", "--beta-dtypes", "bfloat16",
          "--flags", "h0=0,ht=0,l2norm=0,varlen=0,grad=0"]
 
 
+# one V-block of the warp-specialised forward, so the cheap selection is two kernels
+CHEAP_ENV = {"FLASHQLA_TILELANG_BV": "64"}
+
+
 def _run(args, env_extra=None):
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.run([sys.executable, "-m", "flashqla", "precompile", *args], capture_output=True,
@@ -62,37 +66,43 @@ def test_list_shows_every_variant(tmp_path, capsys):
                 for a, b in itertools.product((False, True), repeat=2):
                     ops.intra_kernel(dt, bdt, 128, 128, a, b)
                     ops.bwd_wy_kernel(dt, bdt, 128, 128, a)
+            # the default recurrences: warp-specialised, every V-block the call-time rule can pick
             for fl in itertools.product((False, True), repeat=4):
-                ops.fwd_kernel(dt, 128, 128, *fl)
+                for bv in ops.FWD_WS_BVS:
+                    ops.fwd_ws_kernel(dt, 128, 128, *fl, bv)
             for fl in itertools.product((False, True), repeat=3):
-                ops.bwd_state_kernel(dt, 128, 128, *fl)
+                for bv in ops.BWD_WS_BVS:
+                    ops.bwd_state_ws_kernel(dt, 128, 128, *fl, bv)
             for a in (False, True):
                 ops.bwd_dqk_kernel(dt, 128, 128, a)
     want = {(n, repr(k)) for n, _, k in rec}
     assert keys == want
-    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_recurrent_sm90", "bwd_state_sm90",
+    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
                                     "bwd_dqk_sm90", "bwd_wy_sm90"}
 
 
 @needs_tilelang
 def test_list_selection():
-    r = _run(["--list", *CHEAP])
+    r = _run(["--list", *CHEAP], CHEAP_ENV)
     assert r.returncode == 0, r.stderr
     assert "2 variants" in r.stdout
-    assert "fwd_intra_sm90" in r.stdout and "fwd_recurrent_sm90" in r.stdout
+    assert "fwd_intra_sm90" in r.stdout and "fwd_recurrent_ws_sm90" in r.stdout
+    r = _run(["--list", *CHEAP])
+    assert r.returncode == 0, r.stderr
+    assert f"{1 + 3} variants" in r.stdout   # every V-block of the ws forward when none is forced
 
 
 @needs_tilelang
 @pytest.mark.compile
 def test_compile_cold_then_warm(tmp_path):
     cache = tmp_path / "cache"
-    r1 = _run([*CHEAP, "--cache-dir", str(cache)])
+    r1 = _run([*CHEAP, "--cache-dir", str(cache)], CHEAP_ENV)
     assert r1.returncode == 0, r1.stderr[-3000:]
     files = [p for p in cache.rglob("*") if p.is_file()]
     assert files, "nothing written to the cache dir"
     assert str(cache) in r1.stdout and "precompiled 2/2" in r1.stdout
     assert r1.stderr.count("(new)") == 2
-    r2 = _run([*CHEAP, "--cache-dir", str(cache)])
+    r2 = _run([*CHEAP, "--cache-dir", str(cache)], CHEAP_ENV)
     assert r2.returncode == 0, r2.stderr[-3000:]
     assert r2.stderr.count("(cached)") == 2
     t1 = float(re.search(r"compile ([\d.]+) s total", r1.stdout).group(1))

@@ -267,8 +267,10 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     if fwd_variant() == "serial":
         fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(*fwd_args)
     elif dev.type == "meta":
-        # key enumeration (precompile): every V-block the call-time choice can make
-        for bv in FWD_WS_BVS:
+        # key enumeration (precompile): every V-block the call-time choice can make (only the forced
+        # one under FLASHQLA_TILELANG_BV)
+        for bv in ((fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
+                   else FWD_WS_BVS):
             fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args)
     else:
         bv = fwd_ws_bv(NS, Hv, V, dev)
