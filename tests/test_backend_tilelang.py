@@ -866,6 +866,8 @@ _HOST_CASES = [
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
+    # "serial" pairs with the first per-chunk backward kernels, "ws" with the default (v2) ones
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v1" if variant == "serial" else "v2")
     from flashqla.dispatch import FwdInputs, get_backend
     from flashqla.dispatch.device import fake_device
     from flashqla.validation import validate
@@ -888,8 +890,9 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
     sfx = "_ws" if variant == "ws" else ""
-    assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90", "bwd_dqk_sm90",
-                                 "bwd_wy_sm90"]
+    par = "" if variant == "serial" else "_v2"
+    assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",
+                                 f"bwd_dqk{par}_sm90", f"bwd_wy{par}_sm90"]
     errs = {"o": rel_l2(o, ref["o"])}
     if case.ht:
         errs["ht"] = rel_l2(ht, ref["ht"])

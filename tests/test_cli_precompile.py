@@ -78,7 +78,7 @@ def test_list_shows_every_variant(tmp_path, capsys):
     want = {(n, repr(k)) for n, _, k in rec}
     assert keys == want
     assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
-                                    "bwd_dqk_sm90", "bwd_wy_sm90"}
+                                    "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"}
 
 
 @needs_tilelang
