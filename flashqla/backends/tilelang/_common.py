@@ -26,6 +26,22 @@ def make_l2_row_factors(C: int, D: int, acc: str = "float32", eps: float = L2_EP
     return l2_row_factors
 
 
+def make_l2_row_factors_ring(C: int, D: int, acc: str = "float32", eps: float = L2_EPS):
+    """The same row factors for tiles held in a ring of shared slots: a ``T.macro``
+    ``(x_s, n_s, s, sq_f, ss_f)`` with ``x_s`` ``[R, C, D]`` and ``n_s`` ``[R, C]``, slot ``s``."""
+    import tilelang.language as T
+
+    @T.macro
+    def l2_row_factors(x_s, n_s, s, sq_f, ss_f):
+        for r, d in T.Parallel(C, D):
+            sq_f[r, d] = T.cast(x_s[s, r, d], acc) * T.cast(x_s[s, r, d], acc)
+        T.reduce_sum(sq_f, ss_f, dim=1)
+        for r in T.Parallel(C):
+            n_s[s, r] = T.rsqrt(ss_f[r] + eps)
+
+    return l2_row_factors
+
+
 def symbolic_sizes():
     """The symbolic (``T.dynamic``) sizes the kernels share, so a new length never recompiles:
     ``(NT, NC, NS, Hqk, Hv)`` -- tokens (B * T, or the packed varlen length), chunks over all

@@ -34,7 +34,7 @@ L2_EPS = 1e-6
 def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: bool, need_dh0: bool):
     import tilelang.language as T
 
-    from ._common import symbolic_sizes
+    from ._common import make_l2_row_factors_ring, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -44,14 +44,8 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
     assert V % BV == 0
     big = BV > 64
 
-    @T.macro
-    def l2_row_factors(x_s, n_s, s, sq_f, ss_f):
-        # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
-        for r, d in T.Parallel(C, K):
-            sq_f[r, d] = T.cast(x_s[s, r, d], acc) * T.cast(x_s[s, r, d], acc)
-        T.reduce_sum(sq_f, ss_f, dim=1)
-        for r in T.Parallel(C):
-            n_s[s, r] = T.rsqrt(ss_f[r] + L2_EPS)
+    # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
+    l2_row_factors = make_l2_row_factors_ring(C, K, acc, L2_EPS)
 
     @T.prim_func
     def gdn_bwd_state_ws(

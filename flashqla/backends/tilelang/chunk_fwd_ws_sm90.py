@@ -61,7 +61,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                  save_states: bool, ring: int = 0, nbuf: int = 0):
     import tilelang.language as T
 
-    from ._common import symbolic_sizes
+    from ._common import make_l2_row_factors_ring, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -75,14 +75,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     R = ring or R0          # ring slots of q, k, w, u, G
     nb = nbuf or nb0        # buffers of Sb and v_new
 
-    @T.macro
-    def l2_row_factors(x_s, n_s, s, sq_f, ss_f):
-        # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
-        for r, d in T.Parallel(C, K):
-            sq_f[r, d] = T.cast(x_s[s, r, d], acc) * T.cast(x_s[s, r, d], acc)
-        T.reduce_sum(sq_f, ss_f, dim=1)
-        for r in T.Parallel(C):
-            n_s[s, r] = T.rsqrt(ss_f[r] + L2_EPS)
+    # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
+    l2_row_factors = make_l2_row_factors_ring(C, K, acc, L2_EPS)
 
     @T.prim_func
     def gdn_fwd_recurrent_ws(

@@ -264,9 +264,6 @@ def _device_guard(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-L2_EPS_HOST = 1e-6
-
-
 def l2_mode() -> str:
     """Where the q/k L2 norm of ``use_qk_l2norm_in_kernel`` is applied.
 
@@ -285,14 +282,15 @@ def l2_mode() -> str:
 
 
 def _l2_normalise(x):
-    xf = x.float()
-    return (xf * torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2_EPS_HOST)).to(x.dtype)
+    from ...reference import l2norm
+    return l2norm(x.float()).to(x.dtype)
 
 
 def _l2_backward(x, dy):
-    """dx of y = x * rsqrt(|x|^2 + eps) (row-wise over the last dim), fp32."""
+    """dx of y = x * rsqrt(|x|^2 + eps) (row-wise over the last dim, eps of ``reference.l2norm``), fp32."""
+    from ...reference import L2NORM_EPS
     xf, dyf = x.float(), dy.float()
-    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2_EPS_HOST)
+    r = torch.rsqrt((xf * xf).sum(-1, keepdim=True) + L2NORM_EPS)
     return r * dyf - xf * (r * r * r) * (xf * dyf).sum(-1, keepdim=True)
 
 
