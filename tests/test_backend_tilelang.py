@@ -395,6 +395,9 @@ def _fwd_variants():
                                      ("bfloat16", 128, False, True, False, True),
                                      ("float16", 128, True, False, True, False)]:
         out.append(("fwd_ws", (dt, 128, 128, bv, l2, h0, ht, save)))
+    # the experimental options (fast exp2, a fourth warpgroup for the scores)
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 32, True, True, True, False, 0, 0, True, True)))
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 128, True, False, True, True, 0, 0, False, True)))
     return out
 
 
@@ -430,7 +433,7 @@ def test_kernels_lower_for_sm90a(kind, args):
     usage = resource_usage(kern)
     print(f"{kind}{args}: {usage}")
     assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
-    if kind in ("fwd", "bwd_state", "bwd_dqk") or (kind == "fwd_ws" and args[3] > 64):
+    if kind in ("fwd", "bwd_state", "bwd_dqk") or (kind == "fwd_ws" and (args[3] > 64 or (len(args) > 11 and args[11]))):
         # warp-specialised pipelines: a TMA producer branch and setmaxnreg on the consumer side
         assert "warpgroup_reg_alloc" in src or "setmaxnreg" in src
     if kind in ("fwd_ws", "bwd_state_ws"):
@@ -861,9 +864,12 @@ _HOST_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws+opts"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
+    if variant == "ws+opts":
+        monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit")
+        variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
     # "serial" pairs with the first per-chunk backward kernels, "ws" with the default (v2) ones

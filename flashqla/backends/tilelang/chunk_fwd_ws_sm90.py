@@ -58,7 +58,11 @@ def ws_layout(BV: int) -> tuple:
 
 
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
-                 save_states: bool, ring: int = 0, nbuf: int = 0):
+                 save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False):
+    """Experimental options (off by default until measured): ``fast_exp`` takes every decay factor as
+    ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
+    fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
+    P buffers, so the output warpgroup only runs ``q Sb``, ``P v_new`` and the stores."""
     import tilelang.language as T
 
     from ._common import make_l2_row_factors_ring, symbolic_sizes
@@ -77,6 +81,27 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
 
     # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
     l2_row_factors = make_l2_row_factors_ring(C, K, acc, L2_EPS)
+    LOG2E = 1.4426950408889634
+
+    def ex(x):
+        return T.exp2(x * LOG2E) if fast_exp else T.exp(x)
+
+    threads = 512 if psplit else 384
+    prod0 = threads - 128          # first thread of the producer warpgroup
+    consumers = threads - 128      # arrivals that free a ring slot
+    npb = 2 if psplit else 1       # P buffers
+
+    @T.macro
+    def build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s):
+        # P = (q k^T) nq_r nk_j exp(G_r - G_j) for j <= r, else 0, into P buffer pb (16-bit)
+        if l2norm:
+            for r, j in T.Parallel(C, C):
+                P_s[pb, r, j] = T.if_then_else(
+                    j <= r, P_f[r, j] * nq_s[s, r] * nk_s[s, j] * ex(G_s[s, r] - G_s[s, j]), 0.0)
+        else:
+            for r, j in T.Parallel(C, C):
+                P_s[pb, r, j] = T.if_then_else(j <= r, P_f[r, j] * ex(G_s[s, r] - G_s[s, j]), 0.0)
+        T.fence_proxy_async()
 
     @T.prim_func
     def gdn_fwd_recurrent_ws(
@@ -95,7 +120,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         scale: T.float32,
         ratio: T.int32,
     ):
-        with T.Kernel(V // BV, Hv, NS, threads=384) as (bv, h, n):
+        with T.Kernel(V // BV, Hv, NS, threads=threads) as (bv, h, n):
             q_s = T.alloc_shared((R, C, K), dtype)
             k_s = T.alloc_shared((R, C, K), dtype)
             w_s = T.alloc_shared((R, C, K), dtype)
@@ -104,7 +129,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             S_s = T.alloc_shared((nb, K, BV), dtype)
             vn_s = T.alloc_shared((nb, C, BV), dtype)
             vd_s = T.alloc_shared((C, BV), dtype)
-            P_s = T.alloc_shared((C, C), dtype)
+            P_s = T.alloc_shared((npb, C, C), dtype)
             nq_s = T.alloc_shared((R, C), acc)
             nk_s = T.alloc_shared((R, C), acc)
 
@@ -116,12 +141,14 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             ss_f = T.alloc_fragment((C,), acc)
 
             ready = T.alloc_barrier(arrive_count=[32] * R)
-            free = T.alloc_barrier(arrive_count=[256] * R)
+            free = T.alloc_barrier(arrive_count=[consumers] * R)
             state_ready = T.alloc_barrier(arrive_count=[128] * nb)
             state_free = T.alloc_barrier(arrive_count=[128] * nb)
             vnew_ready = T.alloc_barrier(arrive_count=[128] * nb)
             vnew_free = T.alloc_barrier(arrive_count=[128] * nb)
-            norm_ready = T.alloc_barrier(arrive_count=128)
+            norm_ready = T.alloc_barrier(arrive_count=[128] * R)
+            p_ready = T.alloc_barrier(arrive_count=[128] * npb)
+            p_free = T.alloc_barrier(arrive_count=[128] * npb)
 
             tx = T.get_thread_binding()
             hq = h // ratio
@@ -133,7 +160,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
 
             if tx < 128:
                 # ---- state chain ----
-                if big:
+                if psplit:
+                    T.set_max_nreg(232 if big else 168, 1)
+                elif big:
                     T.set_max_nreg(240, 1)
                 if has_h0:
                     T.copy(h0[n, h, :, v0:v0 + BV], S_f)
@@ -160,65 +189,82 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     if save_states:
                         T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
                     if l2norm:
-                        T.barrier_wait(norm_ready, i % 2)
+                        T.barrier_wait(norm_ready[s], (i // R) % 2)
                         for r, j in T.Parallel(C, BV):
-                            vd_s[r, j] = vn_f[r, j] * nk_s[s, r] * T.exp(G_s[s, C - 1] - G_s[s, r])
+                            vd_s[r, j] = vn_f[r, j] * nk_s[s, r] * ex(G_s[s, C - 1] - G_s[s, r])
                     else:
                         for r, j in T.Parallel(C, BV):
-                            vd_s[r, j] = vn_f[r, j] * T.exp(G_s[s, C - 1] - G_s[s, r])
+                            vd_s[r, j] = vn_f[r, j] * ex(G_s[s, C - 1] - G_s[s, r])
                     T.fence_proxy_async()
                     for a, b in T.Parallel(K, BV):
-                        S_f[a, b] = S_f[a, b] * T.exp(G_s[s, C - 1])
+                        S_f[a, b] = S_f[a, b] * ex(G_s[s, C - 1])
                     T.gemm(k_s[s, :, :], vd_s, S_f, transpose_A=True)
                     T.barrier_arrive(free[s])
                 if store_ht:
                     T.copy(S_f, ht[n, h, :, v0:v0 + BV])
             elif tx < 256:
                 # ---- output ----
-                if big:
+                if big and not psplit:
                     T.set_max_nreg(208, 1)
                 for i in T.serial(nchunks):
                     s = i % R
                     b = i % 2 if nb == 2 else 0
+                    pb = i % 2 if psplit else 0
                     bos = bos0 + i * C
                     T.barrier_wait(ready[s], (i // R) % 2)
                     if l2norm:
-                        l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
-                        l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
-                        T.barrier_arrive(norm_ready)
+                        if psplit:
+                            T.barrier_wait(norm_ready[s], (i // R) % 2)
+                        else:
+                            l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
+                            l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
+                            T.barrier_arrive(norm_ready[s])
                     # q Sb first: releasing Sb early keeps the state warpgroup off this one's work
                     T.barrier_wait(state_ready[b], (i // nb) % 2)
                     T.gemm(q_s[s, :, :], S_s[b, :, :], o_f, clear_accum=True)
                     T.barrier_arrive(state_free[b])
                     if l2norm:
                         for r, j in T.Parallel(C, BV):
-                            o_f[r, j] = o_f[r, j] * nq_s[s, r] * T.exp(G_s[s, r])
+                            o_f[r, j] = o_f[r, j] * nq_s[s, r] * ex(G_s[s, r])
                     else:
                         for r, j in T.Parallel(C, BV):
-                            o_f[r, j] = o_f[r, j] * T.exp(G_s[s, r])
-                    T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
-                    if l2norm:
-                        for r, j in T.Parallel(C, C):
-                            P_s[r, j] = T.if_then_else(
-                                j <= r, P_f[r, j] * nq_s[s, r] * nk_s[s, j] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
-                    else:
-                        for r, j in T.Parallel(C, C):
-                            P_s[r, j] = T.if_then_else(j <= r, P_f[r, j] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
-                    T.fence_proxy_async()
+                            o_f[r, j] = o_f[r, j] * ex(G_s[s, r])
+                    if not psplit:
+                        T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
+                        build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s)
                     # done with the ring slot (q, k, G, row factors): hand it back before waiting for v_new,
                     # so the producer can refill it while the state chain is still on this chunk
                     T.barrier_arrive(free[s])
+                    if psplit:
+                        T.barrier_wait(p_ready[pb], (i // 2) % 2)
                     T.barrier_wait(vnew_ready[b], (i // nb) % 2)
-                    T.gemm(P_s, vn_s[b, :, :], o_f)
+                    T.gemm(P_s[pb, :, :], vn_s[b, :, :], o_f)
                     T.barrier_arrive(vnew_free[b])
+                    if psplit:
+                        T.barrier_arrive(p_free[pb])
                     for r, j in T.Parallel(C, BV):
                         if bos + r < eos:
                             o[bos + r, h, v0 + j] = o_f[r, j] * scale
+            elif psplit and tx < 384:
+                # ---- scores (psplit): row factors and P, up to two chunks ahead of the output ----
+                for i in T.serial(nchunks):
+                    s = i % R
+                    pb = i % 2
+                    T.barrier_wait(ready[s], (i // R) % 2)
+                    if l2norm:
+                        l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
+                        l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
+                        T.barrier_arrive(norm_ready[s])
+                    T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
+                    T.barrier_wait(p_free[pb], (i // 2 + 1) % 2)
+                    build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s)
+                    T.barrier_arrive(p_ready[pb])
+                    T.barrier_arrive(free[s])
             else:
                 # ---- producer: one warp issues every TMA load of a slot ----
-                if big:
-                    T.set_max_nreg(40, 0)
-                if tx < 288:
+                if big or psplit:
+                    T.set_max_nreg(24 if psplit else 40, 0)
+                if tx < prod0 + 32:
                     for i in T.serial(nchunks):
                         s = i % R
                         bos = bos0 + i * C

@@ -98,9 +98,23 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
 
 def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV):
     ring, nbuf = fwd_ws_layout(BV)
+    fast_exp, psplit = fwd_ws_options()
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws,
                       (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht),
-                       bool(save_states), ring, nbuf))
+                       bool(save_states), ring, nbuf, fast_exp, psplit))
+
+
+_WS_OPTS = ("fastexp", "psplit")
+
+
+def fwd_ws_options() -> tuple:
+    """(fast_exp, psplit) of the warp-specialised forward: experiments not yet measured on a GPU, off
+    unless ``FLASHQLA_TILELANG_WS_OPTS`` names them (comma separated; see ``build_fwd_ws``)."""
+    raw = os.environ.get("FLASHQLA_TILELANG_WS_OPTS", "")
+    opts = {x.strip().lower() for x in raw.split(",") if x.strip()}
+    if opts - set(_WS_OPTS):
+        raise ValueError(f"FLASHQLA_TILELANG_WS_OPTS: unknown {sorted(opts - set(_WS_OPTS))}; known: {_WS_OPTS}")
+    return "fastexp" in opts, "psplit" in opts
 
 
 def fwd_ws_layout(BV: int) -> tuple:
