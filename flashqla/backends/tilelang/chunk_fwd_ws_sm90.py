@@ -6,7 +6,8 @@ this one keeps only the state's own dependency chain on the serial path.
 
 Grid ``(V / BV, Hv, N)``; CTA ``(bv, h, n)`` owns state columns ``bv*BV ..`` of value head ``h`` of
 sequence ``n`` and walks its chunks in order (trip count read on the device: no host sync; a length-0
-sequence writes ``ht = h0``).  384 threads, three roles, each a ``T.serial`` loop over the chunks:
+sequence writes ``ht = h0``).  384 threads, three roles, each a ``T.serial`` loop over the chunks (with the
+experimental ``psplit`` option 512: a scores warpgroup takes the row factors and P from the output one):
 
 * warpgroup 0 (threads 0-127), the **state chain**, the only serial dependency::
 
