@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ...dispatch.device import detect
 from ._compile import get_kernel
 from .chunk_bwd_dqk_sm90 import build_bwd_dqk
 from .chunk_bwd_state_sm90 import build_bwd_state
@@ -132,25 +133,18 @@ def fwd_ws_layout(BV: int) -> tuple:
     return ws_layout(BV)
 
 
-_SM_COUNT: dict = {}
-
-
-def _sm_count(device) -> int:
-    if device.type != "cuda":
-        return 0
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+def _env_choice(name: str, choices: tuple, default: str) -> str:
+    """The value of environment variable ``name`` (``default`` when unset or empty), one of ``choices``."""
+    v = os.environ.get(name, default).strip().lower() or default
+    if v not in choices:
+        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {v!r}")
+    return v
 
 
 def fwd_variant() -> str:
     """``ws`` (warp-specialised recurrence, default) or ``serial`` (one warpgroup does everything);
     ``FLASHQLA_TILELANG_FWD`` overrides."""
-    v = os.environ.get("FLASHQLA_TILELANG_FWD", "ws").strip().lower() or "ws"
-    if v not in ("ws", "serial"):
-        raise ValueError(f"FLASHQLA_TILELANG_FWD must be 'ws' or 'serial', got {v!r}")
-    return v
+    return _env_choice("FLASHQLA_TILELANG_FWD", ("ws", "serial"), "ws")
 
 
 def fwd_ws_bv(num_seqs: int, Hv: int, V: int, device) -> int:
@@ -165,7 +159,7 @@ def fwd_ws_bv(num_seqs: int, Hv: int, V: int, device) -> int:
         if bv not in FWD_WS_BVS or V % bv:
             raise ValueError(f"FLASHQLA_TILELANG_BV must be one of {FWD_WS_BVS} dividing V={V}, got {bv}")
         return bv
-    sms = _sm_count(device) or 132
+    sms = detect(device).sm_count or 132
     walks = num_seqs * Hv
     if walks >= 0.7 * sms and V % 128 == 0:
         return 128
@@ -187,10 +181,7 @@ def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
 def bwd_variant() -> str:
     """``ws`` (warp-specialised state-gradient recurrence, default) or ``serial``;
     ``FLASHQLA_TILELANG_BWD`` overrides."""
-    v = os.environ.get("FLASHQLA_TILELANG_BWD", "ws").strip().lower() or "ws"
-    if v not in ("ws", "serial"):
-        raise ValueError(f"FLASHQLA_TILELANG_BWD must be 'ws' or 'serial', got {v!r}")
-    return v
+    return _env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial"), "ws")
 
 
 # the backward's warp-specialised kernel holds more tiles (fp32 Pt dO, dOs, +-dv_new): at most 64 columns
@@ -200,10 +191,7 @@ BWD_WS_BVS = (32, 64)
 def bwd_par_variant() -> str:
     """Per-chunk backward kernels (dqk, wy): ``v2`` (default; H200 run 8: 1.24x per kernel at 16/32 x 32k
     tokens, dq/dk/dv bitwise equal to v1) or ``v1``; ``FLASHQLA_TILELANG_BWD_PAR`` overrides."""
-    v = os.environ.get("FLASHQLA_TILELANG_BWD_PAR", "v2").strip().lower() or "v2"
-    if v not in ("v1", "v2"):
-        raise ValueError(f"FLASHQLA_TILELANG_BWD_PAR must be 'v1' or 'v2', got {v!r}")
-    return v
+    return _env_choice("FLASHQLA_TILELANG_BWD_PAR", ("v1", "v2"), "v2")
 
 
 def bwd_dqk_kernel(dtype, K, V, l2norm):
