@@ -60,12 +60,27 @@ class Impl:
         return self.op is None and not self.skip_reason
 
 
+def split_cp_name(name: str) -> tuple:
+    """``"cutlass@cp4"`` -> ``("cutlass", 4)`` (CP forced to 4 segments per sequence), ``"tilelang@cp"``
+    -> ``("tilelang", "auto")`` (the cost model decides), ``"triton"`` -> ``("triton", False)``."""
+    base, sep, tail = name.partition("@")
+    if not sep:
+        return name, False
+    if tail == "cp":
+        return base, "auto"
+    if tail.startswith("cp") and tail[2:].isdigit() and int(tail[2:]) >= 1:
+        return base, int(tail[2:])
+    raise SystemExit(f"bad backend variant {name!r}: use NAME@cp (automatic CP) or NAME@cpN (N segments)")
+
+
 def _flashqla_op(name: str):
     import flashqla
+    backend, cp = split_cp_name(name)
 
     def op(q, k, v, g, beta, cu, meta, output_final_state):
         return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=output_final_state,
-                                               cu_seqlens=cu, backend=name, varlen_meta=meta)
+                                               cu_seqlens=cu, backend=backend, varlen_meta=meta,
+                                               context_parallel=cp)
     return op
 
 
@@ -178,9 +193,9 @@ def build_impls(backends, baselines) -> list:
                     im.kind = "backend+baseline"
             continue
         seen.add(b)
-        if b not in names:
+        if split_cp_name(b)[0] not in names:
             raise SystemExit(f"unknown backend {b!r}; registered: {', '.join(names)}")
-        impls.append(Impl(b, "backend", _flashqla_op(b), _safe_version(flashqla.get_backend(b))))
+        impls.append(Impl(b, "backend", _flashqla_op(b), _safe_version(flashqla.get_backend(split_cp_name(b)[0]))))
     # backends first in the table, then baselines
     return sorted(impls, key=lambda im: 0 if im.kind.startswith("backend") else 1)
 
@@ -350,6 +365,9 @@ def run_bench(args) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench: --device cuda but torch sees no CUDA device", file=sys.stderr)
         return 2
+    if args.preset == "decode" and not args.list:
+        from .bench_decode import run_decode_bench
+        return run_decode_bench(args)
     all_presets = presets(device.type)
     if args.list:
         for p in all_presets.values():
@@ -488,13 +506,14 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
             continue
         r = {"status": "ok"}
         try:
+            base = split_cp_name(im.name)[0] if im.kind != "baseline" else im.name
             if im.kind != "baseline" or im.name in flashqla.list_backends():
                 x = xs[0]
                 d = flashqla.explain(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=(mode == "fwd"),
-                                     cu_seqlens=x["cu_seqlens"], varlen_meta=x["meta"], backend=im.name,
+                                     cu_seqlens=x["cu_seqlens"], varlen_meta=x["meta"], backend=base,
                                      needs_grad=(mode == "fwdbwd"))
-                if d.chosen != im.name:
-                    why = next((c.reason for c in d.candidates if c.name == im.name), "cannot serve")
+                if d.chosen != base:
+                    why = next((c.reason for c in d.candidates if c.name == base), "cannot serve")
                     rec["results"][im.name] = {"status": "n/a", "error": why}
                     prog.update()
                     continue
@@ -725,9 +744,13 @@ def add_parser(sub) -> None:
     p = sub.add_parser("bench", help="time backends against FLA / FlashQLA baselines",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", default="quick",
-                   choices=["quick", "qwen35-fwd", "qwen35-bwd", "flashqla-fwd", "flashqla-bwd"])
+                   choices=["quick", "qwen35-fwd", "qwen35-bwd", "flashqla-fwd", "flashqla-bwd", "decode"],
+                   help="decode: the decode step on a state pool vs FLA's fused_recurrent (flashqla.cli.bench_decode; "
+                        "--backends then names decode implementations, e.g. triton,triton[bv=16,warps=2])")
     p.add_argument("--backends", default=None,
-                   help="comma list of flashqla backends (default: every available one; reference only on cpu)")
+                   help="comma list of flashqla backends (default: every available one; reference only on cpu); "
+                        "NAME@cpN runs a backend with context parallelism forced to N segments per sequence, "
+                        "NAME@cp with the automatic CP plan")
     p.add_argument("--baselines", default=None,
                    help="comma list from fla, flashqla or a flashqla backend name, or 'none' "
                         "(default: fla,flashqla on cuda, reference on cpu)")

@@ -65,12 +65,28 @@ def supports(device: torch.device, io_dtype, g_dtype, beta_dtype, state_dtype, K
     return True, "ok"
 
 
-def _block_sizes(K: int, V: int) -> tuple[int, int]:
+def _tune() -> dict:
+    """``FLASHQLA_DECODE_TUNE="bv=16,warps=2"``: override the V block and the warps (device sweeps)."""
+    out = {}
+    for part in os.environ.get("FLASHQLA_DECODE_TUNE", "").split(","):
+        key, sep, val = part.strip().partition("=")
+        if not sep:
+            continue
+        if key not in ("bv", "warps") or not val.isdigit() or int(val) < 1 or int(val) & (int(val) - 1):
+            raise ValueError(f"FLASHQLA_DECODE_TUNE: bad entry {part!r} (bv=<power of 2>, warps=<power of 2>)")
+        out[key] = int(val)
+    return out
+
+
+def _block_sizes(K: int, V: int) -> tuple[int, int, int]:
+    """(BK, BV, warps)."""
     import triton
     BK = triton.next_power_of_2(K)
     # Keep the fp32 state tile at <= 4096 values (32 registers per thread at 4 warps).
     BV = min(triton.next_power_of_2(V), 32 if BK <= 128 else 16)
-    return BK, BV
+    tune = _tune()
+    BV = min(tune.get("bv", BV), triton.next_power_of_2(V))
+    return BK, BV, tune.get("warps", 4 if BK * BV >= 2048 else 2)
 
 
 def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: bool, state_vk: bool):
@@ -83,7 +99,7 @@ def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: boo
     o = torch.empty(B, T, Hv, V, dtype=v.dtype, device=v.device)
     if B == 0 or T == 0:
         return o
-    BK, BV = _block_sizes(K, V)
+    BK, BV, warps = _block_sizes(K, V)
     has_idx = state_indices is not None
     grid = (B * triton_cdiv(V, BV), Hv)
     kern.gdn_decode_kernel[grid](
@@ -97,7 +113,7 @@ def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: boo
         o.stride(0), o.stride(1), o.stride(2),
         state.stride(0), state.stride(1),
         K=K, V=V, GROUP=Hv // Hqk, BK=BK, BV=BV, NV=triton_cdiv(V, BV), STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
-        HAS_INDICES=has_idx, num_warps=4 if BK * BV >= 2048 else 2, num_stages=1,
+        HAS_INDICES=has_idx, num_warps=warps, num_stages=1,
     )
     return o
 
@@ -127,7 +143,7 @@ def compile_for_target(capability: tuple = (9, 0), K: int = 128, V: int = 128, g
         # set cannot compile (run this in a subprocess without TRITON_INTERPRET).
         raise RuntimeError("compile_for_target needs TRITON_INTERPRET unset")
     fn = _import_kernel().gdn_decode_kernel
-    BK, BV = _block_sizes(K, V)
+    BK, BV, warps = _block_sizes(K, V)
     ptr = {"q_ptr": io_dtype, "k_ptr": io_dtype, "v_ptr": io_dtype, "o_ptr": io_dtype, "beta_ptr": io_dtype,
            "g_ptr": g_dtype, "state_ptr": state_dtype}
     const = dict(K=K, V=V, GROUP=group, BK=BK, BV=BV, NV=triton_cdiv(V, BV), STATE_VK=bool(state_vk), USE_L2NORM=bool(use_qk_l2norm),
@@ -146,7 +162,7 @@ def compile_for_target(capability: tuple = (9, 0), K: int = 128, V: int = 128, g
             sig[n] = "fp32" if n == "scale" else "i32"
         if n not in unaligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
-    num_warps = 4 if BK * BV >= 2048 else 2
+    num_warps = warps
     cap = capability[0] * 10 + capability[1]
     return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                           target=GPUTarget("cuda", cap, 32), options=dict(num_warps=num_warps, num_stages=1))
