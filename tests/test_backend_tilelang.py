@@ -864,11 +864,11 @@ _HOST_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws+opts"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
-    if variant == "ws+opts":
-        monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit")
+    if variant == "ws-noopts":
+        monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
         variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)

@@ -7,7 +7,7 @@ this one keeps only the state's own dependency chain on the serial path.
 Grid ``(V / BV, Hv, N)``; CTA ``(bv, h, n)`` owns state columns ``bv*BV ..`` of value head ``h`` of
 sequence ``n`` and walks its chunks in order (trip count read on the device: no host sync; a length-0
 sequence writes ``ht = h0``).  384 threads, three roles, each a ``T.serial`` loop over the chunks (with the
-experimental ``psplit`` option 512: a scores warpgroup takes the row factors and P from the output one):
+``psplit`` option, on by default, 512: a scores warpgroup takes the row factors and P from the output one):
 
 * warpgroup 0 (threads 0-127), the **state chain**, the only serial dependency::
 
@@ -60,7 +60,7 @@ def ws_layout(BV: int) -> tuple:
 
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False):
-    """Experimental options (off by default until measured): ``fast_exp`` takes every decay factor as
+    """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
     P buffers, so the output warpgroup only runs ``q Sb``, ``P v_new`` and the stores."""

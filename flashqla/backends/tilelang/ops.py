@@ -106,13 +106,16 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV):
 
 
 _WS_OPTS = ("fastexp", "psplit")
+# H200, 16/32 (results/h200_2026-12-03_s3run1_README.md): both on cut the recurrence 1.653 -> 1.442 ms at
+# 1x32768 and 0.648 -> 0.617 ms at 4x8192; either alone gained less.
+_WS_OPTS_DEFAULT = "fastexp,psplit"
 
 
 def fwd_ws_options() -> tuple:
-    """(fast_exp, psplit) of the warp-specialised forward: experiments not yet measured on a GPU, off
-    unless ``FLASHQLA_TILELANG_WS_OPTS`` names them (comma separated; see ``build_fwd_ws``)."""
-    raw = os.environ.get("FLASHQLA_TILELANG_WS_OPTS", "")
-    opts = {x.strip().lower() for x in raw.split(",") if x.strip()}
+    """(fast_exp, psplit) of the warp-specialised forward (see ``build_fwd_ws``): both on by default;
+    ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for neither) overrides."""
+    raw = os.environ.get("FLASHQLA_TILELANG_WS_OPTS", _WS_OPTS_DEFAULT)
+    opts = {x.strip().lower() for x in raw.split(",") if x.strip()} - {"none"}
     if opts - set(_WS_OPTS):
         raise ValueError(f"FLASHQLA_TILELANG_WS_OPTS: unknown {sorted(opts - set(_WS_OPTS))}; known: {_WS_OPTS}")
     return "fastexp" in opts, "psplit" in opts

@@ -78,15 +78,25 @@ def _tune() -> dict:
     return out
 
 
-def _block_sizes(K: int, V: int) -> tuple[int, int, int]:
-    """(BK, BV, warps)."""
+def _block_sizes(K: int, V: int, rows: int = 1 << 30) -> tuple[int, int, int]:
+    """(BK, BV, warps) for ``rows`` = batch x value heads.
+
+    H200 sweep (results/h200_2026-12-03_s3run1_decode.md, fp32 pool, K = V = 128): a 64-wide V block on 4
+    warps streams the pool fastest once there are enough rows to fill the GPU (91% of the copy floor at
+    batch 256, 1.26x FLA over the grid); with few rows (batch 8 x 32 or 64 heads) more, smaller programs
+    on one warp win (11.2 vs 13.0 us at 16/32)."""
     import triton
     BK = triton.next_power_of_2(K)
-    # Keep the fp32 state tile at <= 4096 values (32 registers per thread at 4 warps).
-    BV = min(triton.next_power_of_2(V), 32 if BK <= 128 else 16)
+    BVmax = triton.next_power_of_2(V)
+    if rows <= 512 and BK <= 128:
+        BV, warps = 16, 1
+    else:
+        # the fp32 state tile stays at <= 8192 values (64 registers per thread on 4 warps)
+        BV, warps = (64 if BK <= 128 else 32), 4
+    BV = min(BV, BVmax)
     tune = _tune()
-    BV = min(tune.get("bv", BV), triton.next_power_of_2(V))
-    return BK, BV, tune.get("warps", 4 if BK * BV >= 2048 else 2)
+    BV = min(tune.get("bv", BV), BVmax)
+    return BK, BV, tune.get("warps", warps)
 
 
 def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: bool, state_vk: bool):
@@ -99,7 +109,7 @@ def run(q, k, v, g, beta, state, state_indices, scale: float, use_qk_l2norm: boo
     o = torch.empty(B, T, Hv, V, dtype=v.dtype, device=v.device)
     if B == 0 or T == 0:
         return o
-    BK, BV, warps = _block_sizes(K, V)
+    BK, BV, warps = _block_sizes(K, V, B * Hv)
     has_idx = state_indices is not None
     grid = (B * triton_cdiv(V, BV), Hv)
     kern.gdn_decode_kernel[grid](
