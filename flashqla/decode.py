@@ -19,8 +19,9 @@ Implementations, chosen by ``impl="auto"`` (or named):
   the CPU and the fallback for what the Triton kernel does not support (float64).  With ``state_indices``
   it gathers the live rows with a boolean mask, which synchronises on CUDA: on a GPU only the Triton
   path is CUDA-graph capturable.
-* ``"tilelang"``: planned (a Hopper kernel that streams the pool with TMA and keeps the state tile in
-  registers like the Triton one); listed so that ``decode_implementations()`` says so, never chosen today.
+* ``"tilelang"``: :mod:`flashqla.backends.tilelang.decode_sm90` -- Hopper (sm_90a), one CTA per (batch row,
+  value head, V block), lanes over K so each warp reads its state columns as contiguous rows and the sums
+  over K are warp shuffles; contiguous pools only (a strided pool view goes to triton).
 """
 
 from __future__ import annotations
@@ -223,8 +224,38 @@ def _torch_supports(q, v, g, beta, state):
 
 
 def _tilelang_available():
-    return False, ("not implemented yet: the TileLang decode kernel (SM90, TMA-streamed pool) is planned; "
-                   "triton serves CUDA decode today")
+    import importlib.util
+    if importlib.util.find_spec("tilelang") is None:
+        return False, "the tilelang package is not installed (pip install tilelang==0.1.15)"
+    try:
+        import tilelang
+    except Exception as exc:  # a broken install must not break dispatch
+        return False, f"importing tilelang failed: {type(exc).__name__}: {exc}"
+    return True, f"tilelang {tilelang.__version__}"
+
+
+def _tilelang_supports(q, v, g, beta, state):
+    from .backends.tilelang import decode_sm90 as tk
+    if q.device.type != "cuda":
+        return False, f"needs a CUDA device of capability 9.0 (sm_90a build), got {q.device.type}"
+    from .dispatch.device import detect
+    cap = detect(q.device).capability
+    if cap is None or tuple(cap) != (9, 0):
+        return False, f"the kernel is built for sm_90a (capability 9.0), this device is {cap}"
+    for nm, x in (("q/k/v", q), ("g", g), ("beta", beta), ("state", state)):
+        if x.dtype not in tk._TL:
+            return False, f"{nm} dtype {x.dtype} not supported (float32, bfloat16, float16)"
+    K, V = q.shape[-1], v.shape[-1]
+    if not (K % 32 == 0 and 32 <= K <= 256 and V % 16 == 0):
+        return False, f"head dims K = {K}, V = {V}: needs K a multiple of 32 in [32, 256] and V a multiple of 16"
+    if not state.is_contiguous():
+        return False, "the pool must be contiguous (a strided view of a larger pool goes to triton)"
+    return True, "ok"
+
+
+def _tilelang_decode(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, state_vk):
+    from .backends.tilelang import decode_sm90
+    return decode_sm90.run(q, k, v, g, beta, state, state_indices, scale, use_qk_l2norm, state_vk)
 
 
 @dataclass(frozen=True)
@@ -241,8 +272,9 @@ class DecodeImpl:
 
 
 _IMPLS: dict[str, DecodeImpl] = {
-    "tilelang": DecodeImpl("tilelang", 0, ("cuda",), _tilelang_available, _torch_supports, None),
-    "triton": DecodeImpl("triton", 1, ("cuda",), _triton_available, _triton_supports, _triton_decode),
+    # triton first until the H200 decode bench says otherwise (results/h200_*_decode.md)
+    "triton": DecodeImpl("triton", 0, ("cuda",), _triton_available, _triton_supports, _triton_decode),
+    "tilelang": DecodeImpl("tilelang", 1, ("cuda",), _tilelang_available, _tilelang_supports, _tilelang_decode),
     "torch": DecodeImpl("torch", 9, ("cuda", "cpu"), lambda: (True, "built in"), _torch_supports, _torch_decode),
 }
 
@@ -334,7 +366,7 @@ def gated_delta_rule_decode(
         scale: defaults to ``K ** -0.5``.
         use_qk_l2norm_in_kernel: L2-normalise q and k over K (``x * rsqrt(sum(x^2) + 1e-6)``).
         state_layout: ``"KV"`` or ``"VK"``.
-        impl: ``"auto"``, ``"triton"`` or ``"torch"`` (see :func:`decode_implementations`).
+        impl: ``"auto"``, ``"triton"``, ``"tilelang"`` or ``"torch"`` (see :func:`decode_implementations`).
         check_indices: check the index values (range, duplicates) on the host.  Default (None): yes, except
             during CUDA graph capture; on CUDA this costs one device->host copy per call, so serving loops
             pass False.  Unchecked out-of-range entries are treated as padded slots (never written).

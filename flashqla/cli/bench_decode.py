@@ -124,7 +124,8 @@ def run_decode_bench(args) -> int:
     if args.backends:
         names = [b for b in re.split(r",(?![^\[]*\])", args.backends) if b]
     else:
-        names = [n for n, (ok, _) in avail.items() if ok and (n != "torch" or device.type == "cpu")]
+        # what can serve this device: the GPU kernels on CUDA, the torch path on the CPU
+        names = [n for n, (ok, _) in avail.items() if ok and (n != "torch") == (device.type == "cuda")]
     baselines = ["fla"] if args.baselines is None else [b for b in args.baselines.split(",") if b and b != "none"]
     impls = []
     for n in names:

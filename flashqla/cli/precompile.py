@@ -46,7 +46,9 @@ def add_parser(sub) -> None:
                    help="beta dtypes (default: every float dtype the backend accepts)")
     p.add_argument("--modes", default="fwd,bwd",
                    help="fwd: the forward kernels (with and without saving for a backward); "
-                        "bwd: the backward kernels (default fwd,bwd)")
+                        "bwd: the backward kernels; decode: the decode kernels of gated_delta_rule_decode "
+                        "(fp32 and bf16 pools, both layouts, both V blocks, beta in the q/k/v dtype, "
+                        "state_indices given) (default fwd,bwd)")
     p.add_argument("--flags", default="",
                    help="fix some flags instead of sweeping both values, e.g. h0=0,ht=1,l2norm=0; flags: "
                         + ", ".join(f"{k} ({v})" for k, v in FLAG_HELP.items()))
@@ -150,9 +152,37 @@ def enumerate_variants(heads, dtypes, beta_dtypes, modes, fixed):
                         seen.add((name, key))
                         out.append((mode, name, builder, key))
         per_heads[(hqk, hv)] = keys_here
-    order = {"fwd": 0, "bwd": 1}
+    if "decode" in modes:
+        for rec in decode_variants(dtypes, fixed):
+            if (rec[0], rec[2]) not in seen:
+                seen.add((rec[0], rec[2]))
+                out.append(("decode",) + rec)
+    order = {"fwd": 0, "bwd": 1, "decode": 2}
     out.sort(key=lambda r: (order[r[0]], r[1], repr(r[3])))
     return out, per_heads, per_varlen
+
+
+def decode_variants(dtypes, fixed):
+    """[(name, builder, key)] of the decode kernel: K = V = 128, fp32 g, beta in the q/k/v dtype, indices
+    given; both pool dtypes (fp32, bf16), both layouts, the two V blocks the call-time choice makes, and
+    the L2 norm both ways unless fixed with --flags l2norm=0|1.  Head counts are in no key."""
+    import torch
+
+    from ..backends.tilelang import _compile, decode_sm90
+
+    out = []
+    l2s = [fixed["l2norm"]] if "l2norm" in fixed else [False, True]
+    with _compile.record_keys() as rec:
+        for dt_name in dtypes:
+            dt = getattr(torch, dt_name)
+            for st, vk, l2, rows in itertools.product((torch.float32, torch.bfloat16), (False, True), l2s,
+                                                      (1, 1 << 20)):
+                bv = decode_sm90.block_v(128, 128, rows)
+                decode_sm90.decode_kernel(dt, torch.float32, dt, st, 128, 128, bv, vk, l2, True)
+    for name, builder, key in rec:
+        if (name, key) not in {(n, k) for n, _, k in out}:
+            out.append((name, builder, key))
+    return out
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -217,8 +247,8 @@ def run(args) -> int:
                 raise ValueError(f"--beta-dtypes: {d!r} not a float dtype the backend accepts "
                                  f"({', '.join(_FLOATS)})")
         for m in modes:
-            if m not in ("fwd", "bwd"):
-                raise ValueError(f"--modes: expected fwd and/or bwd, got {m!r}")
+            if m not in ("fwd", "bwd", "decode"):
+                raise ValueError(f"--modes: expected some of fwd, bwd, decode, got {m!r}")
         if not dtypes or not modes:
             raise ValueError("--dtypes and --modes must not be empty")
         if args.jobs < 1:
