@@ -10,7 +10,7 @@ import torch
 from .dispatch.registry import (Backend, BackendRuntimeError, BackendUnavailableError, Decision, FwdInputs,
                                 decide, record_runtime_failure, select)
 from .dispatch.spec import CallSpec
-from .validation import validate
+from .validation import check_state_layout, validate
 from .varlen import VarlenMeta
 
 
@@ -23,6 +23,27 @@ class GDNContext:
     saved: Sequence[Any]
     aux: Any
     input_dtypes: tuple  # dtypes of q, k, v, g, beta, initial_state (None when absent)
+    state_layout: str = "KV"  # the caller's layout of initial_state / final state / dht / dh0
+
+
+class _SwapStateLayout(torch.autograd.Function):
+    """``[..., K, V] <-> [..., V, K]`` as a contiguous copy; the gradient is swapped back (contiguous too)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.transpose(-1, -2).clone(memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.transpose(-1, -2).contiguous()
+
+
+def _swap_state(x: Optional[torch.Tensor], state_layout: str) -> Optional[torch.Tensor]:
+    """A state between the caller's layout and the backends' ``[N, Hv, K, V]`` (the same swap both ways);
+    ``x`` itself for ``"KV"`` or None."""
+    if x is None or state_layout == "KV":
+        return x
+    return _SwapStateLayout.apply(x)
 
 
 def _empty_call(spec: CallSpec, v, initial_state):
@@ -106,6 +127,7 @@ def chunk_gated_delta_rule(
     cu_seqlens: Optional[torch.Tensor] = None,
     backend: str = "auto",
     *,
+    state_layout: str = "KV",
     varlen_meta: Optional[VarlenMeta] = None,
     backend_options: Optional[dict] = None,
     context_parallel=False,
@@ -122,6 +144,10 @@ def chunk_gated_delta_rule(
         use_qk_l2norm_in_kernel: L2-normalise q and k over K inside the op.
         cu_seqlens: int32 ``[N+1]`` sequence offsets of a packed batch (then B must be 1).
         backend: ``"auto"`` or a backend name (see ``flashqla.explain``); a named backend never falls back.
+        state_layout: ``"KV"`` (default, FLA's ``[N, Hv, K, V]``) or ``"VK"``: ``initial_state`` and the
+            final state are ``[N, Hv, V, K]``, the layout of serving engines' state pools (and of
+            ``gated_delta_rule_decode(..., state_layout="VK")``).  The op transposes the state in and out
+            (one state copy each way; gradients exact); the backends compute in ``[N, Hv, K, V]``.
         varlen_meta: ``flashqla.prepare_varlen(cu_seqlens)``, to keep the op free of host syncs.
         backend_options: backend-specific switches (documented by each backend).
         context_parallel: exact context parallelism (:mod:`flashqla.cp`): ``False`` (default) off,
@@ -134,44 +160,61 @@ def chunk_gated_delta_rule(
     Non-finite inputs are not scanned (that would cost a pass over the inputs and a host sync): a NaN or Inf
     reaches the outputs and state of the sequence (and head) it sits in, never those of another sequence.
     """
+    state_layout = check_state_layout(state_layout)
     if context_parallel is not False and context_parallel is not None and context_parallel != 1:
         from .cp import chunk_gated_delta_rule_cp
+        if state_layout != "KV" and initial_state is not None:
+            # check the state in the caller's layout (the messages name [N, Hv, V, K]); the VarlenMeta
+            # built here is handed on, so cp does not read cu_seqlens on the host a second time
+            _, _, varlen_meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
+                                         use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta,
+                                         state_layout=state_layout)
         segments = None if context_parallel in (True, "auto") else context_parallel
-        return chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                         use_qk_l2norm_in_kernel, cu_seqlens, backend, segments,
-                                         varlen_meta=varlen_meta)
+        o, ht = chunk_gated_delta_rule_cp(q, k, v, g, beta, scale, _swap_state(initial_state, state_layout),
+                                          output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, backend,
+                                          segments, varlen_meta=varlen_meta)
+        return o, _swap_state(ht, state_layout)
     spec, scale, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                 use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta)
+                                 use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, state_layout=state_layout)
+    h0 = _swap_state(initial_state, state_layout)
     if q.shape[0] == 0 or q.shape[1] == 0:
-        o, ht = _empty_call(spec, v, initial_state)
-        return o, (ht if output_final_state else None)
-    _, (o, ht) = _dispatch(spec, backend, lambda be: _ChunkGatedDeltaRule.apply(
-        q, k, v, g, beta, initial_state, be, spec, scale, meta, backend_options))
-    return o, (ht if output_final_state else None)
+        o, ht = _empty_call(spec, v, h0)
+    else:
+        _, (o, ht) = _dispatch(spec, backend, lambda be: _ChunkGatedDeltaRule.apply(
+            q, k, v, g, beta, h0, be, spec, scale, meta, backend_options))
+    return o, (_swap_state(ht, state_layout) if output_final_state else None)
 
 
 def chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
                                use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *,
-                               varlen_meta=None, backend_options=None, for_backward: bool = True):
+                               state_layout="KV", varlen_meta=None, backend_options=None,
+                               for_backward: bool = True):
     """Forward only, for callers that manage their own autograd: returns ``(o, final_state, ctx)``.
 
     Pass ``ctx`` to :func:`chunk_gated_delta_rule_bwd`.  With ``for_backward=True`` dispatch only picks a
-    backend that has a backward.
+    backend that has a backward.  ``state_layout`` as in :func:`chunk_gated_delta_rule`; the backward then
+    takes ``dht`` and returns ``dh0`` in that layout too.
     """
     spec, scale, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
-                                 use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=for_backward)
+                                 use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=for_backward,
+                                 state_layout=state_layout)
     if q.shape[0] == 0 or q.shape[1] == 0:
         raise ValueError("chunk_gated_delta_rule_fwd needs at least one token (q.shape[0] and q.shape[1] > 0)")
     with torch.no_grad():
+        h0 = _swap_state(initial_state, state_layout)
         be, (o, ht, saved, aux) = _dispatch(spec, backend, lambda be: _run_forward(
-            be, spec, q, k, v, g, beta, scale, initial_state, meta, backend_options))
+            be, spec, q, k, v, g, beta, scale, h0, meta, backend_options))
+        ht = _swap_state(ht, state_layout)
     ctx = GDNContext(be, spec, tuple(saved), aux, (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype,
-                                                    None if initial_state is None else initial_state.dtype))
+                                                    None if initial_state is None else initial_state.dtype),
+                     state_layout)
     return o, ht, ctx
 
 
 def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[torch.Tensor] = None):
-    """Backward of :func:`chunk_gated_delta_rule_fwd`: returns ``(dq, dk, dv, dg, dbeta, dh0)``."""
+    """Backward of :func:`chunk_gated_delta_rule_fwd`: returns ``(dq, dk, dv, dg, dbeta, dh0)``.
+
+    ``dht`` and ``dh0`` are in the forward's ``state_layout``."""
     if not isinstance(ctx, GDNContext):
         raise TypeError(f"ctx must be the GDNContext returned by chunk_gated_delta_rule_fwd, got {type(ctx).__name__}")
     if not ctx.spec.needs_grad:
@@ -179,22 +222,34 @@ def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[
     if dht is not None and not ctx.spec.output_final_state:
         raise ValueError("dht given but the forward did not output the final state")
     with torch.no_grad():
+        dht = _swap_state(dht, ctx.state_layout)
         grads = ctx.backend.backward(ctx.spec, ctx.saved, ctx.aux, do.contiguous(),
                                      None if dht is None else dht.contiguous())
+        grads = tuple(grads)
+        if ctx.state_layout != "KV" and len(grads) > 5 and grads[5] is not None:
+            grads = grads[:5] + (_swap_state(grads[5], ctx.state_layout),) + grads[6:]
     return _cast_grads(grads, ctx.input_dtypes)
 
 
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-            use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *, varlen_meta=None,
-            needs_grad: Optional[bool] = None, print_it: bool = False) -> Decision:
+            use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *, state_layout="KV",
+            varlen_meta=None, needs_grad: Optional[bool] = None, print_it: bool = False) -> Decision:
     """Which backend this call would use, and every backend's verdict with its reason.
 
     Takes the op's arguments (nothing is computed).  ``str(result)`` is a readable table; ``result.chosen``
-    the chosen name (None if none can serve), ``result.candidates`` the verdicts.
+    the chosen name (None if none can serve), ``result.candidates`` the verdicts.  With
+    ``state_layout="VK"`` the verdicts are for the ``[N, Hv, K, V]`` state the op hands the backends (the
+    note says so; ``result.spec.state_layout`` stays ``"KV"``).
     """
     spec, _, _ = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
-                          use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=needs_grad)
+                          use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=needs_grad,
+                          state_layout=state_layout)
     d = decide(spec, backend)
+    if state_layout != "KV":
+        layout_note = "state_layout='VK': the state is transposed to [N, Hv, K, V] around the backend"
+        d.note = f"{d.note}; {layout_note}" if d.note else layout_note
+        if initial_state is not None:
+            initial_state = initial_state.transpose(-1, -2)  # what cp_plan checks, as the backends see it
     if q.shape[0] and q.shape[1]:
         from .cp import cp_plan
         try:

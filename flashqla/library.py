@@ -3,9 +3,10 @@
 Importing this module registers, in the ``flashqla`` namespace:
 
 * ``torch.ops.flashqla.chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
-  use_qk_l2norm_in_kernel, cu_seqlens, backend) -> (o, final_state)``: the chunk op of :mod:`flashqla.api`
-  (dispatch included).  A custom op cannot return None: without ``output_final_state`` the second output
-  is an empty tensor.  The final state is float32 (float64 when v is float64).
+  use_qk_l2norm_in_kernel, cu_seqlens, backend, state_layout="KV") -> (o, final_state)``: the chunk op of
+  :mod:`flashqla.api` (dispatch included).  A custom op cannot return None: without ``output_final_state``
+  the second output is an empty tensor.  The final state is float32 (float64 when v is float64), in
+  ``state_layout`` (``"VK"``: ``initial_state`` and final state ``[N, Hv, V, K]``).
 * ``torch.ops.flashqla.chunk_gated_delta_rule_backward(...) -> (dq, dk, dv, dg, dbeta, dh0)``: its
   backward, registered with ``register_autograd`` on the op above.  Autograd graphs (compiled ones
   included) cannot carry a backend's Python-side residuals across the op boundary, so this backward
@@ -38,6 +39,7 @@ from torch import Tensor
 
 from . import api
 from .decode import gated_delta_rule_decode as _decode_eager
+from .validation import check_state_layout
 
 __all__ = ["chunk_gated_delta_rule", "gated_delta_rule_decode"]
 
@@ -81,9 +83,10 @@ def _autograd_dispatch_restored():
 @torch.library.custom_op("flashqla::chunk_gated_delta_rule", mutates_args=())
 def _chunk_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
               initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-              cu_seqlens: Optional[Tensor], backend: str) -> tuple[Tensor, Tensor]:
+              cu_seqlens: Optional[Tensor], backend: str, state_layout: str = "KV") -> tuple[Tensor, Tensor]:
     with torch.no_grad():
         o, ht = api.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                           state_layout=state_layout,
                                            output_final_state=output_final_state,
                                            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                                            cu_seqlens=cu_seqlens, backend=backend)
@@ -95,13 +98,15 @@ def _chunk_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: O
 
 @_chunk_op.register_fake
 def _chunk_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                cu_seqlens, backend):
+                cu_seqlens, backend, state_layout="KV"):
+    check_state_layout(state_layout)
     B, T, Hv, V = v.shape
     K = q.shape[-1]
     o = v.new_empty(B, T, Hv, V)
     if output_final_state:
         N = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else B
-        ht = v.new_empty(N, Hv, K, V, dtype=_state_dtype(v))
+        inner = (K, V) if state_layout == "KV" else (V, K)
+        ht = v.new_empty(N, Hv, *inner, dtype=_state_dtype(v))
     else:
         ht = v.new_empty(0, dtype=_state_dtype(v))
     return o, ht
@@ -110,8 +115,8 @@ def _chunk_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_
 @torch.library.custom_op("flashqla::chunk_gated_delta_rule_backward", mutates_args=())
 def _chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float],
                   initial_state: Optional[Tensor], output_final_state: bool, use_qk_l2norm_in_kernel: bool,
-                  cu_seqlens: Optional[Tensor], backend: str, do: Tensor,
-                  dht: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+                  cu_seqlens: Optional[Tensor], backend: str, do: Tensor, dht: Optional[Tensor],
+                  state_layout: str = "KV") -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     if dht is not None and (not output_final_state or dht.numel() == 0):
         dht = None
     if q.shape[0] == 0 or q.shape[1] == 0:
@@ -126,7 +131,8 @@ def _chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
         _, _, ctx = api.chunk_gated_delta_rule_fwd(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                                    output_final_state=output_final_state,
                                                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                                   cu_seqlens=cu_seqlens, backend=backend, for_backward=True)
+                                                   cu_seqlens=cu_seqlens, backend=backend,
+                                                   state_layout=state_layout, for_backward=True)
         dq, dk, dv, dg, dbeta, dh0 = api.chunk_gated_delta_rule_bwd(ctx, do, dht)
     ins = (q, k, v, g, beta, initial_state, do, dht)
     outs = []
@@ -143,15 +149,17 @@ def _chunk_bwd_op(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scal
 
 @_chunk_bwd_op.register_fake
 def _chunk_bwd_fake(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                    cu_seqlens, backend, do, dht):
+                    cu_seqlens, backend, do, dht, state_layout="KV"):
     dh0 = v.new_empty(0, dtype=_state_dtype(v)) if initial_state is None else torch.empty_like(initial_state)
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(g),
             torch.empty_like(beta), dh0)
 
 
 def _chunk_setup_context(ctx, inputs, output):
-    q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, backend = inputs
+    (q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm, cu_seqlens, backend,
+     state_layout) = inputs
     ctx.save_for_backward(q, k, v, g, beta, initial_state, cu_seqlens)
+    ctx.state_layout = state_layout
     ctx.scale = scale
     ctx.output_final_state = output_final_state
     ctx.use_qk_l2norm = use_qk_l2norm
@@ -166,8 +174,8 @@ def _chunk_backward(ctx, do, dht):
         dht = None
     dq, dk, dv, dg, dbeta, dh0 = torch.ops.flashqla.chunk_gated_delta_rule_backward(
         q, k, v, g, beta, ctx.scale, initial_state, ctx.output_final_state, ctx.use_qk_l2norm, cu_seqlens,
-        ctx.backend, do.contiguous(), None if dht is None else dht.contiguous())
-    return (dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None)
+        ctx.backend, do.contiguous(), None if dht is None else dht.contiguous(), ctx.state_layout)
+    return (dq, dk, dv, dg, dbeta, None, dh0 if initial_state is not None else None, None, None, None, None, None)
 
 
 _chunk_op.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
@@ -176,18 +184,21 @@ _chunk_op.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
 def chunk_gated_delta_rule(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, scale: Optional[float] = None,
                            initial_state: Optional[Tensor] = None, output_final_state: bool = False,
                            use_qk_l2norm_in_kernel: bool = False, cu_seqlens: Optional[Tensor] = None,
-                           backend: str = "auto"):
-    """:func:`flashqla.chunk_gated_delta_rule` through the custom op: ``(o, final_state or None)``."""
+                           backend: str = "auto", *, state_layout: str = "KV"):
+    """:func:`flashqla.chunk_gated_delta_rule` through the custom op: ``(o, final_state or None)``.
+
+    ``state_layout="VK"``: ``initial_state`` and the final state are ``[N, Hv, V, K]``."""
+    check_state_layout(state_layout)
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, g, beta, initial_state))
     if needs_grad and not torch.compiler.is_compiling():
         return api.chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                           output_final_state=output_final_state,
                                           use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel, cu_seqlens=cu_seqlens,
-                                          backend=backend)
+                                          backend=backend, state_layout=state_layout)
     o, ht = torch.ops.flashqla.chunk_gated_delta_rule(
         q, k, v, g, beta, None if scale is None else float(scale), initial_state, bool(output_final_state),
-        bool(use_qk_l2norm_in_kernel), cu_seqlens, backend)
+        bool(use_qk_l2norm_in_kernel), cu_seqlens, backend, state_layout)
     return o, (ht if output_final_state else None)
 
 

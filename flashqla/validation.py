@@ -16,6 +16,7 @@ from .dispatch.spec import CallSpec, dtype_name
 from .varlen import VarlenMeta, prepare_varlen
 
 MAX_HEAD_DIM = 256
+STATE_LAYOUTS = ("KV", "VK")   # initial/final state [N, Hv, K, V] or [N, Hv, V, K]
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -35,10 +36,23 @@ def _shape(x: torch.Tensor, name: str, expected: tuple, layout: str) -> None:
         raise ValueError(f"{name} must have shape {layout} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
+def check_state_layout(state_layout) -> str:
+    """``state_layout`` must be ``"KV"`` (``[N, Hv, K, V]``) or ``"VK"`` (``[N, Hv, V, K]``)."""
+    if not isinstance(state_layout, str) or state_layout not in STATE_LAYOUTS:
+        raise ValueError(f"state_layout must be 'KV' (state [N, Hv, K, V]) or 'VK' (state [N, Hv, V, K]), "
+                         f"got {state_layout!r}")
+    return state_layout
+
+
 def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
              use_qk_l2norm_in_kernel=False, cu_seqlens=None, varlen_meta: Optional[VarlenMeta] = None,
-             needs_grad: Optional[bool] = None):
-    """Check the op's arguments; returns ``(spec, scale, varlen_meta)``."""
+             needs_grad: Optional[bool] = None, state_layout: str = "KV"):
+    """Check the op's arguments; returns ``(spec, scale, varlen_meta)``.
+
+    ``state_layout`` is the layout of ``initial_state`` as the caller passes it.  The spec always says
+    ``"KV"``: the op hands backends the state as ``[N, Hv, K, V]`` (it transposes a ``"VK"`` state).
+    """
+    state_layout = check_state_layout(state_layout)
     q, k, v, g, beta = (_tensor(x, n) for x, n in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D [B, T, Hqk, K], got shape {tuple(q.shape)}")
@@ -108,7 +122,10 @@ def validate(q, k, v, g, beta, scale=None, initial_state=None, output_final_stat
         _tensor(initial_state, "initial_state")
         if initial_state.dtype not in (torch.float32, torch.float64):
             raise TypeError(f"initial_state must be float32 (or float64), got {initial_state.dtype}")
-        _shape(initial_state, "initial_state", (N, Hv, K, V), "[N, Hv, K, V]")
+        if state_layout == "KV":
+            _shape(initial_state, "initial_state", (N, Hv, K, V), "[N, Hv, K, V]")
+        else:
+            _shape(initial_state, "initial_state", (N, Hv, V, K), "[N, Hv, V, K] (state_layout='VK')")
         if initial_state.device != dev:
             raise ValueError(f"initial_state is on {initial_state.device} but q is on {dev}: "
                              "all tensors must be on one device")
