@@ -274,9 +274,11 @@ class CutlassBackend(Backend):
             return False, f"beta must be bfloat16 or float32, got {spec.beta_dtype}"
         if spec.state_dtype not in (None, "float32"):
             return False, f"initial_state must be float32, got {spec.state_dtype}"
-        # 32-bit index arithmetic inside the kernels (inputs and the chunk-major workspaces)
-        if (spec.tokens + BT * spec.num_seqs) * spec.Hv * 128 > _INT32_MAX:
-            return False, "too large for the kernels' 32-bit indexing ((tokens + 64 N) * Hv * 128 >= 2^31)"
+        # Offsets past 2^31 elements (o, dq/dk/dv, the chunk-major workspaces) are 64-bit in the kernels
+        # (``_sm90.wide`` strides); what stays 32-bit are TMA coordinates and the indices of the per-token
+        # gates and per-chunk-row vectors, the largest being (chunks * Hv) * 128 <= (tokens + 64 N) * Hv * 2
+        if (spec.tokens + BT * spec.num_seqs) * spec.Hv * 2 > _INT32_MAX:
+            return False, "too large for the kernels' 32-bit coordinates ((tokens + 64 N) * Hv * 2 >= 2^31)"
         return True, "bf16, K = V = 128 on sm_90"
 
     # ------------------------------------------------------------------------------------------ forward

@@ -109,6 +109,20 @@ def warp_sum(x: cutlass.Float32) -> cutlass.Float32:
     return x
 
 
+def wide(stride, divby: int):
+    """A row stride for a global tensor whose element offsets can pass 2^31: the stride as a dynamic
+    ``Int64`` known to be a multiple of ``divby``.
+
+    CuTe computes ``coordinate * stride`` in the stride's integer type, so with a static or ``Int32``
+    stride an offset past 2^31 elements wraps (``o`` at 1M tokens x 32 heads x 128 is 2^32 elements,
+    the chunk-major state workspaces 2^33).  With this stride the product is 64-bit (a ``mul.lo.s64``
+    per address; the other address terms stay 32-bit) and the divisibility keeps the 128-bit vector
+    accesses provable.  For the tensors the kernels read or write with plain loads / stores; TMA
+    tensors need none (TMA coordinates are per dimension, the descriptor's strides 64-bit).
+    """
+    return cute.assume(cutlass.Int64(stride), divby=divby)
+
+
 # ------------------------------------------------------------------ trace-time helpers of the kernels
 # Plain Python: they run while a kernel is traced and emit exactly the ops their callers used to
 # write out inline, in the same order.

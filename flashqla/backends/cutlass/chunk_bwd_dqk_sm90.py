@@ -33,7 +33,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ._sm90 import (acc_as_a_operand, chunk_coords, fence_operand, init_tx_barrier, ldsm_c_copy, quad_sum,
-                    tma_load, token_tile, warp_sum, wg_gemm, zero_rows_past_end)
+                    tma_load, token_tile, warp_sum, wg_gemm, wide, zero_rows_past_end)
 
 BT = 64
 
@@ -64,10 +64,10 @@ class ChunkBwdDqkSm90:
         mDVN = cute.make_tensor(dvn_ptr, cute.make_layout((rows * BT, V), stride=(V, 1)))
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
         mG = cute.make_tensor(g_ptr, cute.make_layout((rows * BT,), stride=(1,)))
-        kstride = cute.assume(hv * K, divby=K)
+        kstride = wide(hv * K, K)   # 64-bit: dq / dk offsets pass 2^31 elements at ~1M tokens x 32 heads
         mDQ = cute.make_tensor(dq_ptr, cute.make_layout((total_tokens, hv, K), stride=(kstride, K, 1)))
         mDK = cute.make_tensor(dk_ptr, cute.make_layout((total_tokens, hv, K), stride=(kstride, K, 1)))
-        mDW = cute.make_tensor(dw_ptr, cute.make_layout((rows * BT, K), stride=(K, 1)))
+        mDW = cute.make_tensor(dw_ptr, cute.make_layout((rows * BT, K), stride=(wide(K, K), 1)))
         mDG1 = cute.make_tensor(dg1_ptr, cute.make_layout((rows * BT,), stride=(1,)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
         mCi = cute.make_tensor(ci_ptr, cute.make_layout((total_chunks, 2), stride=(2, 1)))

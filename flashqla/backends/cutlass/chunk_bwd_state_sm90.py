@@ -34,7 +34,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ._sm90 import (NUM_THREADS_PER_WG, acc_as_a_operand, convert_into, fence_operand, tma_load, token_tile,
-                    wg_gemm)
+                    wg_gemm, wide)
 
 BT = 64
 
@@ -70,10 +70,12 @@ class ChunkBwdStateSm90:
         mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, K), stride=(K, 1)))
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
         mG = cute.make_tensor(g_ptr, cute.make_layout((rows * BT,), stride=(1,)))
-        mDht = cute.make_tensor(dht_ptr, cute.make_layout((num_seqs, hv, K, V), stride=(hv * K * V, K * V, V, 1)))
-        mDh0 = cute.make_tensor(dh0_ptr, cute.make_layout((num_seqs, hv, K, V), stride=(hv * K * V, K * V, V, 1)))
-        mDh = cute.make_tensor(dh_ptr, cute.make_layout((rows * K, V), stride=(V, 1)))
-        mDvn = cute.make_tensor(dvn_ptr, cute.make_layout((rows * BT, V), stride=(V, 1)))
+        # tensors accessed with plain loads / stores get 64-bit outer strides (offsets past 2^31 elements)
+        state_strides = (wide(hv * K * V, K * V), K * V, V, 1)
+        mDht = cute.make_tensor(dht_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides))
+        mDh0 = cute.make_tensor(dh0_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides))
+        mDh = cute.make_tensor(dh_ptr, cute.make_layout((rows * K, V), stride=(wide(V, V), 1)))
+        mDvn = cute.make_tensor(dvn_ptr, cute.make_layout((rows * BT, V), stride=(wide(V, V), 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
         mCo = cute.make_tensor(co_ptr, cute.make_layout((num_seqs + 1,)))
 

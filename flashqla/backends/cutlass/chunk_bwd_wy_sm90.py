@@ -28,7 +28,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ._sm90 import (acc_as_a_operand, chunk_coords, fence_operand, init_tx_barrier, ldsm_c_copy, quad_sum,
-                    tma_load, token_tile, wg_gemm, zero_rows_past_end)
+                    tma_load, token_tile, wg_gemm, wide, zero_rows_past_end)
 
 BT = 64
 R_PITCH = 65
@@ -58,7 +58,7 @@ class ChunkBwdWySm90:
         mDU = cute.make_tensor(du_ptr, cute.make_layout((rows * BT, V), stride=(V, 1)))
         mG = cute.make_tensor(g_ptr, cute.make_layout((rows * BT,), stride=(1,)))
         mDG1 = cute.make_tensor(dg1_ptr, cute.make_layout((rows * BT,), stride=(1,)))
-        kstride = cute.assume(hv * K, divby=K)
+        kstride = wide(hv * K, K)   # 64-bit: dk / dv offsets pass 2^31 elements at ~1M tokens x 32 heads
         mDK = cute.make_tensor(dk_ptr, cute.make_layout((total_tokens, hv, K), stride=(kstride, K, 1)))
         mDV = cute.make_tensor(dv_ptr, cute.make_layout((total_tokens, hv, V), stride=(kstride, V, 1)))
         mDB = cute.make_tensor(db_ptr, cute.make_layout((total_tokens, hv), stride=(hv, 1)))

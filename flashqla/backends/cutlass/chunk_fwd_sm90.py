@@ -41,7 +41,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ._sm90 import (NUM_THREADS_PER_WG, acc_as_a_operand, convert_into, fence_operand, tma_load, token_tile,
-                    wg_gemm)
+                    wg_gemm, wide)
 
 BT = 64  # chunk size
 
@@ -85,16 +85,18 @@ class ChunkFwdSm90:
         mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(BT, 1)))
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
         mG = cute.make_tensor(g_ptr, cute.make_layout((rows * BT,), stride=(1,)))
-        mH0 = cute.make_tensor(h0_ptr, cute.make_layout((num_seqs, hv, K, V), stride=(hv * K * V, K * V, V, 1)))
-        mHt = cute.make_tensor(ht_ptr, cute.make_layout((num_seqs, hv, K, V), stride=(hv * K * V, K * V, V, 1)))
+        # tensors accessed with plain loads / stores get 64-bit outer strides (offsets past 2^31 elements)
+        state_strides = (wide(hv * K * V, K * V), K * V, V, 1)
+        mH0 = cute.make_tensor(h0_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides))
+        mHt = cute.make_tensor(ht_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides))
         # (token, head, v block, v): the static strides of the last two modes let the compiler prove the
         # 16-byte alignment of each output row segment (vectorised stores)
         mO = cute.make_tensor(o_ptr, cute.make_layout((total_tokens, hv, self.nvb, self.vblk),
-                                                      stride=(cute.assume(hv * V, divby=V), V, self.vblk, 1)))
+                                                      stride=(wide(hv * V, V), V, self.vblk, 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
         mCo = cute.make_tensor(co_ptr, cute.make_layout((num_seqs + 1,)))
-        mS = cute.make_tensor(s_ptr, cute.make_layout((rows * K, V), stride=(V, 1)))
-        mVn = cute.make_tensor(vn_ptr, cute.make_layout((rows * BT, V), stride=(V, 1)))
+        mS = cute.make_tensor(s_ptr, cute.make_layout((rows * K, V), stride=(wide(V, V), 1)))
+        mVn = cute.make_tensor(vn_ptr, cute.make_layout((rows * BT, V), stride=(wide(V, V), 1)))
 
         atom128 = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
         l_qk = cute.tile_to_shape(atom128, (BT, K, st), order=(0, 1, 2))

@@ -36,7 +36,7 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ._sm90 import (chunk_coords, fence_operand, init_tx_barrier, tma_load, token_tile, wg_gemm,
+from ._sm90 import (chunk_coords, fence_operand, init_tx_barrier, tma_load, token_tile, wg_gemm, wide,
                     zero_rows_past_end)
 
 BT = 64
@@ -70,11 +70,12 @@ class ChunkPrepSm90:
         mg = cute.make_tensor(g_ptr, cute.make_layout((total_tokens, hv), stride=(hv, 1)))
         mb = cute.make_tensor(beta_ptr, cute.make_layout((total_tokens, hv), stride=(hv, 1)))
         rows = total_chunks * hv
-        mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, K), stride=(K, 1)))
-        mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(BT, 1)))
-        mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
+        # plain stores whose offsets pass 2^31 elements at ~1M tokens x 32 heads: 64-bit row strides
+        mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, K), stride=(wide(K, K), 1)))
+        mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(wide(BT, BT), 1)))
+        mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(wide(BT, BT), 1)))
         mGc = cute.make_tensor(gc_ptr, cute.make_layout((rows * BT,), stride=(1,)))
-        mT = cute.make_tensor(t_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
+        mT = cute.make_tensor(t_ptr, cute.make_layout((rows * BT, BT), stride=(wide(BT, BT), 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
         mCi = cute.make_tensor(ci_ptr, cute.make_layout((total_chunks, 2), stride=(2, 1)))
 

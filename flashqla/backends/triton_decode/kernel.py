@@ -25,8 +25,8 @@ is the whole cost of decode (the kernel is bandwidth-bound on the pool).
 Layouts: q, k ``[B, T, Hqk, K]``, v ``[B, T, Hv, V]``, g, beta ``[B, T, Hv]`` with arbitrary strides on the
 outer dims (only the last dim of q/k/v must be contiguous), so views of a fused projection need no
 copy; o ``[B, T, Hv, V]`` contiguous; pool ``[P, Hv, K, V]`` or ``[P, Hv, V, K]`` with arbitrary strides
-on its two outer dims and contiguous inner two.  Pool offsets are computed in int64 (big pools exceed
-2^31 elements).
+on its two outer dims and contiguous inner two.  Pool offsets and the per-token offsets ``t * stride``
+are computed in int64 (big pools, and long calls, exceed 2^31 elements).
 
 Compile key (constexpr): K, V, BK, BV, NV = cdiv(V, BV), GROUP (Hv // Hqk), STATE_VK, USE_L2NORM, HAS_INDICES, plus the pointer
 dtypes; never B, T or P.  Host syncs: none, so a launch can be captured in a CUDA graph.
@@ -94,8 +94,9 @@ def gdn_decode_kernel(
         S = tl.load(s_ptrs, mask=s_mask, other=0.0).to(tl.float32)
 
         # A while loop rather than range(T): same code on the GPU, and the Triton interpreter (with
-        # numpy 2) cannot iterate range() over a runtime scalar.
-        t = 0
+        # numpy 2) cannot iterate range() over a runtime scalar.  The token counter is 64-bit:
+        # t * stride passes 2^31 elements for long calls (T = 1M tokens x 32 heads x 128 values).
+        t = tl.full([], 0, tl.int64)
         while t < T:
             b_q = tl.load(q_base + t * sq_t + offs_k, mask=mask_k, other=0.0).to(tl.float32)
             b_k = tl.load(k_base + t * sk_t + offs_k, mask=mask_k, other=0.0).to(tl.float32)
@@ -125,7 +126,7 @@ def gdn_decode_kernel(
     else:
         # Padded slot: zeros out, pool untouched (o is allocated uninitialised by the host).
         zero = tl.zeros([BV], dtype=tl.float32)
-        t = 0
+        t = tl.full([], 0, tl.int64)
         while t < T:
             tl.store(o_base + t * so_t + offs_v, zero.to(o_ptr.dtype.element_ty), mask=mask_v)
             t += 1
