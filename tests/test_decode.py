@@ -390,7 +390,7 @@ def test_decode_cuda_graph_capture(impl):
         graph.replay()
         ref = gated_delta_rule_decode(**args, state=eager_pool, state_indices=idx, state_layout="VK", impl="torch")
         torch.cuda.synchronize()
-        assert rel_l2(out, ref) < 1e-5
+        assert rel_l2(out, ref) < 2e-3        # bf16 outputs: rounding apart from the torch path
         assert rel_l2(pool, eager_pool) < 1e-5
 
 
@@ -451,6 +451,7 @@ _HAVE_TILELANG = __import__("importlib").util.find_spec("tilelang") is not None
     # io, g, beta, state dtype, K, V, BV, VK layout, l2norm, indices
     ("bfloat16", "float32", "bfloat16", "float32", 128, 128, 64, True, True, True),
     ("bfloat16", "float32", "bfloat16", "float32", 128, 128, 16, False, False, False),
+    ("bfloat16", "float32", "bfloat16", "float32", 128, 128, 64, False, True, True),
     ("float16", "float32", "float32", "bfloat16", 256, 64, 32, True, False, True),
     ("float32", "bfloat16", "float32", "float16", 64, 128, 64, False, True, True),
 ], ids=lambda a: "-".join(str(x) for x in a))
@@ -464,10 +465,15 @@ def test_tilelang_decode_lowers_for_sm90a(args):
 
     kern = tilelang.compile(build_decode(*args), out_idx=None, target=TARGET)
     src = kern.get_kernel_source()
-    assert "warp_reduce_sum" in src or "shfl" in src
     assert "(int64_t)row" in src, "pool offsets must be 64-bit"
-    if args[7] and args[3] == "float32":
-        assert "float4" in src, "the VK pool rows should be read with 16-byte vector loads"
+    if args[7]:   # [V, K]: sums over K are warp shuffles, no CTA barrier inside the token loop
+        assert "warp_reduce_sum" in src and src.count("__syncthreads()") <= 2
+        if args[3] == "float32":
+            assert "float4" in src, "the VK pool rows should be read with 16-byte vector loads"
+    else:         # [K, V]: per-group partials through shared memory
+        assert src.count("__syncthreads()") >= 3
+        if args[3] == "float32" and args[6] == 64:
+            assert "float2" in src, "each lane should read its two V columns with one 8-byte load"
     usage = resource_usage(kern)
     print(f"decode{args}: {usage}")
     assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"

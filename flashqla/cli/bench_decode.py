@@ -7,7 +7,8 @@ baseline (``FLA_FLASH_QLA=0`` is irrelevant there; it has no FlashQLA route): it
 ``initial_state`` and writes a new final state, the same bytes as our in-place update.
 
 Implementations are the decode op's (``decode_implementations()``: triton, tilelang, torch) plus variants
-``triton[bv=16,warps=2]`` that set ``FLASHQLA_DECODE_TUNE`` while the call is built (sweeps).  Each result
+``triton[bv=16,warps=2]`` that set ``FLASHQLA_DECODE_TUNE`` while the call is built (sweeps), and
+``NAME[layout=VK]``: the pool in the serving layout ``[P, Hv, V, K]`` (FLA keeps its own ``[N, H, K, V]``).  Each result
 is checked against the op's torch implementation in float32 on a copy of the pool (max relative L2 error
 of o and of the updated pool rows).  Timing: CUDA graphs, medians (``bench.time_cuda``); every replay
 updates the pool again, which keeps the traffic real (the decay keeps the values bounded).
@@ -36,7 +37,7 @@ def _parse_impl(name: str) -> tuple:
     if not sep:
         return base, ""
     if not rest.endswith("]"):
-        raise SystemExit(f"bad decode implementation {name!r}: use NAME or NAME[bv=..,warps=..]")
+        raise SystemExit(f"bad decode implementation {name!r}: use NAME or NAME[bv=..,warps=..,layout=VK]")
     return base, rest[:-1]
 
 
@@ -61,8 +62,27 @@ def _row_bytes(Hqk, Hv, B, T, io_bytes=2, K=128, V=128) -> float:
     return float(state + io)
 
 
+def _split_layout(tune: str) -> tuple:
+    """``"bv=16,layout=VK"`` -> (``"bv=16"``, ``"VK"``): the pool layout is a bench option, the rest goes to
+    FLASHQLA_DECODE_TUNE."""
+    parts, layout = [], "KV"
+    for p in (x.strip() for x in tune.split(",") if x.strip()):
+        if p.lower().startswith("layout="):
+            layout = p.split("=", 1)[1].upper()
+            if layout not in ("KV", "VK"):
+                raise SystemExit(f"decode bench: layout=KV or layout=VK, got {p!r}")
+        else:
+            parts.append(p)
+    return ",".join(parts), layout
+
+
 def _flashqla_call(impl: str, tune: str, x: dict):
     from flashqla.decode import gated_delta_rule_decode
+
+    tune, layout = _split_layout(tune)
+    if layout == "VK":
+        # the serving layout [P, Hv, V, K]: a transposed copy of the pool, turned back for the check
+        x["pool"] = x["pool"].transpose(-1, -2).contiguous()
 
     def call():
         old = os.environ.get("FLASHQLA_DECODE_TUNE")
@@ -70,7 +90,8 @@ def _flashqla_call(impl: str, tune: str, x: dict):
             os.environ["FLASHQLA_DECODE_TUNE"] = tune
         try:
             return [gated_delta_rule_decode(x["q"], x["k"], x["v"], x["g"], x["beta"], x["pool"], x["idx"],
-                                            use_qk_l2norm_in_kernel=True, impl=impl, check_indices=False)]
+                                            use_qk_l2norm_in_kernel=True, state_layout=layout, impl=impl,
+                                            check_indices=False)]
         finally:
             if tune:
                 if old is None:
@@ -181,7 +202,8 @@ def run_decode_bench(args) -> int:
                     fn = _flashqla_call(im["impl"], im["tune"], xi)
                 outs = fn()
                 if im["kind"] != "baseline":
-                    ref["pool_after"] = xi["pool"].float()
+                    after = xi["pool"].float()
+                    ref["pool_after"] = after.transpose(-1, -2) if "layout=vk" in im["tune"].lower() else after
                 err = _check(outs, ref, o_ref, pool_ref, im["kind"] == "baseline")
                 if device.type == "cuda":
                     r = bench.time_cuda([fn], min_time, max_reps, use_graph=not args.no_graph)

@@ -7,25 +7,25 @@ that waits on shared memory.
 
 Grid ``(B * V / BV, Hv)``, 128 threads (4 warps).  CTA ``(b * NV + vb, h)`` owns state columns
 ``vb*BV .. vb*BV + BV`` of value head ``h`` of pool row ``state_indices[b]`` (``b`` without indices).
-Thread mapping: warp ``w`` owns ``VPW = BV / 4`` of those columns; lane ``l`` owns the ``KPL = K / 32``
-consecutive key rows ``l*KPL ..``.  So a thread holds ``VPW x KPL`` fp32 state values (64 at BV = 64,
-K = 128) and:
+Per token (all fp32): ``S *= exp(g)``; ``pred = S^T k``; ``S += k (beta (v - pred))^T``;
+``o = S^T (scale q)``.  The two sums run over K, so the thread mapping puts K where the pool layout
+lets loads stay coalesced:
 
-* in the ``[V, K]`` pool layout (``state_vk``, what serving engines use) a warp reads each of its
-  columns as one contiguous 512-byte row (16-byte vector loads, fully coalesced);
-* in ``[K, V]`` a lane reads ``VPW`` contiguous values of each of its ``KPL`` rows.
-
-Per token (all fp32): ``S *= exp(g)``; ``pred = S^T k`` and ``o = S^T (scale q)`` are sums over K, i.e.
-over the 32 lanes of a warp (``warp_reduce_sum``: shuffles, no shared memory, no CTA barrier);
-``S += k (beta (v - pred))^T``.  q and k are read by every warp straight from global memory (256 bytes
-each, L1 hits after the first warp), with the fused L2 norm done on the same warp sums.  Outputs go
-through a BV-float shared buffer so that one coalesced store per token writes the CTA's BV values.
+* ``[P, Hv, V, K]`` (``state_vk``, what serving engines use): warp ``w`` owns ``VPW = BV / 4`` columns,
+  lane ``l`` the ``KPL = K / 32`` consecutive key rows ``l*KPL ..``; a warp reads each column as one
+  contiguous row (16-byte vector loads) and the sums over K are warp shuffles (``warp_reduce_sum``):
+  no shared memory, no CTA barrier on the chain.  q and k come straight from global memory (L1 hits
+  after the first warp); the outputs go through a BV-float shared buffer for one coalesced store.
+* ``[P, Hv, K, V]``: V contiguous, so lanes go along V (``VPL`` values each: 2 at BV = 64) and the
+  threads split K into ``KG`` groups of ``KPG`` rows (4 x 32 at BV = 64); a warp reads 256 contiguous
+  bytes per key row.  The sums over K are per-group partials combined through shared memory (two CTA
+  barriers per token); warps 0 and 1 stage k and scale * q (normalised: a warp sum) in shared memory.
 
 A padded slot (``state_indices[b] < 0``, and, for memory safety, ``>= P``) writes zeros to its outputs
 and never touches the pool.  The state is written back once, after the last token, in the pool dtype.
 
 Compile key: dtypes of q/k/v, g, beta and the pool, K, V, BV, layout, L2 norm, indices or not; batch,
-tokens, heads and pool rows are symbolic.  Shared memory: BV floats; registers ~100 per thread.
+tokens, heads and pool rows are symbolic.  Shared memory <= 3 KB; state registers K * BV / 128 per thread.
 """
 
 
@@ -48,7 +48,14 @@ def supported_head_dims(K: int, V: int, BV: int) -> bool:
 
 def build_decode(io_dtype: str, g_dtype: str, beta_dtype: str, state_dtype: str, K: int, V: int, BV: int,
                  state_vk: bool, l2norm: bool, has_indices: bool):
+    """The kernel for one key; the two pool layouts get different thread mappings (module docstring)."""
+    build = _build_vk if state_vk else _build_kv
+    return build(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_indices)
+
+
+def _build_vk(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_indices):
     import tilelang.language as T
+
 
     B, Tn, Hqk, Hv, P = T.dynamic("B"), T.dynamic("T"), T.dynamic("Hqk"), T.dynamic("Hv"), T.dynamic("P")
     NI = B if has_indices else T.dynamic("NI")
@@ -56,17 +63,16 @@ def build_decode(io_dtype: str, g_dtype: str, beta_dtype: str, state_dtype: str,
     VPW = BV // WARPS
     NV = V // BV
     acc = "float32"
-    pool_shape = (P, Hv, V, K) if state_vk else (P, Hv, K, V)
 
     @T.prim_func
-    def gdn_decode(
+    def gdn_decode_vk(
         q: T.Tensor((B, Tn, Hqk, K), io_dtype),
         k: T.Tensor((B, Tn, Hqk, K), io_dtype),
         v: T.Tensor((B, Tn, Hv, V), io_dtype),
         g: T.Tensor((B, Tn, Hv), g_dtype),
         beta: T.Tensor((B, Tn, Hv), beta_dtype),
         o: T.Tensor((B, Tn, Hv, V), io_dtype),
-        state: T.Tensor(pool_shape, state_dtype),
+        state: T.Tensor((P, Hv, V, K), state_dtype),
         indices: T.Tensor((NI,), "int32"),
         scale: T.float32,
         ratio: T.int32,
@@ -97,10 +103,7 @@ def build_decode(io_dtype: str, g_dtype: str, beta_dtype: str, state_dtype: str,
             if row >= 0 and row < P:
                 for j in T.unroll(VPW):
                     for i in T.vectorized(KPL):
-                        if state_vk:
-                            S_l[j, i] = T.cast(state[row, h, col0 + j, lane * KPL + i], acc)
-                        else:
-                            S_l[j, i] = T.cast(state[row, h, lane * KPL + i, col0 + j], acc)
+                        S_l[j, i] = T.cast(state[row, h, col0 + j, lane * KPL + i], acc)
                 for t in T.serial(Tn):
                     for i in T.vectorized(KPL):
                         k_l[i] = T.cast(k[b, t, hk, lane * KPL + i], acc)
@@ -142,16 +145,144 @@ def build_decode(io_dtype: str, g_dtype: str, beta_dtype: str, state_dtype: str,
                     T.sync_threads()
                 for j in T.unroll(VPW):
                     for i in T.vectorized(KPL):
-                        if state_vk:
-                            state[row, h, col0 + j, lane * KPL + i] = T.cast(S_l[j, i], state_dtype)
-                        else:
-                            state[row, h, lane * KPL + i, col0 + j] = T.cast(S_l[j, i], state_dtype)
+                        state[row, h, col0 + j, lane * KPL + i] = T.cast(S_l[j, i], state_dtype)
             else:
                 for t in T.serial(Tn):
                     if tx < BV:
                         o[b, t, h, (bv % NV) * BV + tx] = T.cast(0.0, io_dtype)
 
-    return gdn_decode
+    return gdn_decode_vk
+
+
+def kv_mapping(K: int, BV: int) -> tuple:
+    """(VPL, NVS, KG, KPG) of the [K, V] kernel: values per lane along V, V slots, K groups, K rows per group."""
+    VPL = max(1, BV // 32)
+    NVS = BV // VPL
+    KG = THREADS // NVS
+    return VPL, NVS, KG, K // KG
+
+
+def _build_kv(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_indices):
+    import tilelang.language as T
+
+    B, Tn, Hqk, Hv, P = T.dynamic("B"), T.dynamic("T"), T.dynamic("Hqk"), T.dynamic("Hv"), T.dynamic("P")
+    NI = B if has_indices else T.dynamic("NI")
+    KPL = K // 32
+    VPL, NVS, KG, KPG = kv_mapping(K, BV)
+    assert K % KG == 0 and BV % NVS == 0
+    NV = V // BV
+    acc = "float32"
+
+    @T.prim_func
+    def gdn_decode_kv(
+        q: T.Tensor((B, Tn, Hqk, K), io_dtype),
+        k: T.Tensor((B, Tn, Hqk, K), io_dtype),
+        v: T.Tensor((B, Tn, Hv, V), io_dtype),
+        g: T.Tensor((B, Tn, Hv), g_dtype),
+        beta: T.Tensor((B, Tn, Hv), beta_dtype),
+        o: T.Tensor((B, Tn, Hv, V), io_dtype),
+        state: T.Tensor((P, Hv, K, V), state_dtype),
+        indices: T.Tensor((NI,), "int32"),
+        scale: T.float32,
+        ratio: T.int32,
+    ):
+        with T.Kernel(B * NV, Hv, threads=THREADS) as (bv, h):
+            tx = T.get_thread_binding()
+            lane = tx % 32
+            warp = tx // 32
+            vs = tx % NVS
+            kg = tx // NVS
+            b = bv // NV
+            v0 = (bv % NV) * BV + vs * VPL        # first state column of this thread
+            k0 = kg * KPG                         # first state row of this thread
+            hk = h // ratio
+
+            S_l = T.alloc_local((KPG, VPL), acc)
+            x_l = T.alloc_local((KPL,), acc)
+            pv = T.alloc_local((VPL,), acc)
+            ov = T.alloc_local((VPL,), acc)
+            x_s = T.alloc_shared((2, K), acc)          # this token's k and scale * q, normalised
+            red_s = T.alloc_shared((2, KG, BV), acc)   # per K group partial sums: S^T k, then S^T q
+            row = T.alloc_var("int32")
+            red = T.alloc_var(acc)
+            dec = T.alloc_var(acc)
+            bt = T.alloc_var(acc)
+
+            if has_indices:
+                row = indices[b]
+            else:
+                row = b
+            if row >= 0 and row < P:
+                for i in T.unroll(KPG):
+                    for j in T.vectorized(VPL):
+                        S_l[i, j] = T.cast(state[row, h, k0 + i, v0 + j], acc)
+                for t in T.serial(Tn):
+                    # warp 0 stages k, warp 1 stages q (lanes over K; the norm is a warp sum)
+                    if warp == 0:
+                        red = 0.0
+                        for i in T.vectorized(KPL):
+                            x_l[i] = T.cast(k[b, t, hk, lane * KPL + i], acc)
+                        for i in T.unroll(KPL):
+                            red += x_l[i] * x_l[i]
+                        if l2norm:
+                            red = T.rsqrt(T.warp_reduce_sum(red) + L2_EPS)
+                        else:
+                            red = 1.0
+                        for i in T.unroll(KPL):
+                            x_s[0, lane * KPL + i] = x_l[i] * red
+                    if warp == 1:
+                        red = 0.0
+                        for i in T.vectorized(KPL):
+                            x_l[i] = T.cast(q[b, t, hk, lane * KPL + i], acc)
+                        for i in T.unroll(KPL):
+                            red += x_l[i] * x_l[i]
+                        if l2norm:
+                            red = T.rsqrt(T.warp_reduce_sum(red) + L2_EPS) * scale
+                        else:
+                            red = scale
+                        for i in T.unroll(KPL):
+                            x_s[1, lane * KPL + i] = x_l[i] * red
+                    T.sync_threads()
+                    dec = T.exp(T.cast(g[b, t, h], acc))
+                    bt = T.cast(beta[b, t, h], acc)
+                    for j in T.unroll(VPL):
+                        pv[j] = 0.0
+                    for i in T.unroll(KPG):
+                        for j in T.unroll(VPL):
+                            S_l[i, j] = S_l[i, j] * dec
+                            pv[j] += S_l[i, j] * x_s[0, k0 + i]
+                    for j in T.unroll(VPL):
+                        red_s[0, kg, vs * VPL + j] = pv[j]
+                    T.sync_threads()
+                    for j in T.unroll(VPL):
+                        red = 0.0
+                        for gi in T.unroll(KG):
+                            red += red_s[0, gi, vs * VPL + j]
+                        pv[j] = (T.cast(v[b, t, h, v0 + j], acc) - red) * bt
+                        ov[j] = 0.0
+                    for i in T.unroll(KPG):
+                        for j in T.unroll(VPL):
+                            S_l[i, j] = S_l[i, j] + x_s[0, k0 + i] * pv[j]
+                            ov[j] += S_l[i, j] * x_s[1, k0 + i]
+                    for j in T.unroll(VPL):
+                        red_s[1, kg, vs * VPL + j] = ov[j]
+                    T.sync_threads()
+                    if kg == 0:
+                        for j in T.unroll(VPL):
+                            red = 0.0
+                            for gi in T.unroll(KG):
+                                red += red_s[1, gi, vs * VPL + j]
+                            o[b, t, h, v0 + j] = T.cast(red, io_dtype)
+                for i in T.unroll(KPG):
+                    for j in T.vectorized(VPL):
+                        state[row, h, k0 + i, v0 + j] = T.cast(S_l[i, j], state_dtype)
+            else:
+                for t in T.serial(Tn):
+                    if kg == 0:
+                        for j in T.unroll(VPL):
+                            o[b, t, h, v0 + j] = T.cast(0.0, io_dtype)
+
+    return gdn_decode_kv
 
 
 def block_v(K: int, V: int, rows: int) -> int:
