@@ -13,7 +13,7 @@ the index values (``check_indices``), which is skipped during CUDA graph capture
 Implementations, chosen by ``impl="auto"`` (or named):
 
 * ``"triton"``: :mod:`flashqla.backends.triton_decode` -- one program per (batch row, value head, V block),
-  the state tile in registers, fp32 math, fused L2 norm.  The default on CUDA; on the CPU only when named,
+  the state tile in registers, fp32 math, fused L2 norm.  The default on CUDA GPUs other than sm_90; on the CPU only when named,
   under ``TRITON_INTERPRET=1`` (for tests).
 * ``"torch"``: PyTorch, vectorised over the batch and the heads, a loop over the T tokens.  The default on
   the CPU and the fallback for what the Triton kernel does not support (float64).  With ``state_indices``
@@ -21,7 +21,8 @@ Implementations, chosen by ``impl="auto"`` (or named):
   path is CUDA-graph capturable.
 * ``"tilelang"``: :mod:`flashqla.backends.tilelang.decode_sm90` -- Hopper (sm_90a), one CTA per (batch row,
   value head, V block), lanes over K so each warp reads its state columns as contiguous rows and the sums
-  over K are warp shuffles; contiguous pools only (a strided pool view goes to triton).
+  over K are warp shuffles; contiguous pools only (a strided pool view goes to triton).  The default on
+  sm_90 (measured faster than triton on the H200 decode bench).
 """
 
 from __future__ import annotations
@@ -272,9 +273,10 @@ class DecodeImpl:
 
 
 _IMPLS: dict[str, DecodeImpl] = {
-    # triton first until the H200 decode bench says otherwise (results/h200_*_decode.md)
-    "triton": DecodeImpl("triton", 0, ("cuda",), _triton_available, _triton_supports, _triton_decode),
-    "tilelang": DecodeImpl("tilelang", 1, ("cuda",), _tilelang_available, _tilelang_supports, _tilelang_decode),
+    # H200 (results/h200_2026-12-03_s4run3_decode.md): tilelang 1.28x FLA fused_recurrent on both pool
+    # layouts, triton 1.26x ([K, V]) / 1.18x ([V, K]); tilelang serves only sm_90, triton every other GPU
+    "tilelang": DecodeImpl("tilelang", 0, ("cuda",), _tilelang_available, _tilelang_supports, _tilelang_decode),
+    "triton": DecodeImpl("triton", 1, ("cuda",), _triton_available, _triton_supports, _triton_decode),
     "torch": DecodeImpl("torch", 9, ("cuda", "cpu"), lambda: (True, "built in"), _torch_supports, _torch_decode),
 }
 
