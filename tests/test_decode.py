@@ -396,6 +396,64 @@ def test_decode_cuda_graph_capture(impl):
         assert rel_l2(pool, eager_pool) < 1e-5
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["KV", "VK"])
+def test_cuda_graph_prefill_then_decode(layout):
+    """One CUDA graph holds a varlen prefill (backend auto, precomputed varlen metadata), the scatter of its
+    final states into the pool and a decode step from the pool: replay == eager, and prefill + decode ==
+    one prefill over the concatenation (float64 oracle)."""
+    dev = "cuda"
+    lens = [37, 64, 1, 130]
+    N, Hqk, Hv, K, V, P = len(lens), 2, 4, 128, 128, 6
+    gen = torch.Generator().manual_seed(3)
+    tot = sum(lens)
+    full = make(1, tot + N, Hqk, Hv, K, V, 1, dtype=torch.bfloat16, l2norm=True, seed=5)
+    # sequence n: prefill tokens, then one decode token (the last N tokens, one per sequence)
+    pre = {n: full[n][:, :tot].to(dev) for n in ("q", "k", "v", "g", "beta")}
+    dec = {n: full[n][0, tot:].unsqueeze(1).to(dev) for n in ("q", "k", "v", "g", "beta")}  # [N, 1, ...]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32, device=dev)
+    meta = flashqla.prepare_varlen(cu)
+    slots = torch.tensor([4, 0, 5, 2], dtype=torch.int32, device=dev)
+    inner = (K, V) if layout == "KV" else (V, K)
+    pool = torch.zeros(P, Hv, *inner, device=dev)
+    h0 = (0.1 * torch.randn(N, Hv, K, V, generator=gen)).to(dev)
+    h0_l = h0 if layout == "KV" else h0.transpose(-1, -2).contiguous()
+
+    def step(pool):
+        _, ht = flashqla.chunk_gated_delta_rule(**pre, initial_state=h0_l, output_final_state=True,
+                                                use_qk_l2norm_in_kernel=True, cu_seqlens=cu, varlen_meta=meta,
+                                                state_layout=layout)
+        pool.index_copy_(0, slots.long(), ht)
+        return gated_delta_rule_decode(**dec, state=pool, state_indices=slots, use_qk_l2norm_in_kernel=True,
+                                       state_layout=layout, check_indices=False)
+
+    eager_pool = pool.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(pool.clone())  # compile outside capture
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(pool)
+    graph.replay()
+    ref = step(eager_pool)
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref) and torch.equal(pool, eager_pool), "replay differs from eager"
+    # the oracle: every sequence with its decode token appended, from h0
+    for n, L in enumerate(lens):
+        b0 = int(cu[n])
+        seq = {k: torch.cat([full[k][:, b0:b0 + L], full[k][:, tot + n:tot + n + 1]], 1).double()
+               for k in ("q", "k", "v", "g", "beta")}
+        o_ref, h_ref = recurrent_gated_delta_rule_ref(
+            seq["q"], seq["k"], seq["v"], seq["g"], seq["beta"], initial_state=h0[n:n + 1].cpu().double(),
+            output_final_state=True, use_qk_l2norm_in_kernel=True, compute_dtype=torch.float64)
+        assert rel_l2(out[n, 0], o_ref[0, -1]) <= tol(torch.bfloat16)["o"], n
+        got = pool[int(slots[n])]
+        got = got if layout == "KV" else got.transpose(-1, -2)
+        assert rel_l2(got, h_ref[0]) <= tol(torch.bfloat16)["ht"], n
+
+
 # ------------------------------------------------------------------------------------- compile-only
 
 _COMPILE_CHECK = r"""
