@@ -203,8 +203,10 @@ def test_compile_fullgraph_training_step_grads():
 def test_compile_decode_triton_impl():
     case = Case("d", 1, 2, 16, 16, B=2, T=1)
     x, args = _inputs(case)
-    pool = torch.randn(3, 2, 16, 16)
-    slots = torch.tensor([2, 0], dtype=torch.int32)
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args = [a.to(dev) for a in args]
+    pool = torch.randn(3, 2, 16, 16, device=dev)
+    slots = torch.tensor([2, 0], dtype=torch.int32, device=dev)
 
     def step(q, k, v, g, beta, pool, slots):
         return L.gated_delta_rule_decode(q, k, v, g, beta, pool, slots, impl="triton")
@@ -214,6 +216,42 @@ def test_compile_decode_triton_impl():
     o1 = torch.compile(step, fullgraph=True, backend="aot_eager")(*args, p1, slots)
     o2 = flashqla.decode.gated_delta_rule_decode(*args, p2, slots, impl="torch")
     assert rel_l2(o1, o2) < 1e-5 and rel_l2(p1, p2) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("layout", ["KV", "VK"])
+def test_compile_fullgraph_cuda_training_prefill_and_decode(layout):
+    """On the GPU, with the backends auto picks there (K = V = 128, bf16): one inductor-compiled function
+    with the chunk op (forward + backward through AOT autograd) and a decode step on the pool."""
+    case = Case("g", 2, 4, 128, 128, B=2, T=100, l2norm=True)
+    x, args = _inputs(case, torch.bfloat16)
+    args = [a.cuda() for a in args]
+    assert args[3].dtype == torch.float32  # g
+    leaves = [a.clone().requires_grad_() for a in args]
+    Hv, K, V = 4, 128, 128
+    h0 = torch.zeros(2, Hv, K, V, device="cuda")
+    dec = [a[:, :1].detach().clone() for a in args]
+    pool = torch.randn(3, Hv, *((K, V) if layout == "KV" else (V, K)), device="cuda") * 0.1
+    slots = torch.tensor([2, 0], dtype=torch.int32, device="cuda")
+
+    def step(q, k, v, g, beta, qd, kd, vd, gd, bd, pool, slots):
+        o, ht = L.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                                         use_qk_l2norm_in_kernel=True)
+        od = L.gated_delta_rule_decode(qd, kd, vd, gd, bd, pool, slots, use_qk_l2norm_in_kernel=True,
+                                       state_layout=layout)
+        return o.float().square().sum() + ht.sum(), od
+
+    torch._dynamo.reset()
+    f = torch.compile(step, fullgraph=True)
+    p_c, p_e = pool.clone(), pool.clone()
+    loss_c, od_c = f(*leaves, *dec, p_c, slots)
+    g_c = torch.autograd.grad(loss_c, leaves)
+    leaves_e = [a.detach().clone().requires_grad_() for a in args]
+    loss_e, od_e = step(*leaves_e, *dec, p_e, slots)
+    g_e = torch.autograd.grad(loss_e, leaves_e)
+    assert rel_l2(loss_c, loss_e) < 1e-3 and rel_l2(od_c, od_e) < 1e-3 and rel_l2(p_c, p_e) < 1e-5
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta"), g_c, g_e):
+        assert rel_l2(a, b) < 1e-2, name
 
 
 # ------------------------------------------------------------------------------------ FLA routing
