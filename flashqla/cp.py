@@ -3,7 +3,7 @@
 Why.  The chunked kernels are parallel over chunks except for one sequential scan of the state along each
 sequence, whose parallelism is only (sequences x value heads x V tiles).  A few long sequences with few
 heads (long-context prefill, tensor parallelism splitting the heads) leave most SMs idle.  CP cuts each
-long sequence into segments and runs the segments of *all* sequences as ONE packed varlen batch, so the
+long sequence into segments and runs the segments of *all* sequences as packed varlen batches, so the
 sequential scan is segment-long instead of sequence-long.
 
 The math (exact, for any gate including g = 0).  Per value head, a segment's end state is affine in its
@@ -12,44 +12,62 @@ start state::
     S_end = M S_start + S_local
 
 ``S_local`` is the segment's end state from a zero start state and ``M`` (K x K) is the product over the
-segment's tokens of ``exp(g_t) (I - beta_t k_t k_t^T)``, latest token on the left.  Per 64-token chunk
-(u = 0 in the chunk update of :mod:`flashqla.reference`)::
+segment's tokens of ``exp(g_t) (I - beta_t k_t k_t^T)``, latest token on the left.  By linearity the
+backend's own forward computes both: from a zero start with the true ``v`` it ends in ``S_local``; from
+the start state ``I`` (K x K, i.e. K value columns) with ``v = 0`` it ends in ``M I + 0 = M``.  No decayed
+term is dropped anywhere (unlike cut-off CP schemes), so this is exact up to rounding.
 
-    M_chunk = Gamma_C I - (exp(G_C - G) * k)^T w,     w = T (beta * Gamma * k),  T = (I + A)^-1
+Forward (``K == V``, the case that must be fast):
 
-(every exponent is <= 0 for g <= 0, so nothing overflows and nothing is dropped: unlike cut-off CP schemes
-that neglect decayed terms, this is exact up to rounding).
+1. ONE backend forward over a packed batch that holds every non-last segment of each split sequence with
+   its true ``v`` (the first segment starting from the caller's initial state, the others from zero), and
+   the segments whose ``M`` is needed again with ``v = 0`` and start state ``I``.  Its final states are
+   the ``S_local`` (true end state for a first segment) and the ``M`` of every row.  The inputs are
+   gathered with one ``torch.cat`` per tensor over merged token ranges; ``q`` is not gathered (``o`` of
+   this pass is discarded, ``k`` stands in for it).
+2. The segment scan ``S_start[p+1] = M[p] S_start[p] + S_local[p]``: one batched matmul
+   (``torch.baddbmm``) per segment position p, batched over the split sequences and heads, on contiguous
+   blocks (rows are stored position-major with the split sequences in decreasing segment count, so the
+   sequences still running at position p are a prefix of block p).
+3. ONE backend forward over *all* segments with their true start states: a varlen view of the caller's
+   tokens with a finer ``cu_seqlens`` (no gather).  It gives ``o`` and the final states.
 
-Forward: (1) run the non-last segments of every split sequence from a zero state (their final states,
-``S_local``), (2) compute ``M`` per segment (torch ops, batched over segments, heads and chunks, float32
-accumulate; a tree product within blocks of chunks, a bounded memory budget), (3) scan the segments of each
-sequence in order, ``S_start[i+1] = M[i] S_start[i] + S_local[i]``, (4) run all segments again with their
-true start states: ``o`` and the final states.
+For ``K != V`` the ``M`` come from :func:`transition_matrices` (torch ops; also the test oracle), or with
+``transitions="kernel"`` from a separate backend forward with ``V' = K``.
 
 Backward (exact, ``M`` is not differentiated): the gradient is the sum of each segment's backward given its
-true start state and its true end-state cotangent ``dS_end[i] = dh0[i+1]``.  One backward of the packed
-batch with ``dht = 0`` gives each segment's ``dh0_local`` (``dh0`` does not depend on the start state:
-the segment map is affine), a backward scan ``dh0[i] = dh0_local[i] + M[i]^T dS_end[i]`` gives the true
-cotangents, and a second backward of the packed batch with them gives every gradient.
+true start state and its true end-state cotangent ``dS_end[p] = dh0[p+1]``.  One backward of the packed
+segments with ``dht = 0`` gives each segment's ``dh0_local`` (``dh0`` does not depend on the start state:
+the segment map is affine), a backward scan ``dS_end[p-1] = dh0_local[p] + M[p]^T dS_end[p]`` (batched
+matmuls again) gives the true cotangents, and a second backward with them gives every gradient.
 
-Cost: two forward passes and two backward passes of the backend plus the ``M`` products, against one of
-each; it pays when the sequential scan dominates (see :func:`segment_plan`, whose constants are rough
-guesses meant to be calibrated on the GPU).
+Host syncs and CUDA graphs.  The plan needs host-known sequence lengths: the op's ``VarlenMeta`` carries
+them (``varlen_meta=flashqla.prepare_varlen(cu_seqlens)``, or dense inputs).  Everything the plan derives
+(the packed ``cu_seqlens`` and chunk metadata of both passes, the index tensors that move states between
+segment order and scan order) is built on the host once per (plan, flags, device) and uploaded with
+pinned, non-blocking copies into a small cache; a repeated call (a CUDA graph capture after its warm-up)
+makes no host->device copy, no device->host copy and no ``.item()``/``.tolist()``: it is capturable.
 
-Memory beyond the plain op: one fp32 ``K x K`` matrix per (segment of a split sequence, value head), kept for
-the backward; start states and end states per segment (``[segments, Hv, K, V]`` fp32); the gathered copy of
-the non-last segments' inputs for pass (1); temporaries of the ``M`` computation bounded by
-``memory_budget`` (256 MiB by default, the chunk block shrinks to fit).
+Cost: two forward passes (the first one over about twice the non-last tokens, in one launch), two backward
+passes, ``2 x segments`` small batched matmuls, against one forward and one backward; it pays when the
+sequential scan dominates (few heads, long sequences; see :func:`segment_plan`, whose constants are rough
+guesses meant to be calibrated on the GPU with ``benchmarks/check_cp.py``).
+
+Memory beyond the plain op: the gathered inputs of the first pass (about 2x the non-last tokens' k, g,
+beta, v) and its discarded ``o``; per (segment of a split sequence, value head) one fp32 ``K x K`` matrix
+kept for the backward, start states and cotangents (``[segments, Hv, K, V]`` fp32).
 
 Everything here goes through the public backend contract (``select(spec)`` -> ``backend.forward`` /
 ``backend.backward``), so every backend gets CP for free.  Backends must tolerate two ``backward`` calls on
-one ``saved`` (none of ours mutates it).
+one ``saved`` (none of ours mutates it) and must not write to their inputs (``q`` and ``k`` may alias).
 """
 
 from __future__ import annotations
 
+import functools
+from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -61,6 +79,8 @@ from .varlen import VarlenMeta, prepare_varlen
 __all__ = ["CPCostModel", "CPPlan", "segment_plan", "split_even", "cp_plan", "chunk_gated_delta_rule_cp",
            "transition_matrices"]
 
+_TRANSITIONS = ("auto", "kernel", "torch")
+
 
 # ---------------------------------------------------------------------------------------------------------
 # The plan and its cost model
@@ -69,23 +89,32 @@ __all__ = ["CPCostModel", "CPPlan", "segment_plan", "split_even", "cp_plan", "ch
 @dataclass(frozen=True)
 class CPCostModel:
     """A rough makespan model, in units of one chunk step of the sequential state scan for one
-    (segment, head, V tile) lane on one SM.  Uncalibrated guesses: measure on the GPU and adjust.
+    (segment, head, V tile) lane on one SM (about 2-3 us on an H200 at K = V = 128, from the plain
+    tilelang forward at 2/8 heads on 1x32768: 1.77 ms for 512 chunk steps).  Uncalibrated guesses for
+    the new pass structure: measure with ``benchmarks/check_cp.py`` and adjust.
 
-    slots_per_sm     lanes of the state scan resident per SM at once
+    slots_per_sm     lanes of the state scan resident per SM at once (one CTA per SM in the recurrences)
     state_tile_v     V columns per lane (a lane is a (sequence, head, V tile) program of the scan)
     parallel_cost    work of the chunk-parallel kernels (kkt, solve, w/u, output) per (chunk, head),
-                     spread over every SM
-    m_cost           work of the M products per (chunk, head) at K = V = 128 (scaled by K(64+K)/(128V))
-    pass_overhead    fixed cost of each extra pass (launches, gathers, the segment scan)
+                     spread over every SM (about 1.3: 0.47 ms of the 16/32 forward at 1x32768)
+    m_cost           work of the torch M products per (chunk, head) at K = V = 128 (scaled by K(64+K)/(128V));
+                     only when K != V (else M comes out of the first pass); about 4: ~5 MFLOP of fp32
+                     matmuls (chunk UT form + tree product) at ~0.45 TFLOP/s per SM
+    gather_cost      per (chunk, head) of the first pass: copying its inputs (k, g, beta, v) into the packed
+                     batch, spread over every SM
+    scan_step        one batched matmul of the segment scan (latency bound: a few us)
+    pass_overhead    fixed cost of each backend pass (launches, tail of the last wave)
     backward_factor  one backward pass costs this many forward passes
     min_gain         CP is used only when the model predicts at least this relative saving
     """
 
-    slots_per_sm: int = 2
+    slots_per_sm: int = 1
     state_tile_v: int = 64
-    parallel_cost: float = 0.5
-    m_cost: float = 1.0
-    pass_overhead: float = 30.0
+    parallel_cost: float = 1.3
+    m_cost: float = 4.0
+    gather_cost: float = 0.05
+    scan_step: float = 3.0
+    pass_overhead: float = 8.0
     backward_factor: float = 2.0
     min_gain: float = 0.15
 
@@ -102,6 +131,7 @@ class CPPlan:
     cost_plain: float = 0.0    # model time without CP (CPCostModel units)
     cost_cp: float = 0.0       # model time with this plan
     reason: str = ""
+    transitions: str = ""      # how M is computed: "kernel" (by the backend's forward) or "torch"
 
     @property
     def enabled(self) -> bool:
@@ -125,10 +155,12 @@ class CPPlan:
             return f"context parallelism off: {self.reason}"
         lens = [x for s in self.segments if len(s) > 1 for x in s]
         speed = f"; model speedup {self.cost_plain / self.cost_cp:.2f}x" if self.cost_cp > 0 else ""
+        how = {"kernel": "; M by the backend's forward (fused with the local pass)",
+               "torch": "; M by torch ops (K != V)"}.get(self.transitions, "")
         return (f"context parallelism on: {self.split_sequences} of {n} sequence(s) split into "
                 f"{sum(len(s) for s in self.segments if len(s) > 1)} segments of {min(lens)}..{max(lens)} "
-                f"tokens (at most {self.max_segments} per sequence; {self.num_segments} segments in one "
-                f"packed launch, {self.num_heads} value heads, {self.sm_count} SMs{speed}); {self.reason}")
+                f"tokens (at most {self.max_segments} per sequence; {self.num_segments} segments in the "
+                f"packed launch, {self.num_heads} value heads, {self.sm_count} SMs{speed}{how}); {self.reason}")
 
     def __str__(self) -> str:
         return self.describe()
@@ -147,7 +179,13 @@ def split_even(length: int, n: int, chunk: int = CHUNK_SIZE) -> tuple:
     return tuple(out)
 
 
+def _nchunks(x: int) -> int:
+    return -(-int(x) // CHUNK_SIZE)
+
+
 def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_grad, cost: CPCostModel):
+    """(plain, cp) model times of one call; the CP pass structure is the one :func:`chunk_gated_delta_rule_cp`
+    runs (first pass fused with the M sequences when K == V)."""
     sm = max(1, int(sm_count))
     lanes = num_heads * max(1, -(-head_dim_v // cost.state_tile_v))
     slots = sm * max(1, cost.slots_per_sm)
@@ -156,21 +194,27 @@ def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_gra
         work = sum(chunk_lists)
         if work == 0:
             return 0.0
-        return cost.parallel_cost * work * num_heads / sm + max(max(chunk_lists), work * lanes / slots)
+        return (cost.parallel_cost * work * num_heads / sm + max(max(chunk_lists), work * lanes / slots)
+                + cost.pass_overhead)
 
-    seq_chunks = [-(-sum(s) // CHUNK_SIZE) for s in segments]
-    plain = one_pass(seq_chunks) * (1.0 + (cost.backward_factor if needs_grad else 0.0))
-    if not any(len(s) > 1 for s in segments):
+    plain_fwd = one_pass([_nchunks(sum(s)) for s in segments])
+    bwd = cost.backward_factor if needs_grad else 0.0
+    plain = plain_fwd * (1.0 + bwd)
+    chains = [s for s in segments if len(s) > 1]
+    if not chains:
         return plain, plain
-    all_segs = [-(-x // CHUNK_SIZE) for s in segments for x in s]
-    local = [-(-x // CHUNK_SIZE) for s in segments if len(s) > 1 for x in s[:-1]]
-    split_chunks = sum(-(-x // CHUNK_SIZE) for s in segments if len(s) > 1 for x in s)
-    m_scale = head_dim_k * (CHUNK_SIZE + head_dim_k) / (128.0 * max(1, head_dim_v))
-    m_work = cost.m_cost * m_scale * split_chunks * num_heads / sm
-    run = one_pass(all_segs)
-    fwd = one_pass(local) + run + m_work + 2 * cost.pass_overhead
-    bwd = (2 * cost.backward_factor * run + cost.pass_overhead) if needs_grad else 0.0
-    return plain, fwd + bwd
+    s_rows = [_nchunks(x) for s in chains for x in s[:-1]]
+    m_rows = [_nchunks(x) for s in chains for x in (s[1:] if needs_grad else s[1:-1])]
+    if head_dim_k == head_dim_v:
+        first = one_pass(s_rows + m_rows) + cost.gather_cost * sum(s_rows + m_rows) * num_heads / sm
+    else:
+        m_scale = head_dim_k * (CHUNK_SIZE + head_dim_k) / (128.0 * max(1, head_dim_v))
+        first = one_pass(s_rows) + cost.m_cost * m_scale * sum(m_rows) * num_heads / sm
+    nmax = max(len(s) for s in chains)
+    run = one_pass([_nchunks(x) for s in segments for x in s])
+    fwd = first + max(0, nmax - 2) * cost.scan_step + run
+    back = (2.0 * bwd * run + (nmax - 1) * cost.scan_step) if needs_grad else 0.0
+    return plain, fwd + back
 
 
 def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_dim_k: int = 128,
@@ -188,6 +232,7 @@ def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_
     cost = cost or CPCostModel()
     seqlens = tuple(int(x) for x in seqlens)
     args = (num_heads, head_dim_k, head_dim_v, sm_count, needs_grad, cost)
+    how = "kernel" if head_dim_k == head_dim_v else "torch"
 
     def make(seg_len):
         return tuple(split_even(L, min(max_segments, -(-L // seg_len))) if L > seg_len else (max(L, 0),)
@@ -200,7 +245,7 @@ def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_
         segs = make(seg_len)
         _, c = _model_cost(segs, *args)
         return CPPlan(seqlens, segs, num_heads, int(sm_count), seg_len, plain, c,
-                      f"segment length {seg_len} requested")
+                      f"segment length {seg_len} requested", how)
     longest = max(seqlens, default=0)
     if longest <= min_segment_len:
         return CPPlan(seqlens, plain_segs, num_heads, int(sm_count), 0, plain, plain,
@@ -220,7 +265,7 @@ def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_
                       f"the model predicts no gain worth it ({lanes} (sequence, head) lanes for "
                       f"{sm_count} SMs, longest sequence {longest} tokens)")
     return CPPlan(seqlens, segs, num_heads, int(sm_count), seg_len, plain, c,
-                  f"{lanes} (sequence, head) lanes for {sm_count} SMs, longest sequence {longest} tokens")
+                  f"{lanes} (sequence, head) lanes for {sm_count} SMs, longest sequence {longest} tokens", how)
 
 
 def _default_sm_count(device: torch.device, spec=None) -> int:
@@ -235,6 +280,7 @@ def _resolve_plan(segments, seqlens, spec, device, sm_count, cost, min_segment_l
     seqlens = tuple(seqlens)
     sm = sm_count if sm_count is not None else _default_sm_count(device, spec)
     model_args = (spec.Hv, spec.K, spec.V, sm, spec.needs_grad, cost or CPCostModel())
+    how = "kernel" if spec.K == spec.V else "torch"
     if segments is None:
         return segment_plan(seqlens, spec.Hv, sm, head_dim_k=spec.K, head_dim_v=spec.V,
                             needs_grad=spec.needs_grad, min_segment_len=min_segment_len,
@@ -272,7 +318,107 @@ def _resolve_plan(segments, seqlens, spec, device, sm_count, cost, min_segment_l
         segs = tuple(segs)
         why = "explicit segments"
     plain, c = _model_cost(segs, *model_args)
-    return CPPlan(seqlens, segs, spec.Hv, int(sm), 0, plain, c, why)
+    return CPPlan(seqlens, segs, spec.Hv, int(sm), 0, plain, c, why, how)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Small device-side constants (index tensors, varlen metadata), built once per key
+# ---------------------------------------------------------------------------------------------------------
+
+_CACHE_MAX = 64
+_CACHE: "OrderedDict[Any, list]" = OrderedDict()   # (key, device) -> [object, used by a captured graph]
+_BUILT_IN_CAPTURE: list = []                         # objects (and pinned sources) built during a capture
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def _upload(values, dtype=torch.int64, *, device: torch.device, keep: Optional[list]) -> torch.Tensor:
+    """A host list/tensor on ``device``: pinned memory and a non-blocking copy (no sync; capturable)."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=dtype)
+    host = host.to(dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    host = host.pin_memory()
+    if keep is not None:
+        keep.append(host)   # a captured copy re-reads its source at every replay: keep it alive
+    return host.to(device, non_blocking=True)
+
+
+def _device_cached(key, device: torch.device, build: Callable):
+    """``build(upload)`` once per (key, device); ``upload(values, dtype)`` puts host values on the device.
+
+    Eager calls fill an LRU cache (entries a captured CUDA graph used are never evicted: the graph reads
+    their memory at every replay).  A miss during capture builds an object for that graph alone, with
+    pinned sources kept alive; call the op once before capturing (the kernels need the warm-up anyway)."""
+    device = torch.device(device)
+    full = (key, str(device))
+    capturing = _capturing(device)
+    hit = _CACHE.get(full)
+    if hit is not None:
+        _CACHE.move_to_end(full)
+        if capturing:
+            hit[1] = True
+        return hit[0]
+    if capturing:
+        keep: list = []
+        try:
+            obj = build(functools.partial(_upload, device=device, keep=keep))
+        except Exception as exc:
+            raise RuntimeError("flashqla context parallelism: building the segment metadata during CUDA graph "
+                               "capture failed; run the call once before capturing (warm-up)") from exc
+        _BUILT_IN_CAPTURE.append((obj, keep))
+        return obj
+    obj = build(functools.partial(_upload, device=device, keep=None))
+    _CACHE[full] = [obj, False]
+    if len(_CACHE) > _CACHE_MAX:
+        for k in list(_CACHE):
+            if len(_CACHE) <= _CACHE_MAX:
+                break
+            if not _CACHE[k][1]:
+                del _CACHE[k]
+    return obj
+
+
+def _varlen_meta(cu: Sequence[int], upload) -> VarlenMeta:
+    """prepare_varlen on the host (checks, chunk metadata), then the tensors uploaded."""
+    m = prepare_varlen(torch.tensor([int(x) for x in cu], dtype=torch.int32))
+    return VarlenMeta(upload(m.cu_seqlens, torch.int32), m.cu_seqlens_cpu, upload(m.chunk_offsets, torch.int32),
+                      upload(m.chunk_indices, torch.int32), m.chunk_size)
+
+
+def _make_meta(cu: Sequence[int], device: torch.device) -> VarlenMeta:
+    """The VarlenMeta of a packed batch with offsets ``cu`` on ``device`` (cached; no sync)."""
+    cu = tuple(int(x) for x in cu)
+    return _device_cached(("meta", cu), device, lambda up: _varlen_meta(cu, up))
+
+
+class _Idx:
+    """Rows to take from / put into a tensor: a slice when they are consecutive, else a device index."""
+
+    __slots__ = ("sl", "t", "n")
+
+    def __init__(self, values: Sequence[int], upload):
+        values = [int(x) for x in values]
+        self.n = len(values)
+        if not values or values == list(range(values[0], values[0] + len(values))):
+            a = values[0] if values else 0
+            self.sl, self.t = slice(a, a + len(values)), None
+        else:
+            self.sl, self.t = None, upload(values, torch.int64)
+
+    def take(self, x: torch.Tensor) -> torch.Tensor:
+        return x[self.sl] if self.sl is not None else x.index_select(0, self.t)
+
+    def put(self, x: torch.Tensor, src: torch.Tensor) -> None:
+        if self.sl is not None:
+            x[self.sl] = src
+        else:
+            x.index_copy_(0, self.t, src)
+
+    def is_all(self, rows: int) -> bool:
+        return self.sl is not None and self.sl.start == 0 and self.n == rows
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -315,6 +461,8 @@ def transition_matrices(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ra
     Chunks of 64 tokens from each range's start; per chunk the UT form, then a tree product over blocks
     of chunks (block size from ``memory_budget`` bytes of temporaries) and a running product over blocks.
     A padded token (k = 0, beta = 0, g = 0) is the identity, so ranges of any lengths batch together.
+
+    The fallback of :func:`chunk_gated_delta_rule_cp` when K != V, and the oracle of the kernel-computed M.
     """
     dev = k.device
     Hqk, K = k.shape[2], k.shape[3]
@@ -328,8 +476,8 @@ def transition_matrices(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ra
     nmax = max((-(-int(L) // C) for _, L in ranges), default=0)
     if R == 0 or nmax == 0:
         return acc
-    starts = torch.tensor([int(s) for s, _ in ranges], dtype=torch.int64).to(dev)
-    lens = torch.tensor([int(L) for _, L in ranges], dtype=torch.int64).to(dev)
+    key = ("ranges", tuple((int(s), int(L)) for s, L in ranges))
+    starts, lens = _device_cached(key, dev, lambda up: (up([s for s, _ in key[1]]), up([L for _, L in key[1]])))
     pos = torch.arange(nmax * C, device=dev)
     valid = pos[None, :] < lens[:, None]                      # [R, nmax*C]
     tok = torch.where(valid, starts[:, None] + pos[None, :], torch.zeros_like(pos)[None, :])
@@ -360,15 +508,6 @@ def transition_matrices(k: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, ra
 # ---------------------------------------------------------------------------------------------------------
 # The segmented-call engine (shared with flashqla.distributed)
 # ---------------------------------------------------------------------------------------------------------
-
-def _make_meta(cu: Sequence[int], device: torch.device) -> VarlenMeta:
-    """prepare_varlen on a host tensor (no device->host sync), then the tensors moved to ``device``."""
-    m = prepare_varlen(torch.tensor(list(cu), dtype=torch.int32))
-    if device.type == "cpu":
-        return m
-    return VarlenMeta(m.cu_seqlens.to(device), m.cu_seqlens_cpu, m.chunk_offsets.to(device),
-                      m.chunk_indices.to(device), m.chunk_size)
-
 
 @dataclass
 class _Layout:
@@ -417,7 +556,10 @@ class _Layout:
 
 
 class _Engine:
-    """The phases of a segmented call on packed tensors ``[1, T, ...]``, all through one backend name."""
+    """The phases of a segmented call on packed tensors ``[1, T, ...]``, all through one backend name.
+
+    ``flashqla.distributed`` drives it row by row (index tensors per call); the single-device op runs the
+    capturable :class:`_Program` below."""
 
     def __init__(self, backend: str, scale: float, use_qk_l2norm: bool, layout: _Layout, state_dtype):
         self.backend = backend
@@ -428,8 +570,9 @@ class _Engine:
 
     # -- backend calls --------------------------------------------------------------------------------
     def forward_call(self, q, k, v, g, beta, cu, h0, out_final: bool, needs_grad: bool):
-        """One backend forward of a packed varlen batch; returns (o, ht, saved, aux, backend, spec)."""
-        meta = _make_meta(cu, q.device)
+        """One backend forward of a packed varlen batch (``cu``: offsets or a VarlenMeta on q's device);
+        returns (o, ht, saved, aux, backend, spec)."""
+        meta = cu if isinstance(cu, VarlenMeta) else _make_meta(cu, q.device)
         spec, scale, meta = validate(q, k, v, g, beta, self.scale, h0, out_final, self.l2norm, None, meta,
                                      needs_grad=needs_grad)
         be, _ = select(spec, self.backend)
@@ -547,6 +690,221 @@ class _Engine:
         return dS_end, dh0_first
 
 
+# ---------------------------------------------------------------------------------------------------------
+# The single-device op: a plan compiled once into passes and index maps (no host work on the device path)
+# ---------------------------------------------------------------------------------------------------------
+
+def _prefix(counts) -> list:
+    out = [0]
+    for c in counts:
+        out.append(out[-1] + c)
+    return out
+
+
+def _merge(ranges) -> list:
+    """Token ranges (a, b) with touching neighbours merged (fewer slices to gather)."""
+    out: list = []
+    for a, b in ranges:
+        if b <= a:
+            continue
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+def _gather(t: torch.Tensor, ranges) -> torch.Tensor:
+    """The token ranges of a packed ``[1, T, ...]`` tensor as one packed tensor (a view for one range)."""
+    if len(ranges) == 1:
+        a, b = ranges[0]
+        return t[:, a:b]
+    return torch.cat([t[:, a:b] for a, b in ranges], 1)
+
+
+class _Pass:
+    """One backend forward of phase 1; only its final states are kept (``o`` is discarded).
+
+    ranges      merged token ranges of the packed sequences (None: the caller's tokens, all segments)
+    v_ranges    the same for the sequences that take the true v (the first ``zero_from`` packed tokens)
+    zero_from   packed token from which v = 0 (the M sequences), None when there are none
+    eye_from    packed sequence from which the start state is I, None when there are none
+    h0_dst/src  packed sequences that start from the caller's initial state, and its rows
+    take        rows of the final states that the pass produces, in scan order
+    v_cols_k    v and the states have K columns (a separate M pass when K != V)
+    """
+
+    def __init__(self):
+        self.ranges = None
+        self.v_ranges = None
+        self.tokens = 0
+        self.zero_from = None
+        self.eye_from = None
+        self.num = 0
+        self.meta = None
+        self.h0_dst = self.h0_src = self.take = None
+        self.v_cols_k = False
+
+
+class _Program:
+    """What one CP call shape runs: segment order <-> scan order maps, the passes of phase 1, the scan's
+    blocks.  Built on the host once per (segments, flags, device); its device tensors are uploaded once.
+
+    Scan order: the split sequences ("lanes", in decreasing segment count) and their segment positions p,
+    stored position-major: block p holds the lanes with more than p segments, a prefix of the lanes.
+    Rows of the start states / end cotangents: every (lane, p), ``off[p] + lane``.  Rows of S_local:
+    (lane, p) for p < n - 1.  Rows of M: p >= 1 up to n - 2 (forward only) or n - 1 (the backward scan
+    reads the last segment's M too; the first segment's M is never needed: it starts from a known state).
+    """
+
+    def __init__(self, seq_segs, has_h0: bool, needs_grad: bool, mode: str, upload):
+        self.mode = mode
+        N = len(seq_segs)
+        seg_cu, first = [0], []
+        for segs in seq_segs:
+            first.append(len(seg_cu) - 1)
+            for x in segs:
+                seg_cu.append(seg_cu[-1] + int(x))
+        nseg, T = len(seg_cu) - 1, seg_cu[-1]
+        self.final_meta = _varlen_meta(seg_cu, upload)
+        lanes = sorted((n for n in range(N) if len(seq_segs[n]) > 1), key=lambda n: -len(seq_segs[n]))
+        nl = [len(seq_segs[n]) for n in lanes]
+        C, nmax = len(lanes), nl[0]
+        cnt = [sum(1 for x in nl if x > p) for p in range(nmax)]
+        off = _prefix(cnt)
+        scnt = cnt[1:]
+        mcnt = [0] + [cnt[p] if needs_grad else (cnt[p + 1] if p + 1 < nmax else 0) for p in range(1, nmax)]
+        self.C, self.nmax, self.cnt, self.off, self.P = C, nmax, cnt, off, off[-1]
+        self.soff, self.moff = _prefix(scnt), _prefix(mcnt)
+        self.NS, self.NM = self.soff[-1], self.moff[-1]
+
+        def seg(l, p):
+            return first[lanes[l]] + p
+
+        def rng(l, p):
+            s = seg(l, p)
+            return seg_cu[s], seg_cu[s + 1]
+
+        by_seq = sorted(range(C), key=lambda l: lanes[l])   # token order: touching ranges merge
+        s_list = [(l, p) for l in by_seq for p in range(nl[l] - 1)]
+        m_list = [(l, p) for l in by_seq for p in range(1, nl[l] if needs_grad else nl[l] - 1)]
+        s_pm = [(l, p) for p in range(nmax - 1) for l in range(scnt[p])]
+        m_pm = [(l, p) for p in range(1, nmax) for l in range(mcnt[p])]
+        s_pos = {lp: i for i, lp in enumerate(s_list)}
+        m_pos = {lp: i for i, lp in enumerate(m_list)}
+        lane_h0 = [(i, lanes[l]) for i, (l, p) in enumerate(s_list) if p == 0] if has_h0 else []
+
+        def gathered(seqs, zero_seq, eye_seq, h0_pairs, take, v_cols_k=False):
+            ps = _Pass()
+            rs = [rng(l, p) for l, p in seqs]
+            cu = _prefix(b - a for a, b in rs)
+            ps.ranges, ps.v_ranges = _merge(rs), _merge(rs[:zero_seq])
+            ps.tokens, ps.num, ps.meta = cu[-1], len(seqs), _varlen_meta(cu, upload)
+            ps.zero_from = cu[zero_seq] if zero_seq < len(seqs) else None
+            ps.eye_from = eye_seq if eye_seq < len(seqs) else None
+            ps.h0_dst = _Idx([i for i, _ in h0_pairs], upload)
+            ps.h0_src = _Idx([n for _, n in h0_pairs], upload)
+            ps.take = _Idx(take, upload)
+            ps.v_cols_k = v_cols_k
+            return ps
+
+        def full_run(take_pm):
+            ps = _Pass()
+            ps.tokens, ps.num, ps.meta = T, nseg, self.final_meta
+            pairs = [(first[n], n) for n in lanes] if has_h0 else []
+            ps.h0_dst = _Idx([i for i, _ in pairs], upload)
+            ps.h0_src = _Idx([n for _, n in pairs], upload)
+            ps.take = _Idx([seg(l, p) for l, p in take_pm], upload)
+            return ps
+
+        self.passes = []
+        self.m_ranges = None
+        if mode == "fused" and m_list:
+            take = [s_pos[lp] for lp in s_pm] + [len(s_list) + m_pos[lp] for lp in m_pm]
+            self.passes.append(gathered(s_list + m_list, len(s_list), len(s_list), lane_h0, take))
+        else:
+            # S_local alone: a gather of the non-last segments, or (when that is many slices and the rest
+            # of the tokens is not larger) all segments straight from the caller's tokens, no copy at all
+            ts = sum(b - a for a, b in (rng(l, p) for l, p in s_list))
+            if len(_merge(rng(l, p) for l, p in s_list)) > 1 and T - ts <= ts:
+                self.passes.append(full_run(s_pm))
+            else:
+                self.passes.append(gathered(s_list, len(s_list), len(s_list), lane_h0,
+                                            [s_pos[lp] for lp in s_pm]))
+            if mode == "kernel" and m_list:
+                self.passes.append(gathered(m_list, 0, 0, [], [m_pos[lp] for lp in m_pm], v_cols_k=True))
+            elif mode == "torch":
+                self.m_ranges = [(seg_cu[seg(l, p)], seg_cu[seg(l, p) + 1] - seg_cu[seg(l, p)]) for l, p in m_pm]
+
+        # segment order <-> scan order
+        self.lane_rows = _Idx(lanes, upload)                   # rows of h0 / dht of the lanes
+        row_of = {seg(l, p): off[p] + l for l in range(C) for p in range(nl[l])}
+        seq_of_seg = {first[n]: n for n in range(N)}
+        self.has_unsplit = C < N
+
+        def seg_map(extra):
+            return [row_of[s] if s in row_of else extra(seq_of_seg[s]) for s in range(nseg)]
+
+        cat_map = seg_map(lambda n: self.P + n)
+        self.map_cat = _Idx(cat_map, upload)                   # from cat([rows, per-sequence states])
+        if self.has_unsplit:
+            self.map_zero_start = _Idx(seg_map(lambda n: 0), upload)   # no h0: block 0 rows are zero
+            self.map_zero_end = _Idx(seg_map(lambda n: off[nl[0] - 1]), upload)  # no dht: terminal rows are 0
+        else:
+            self.map_zero_start = self.map_zero_end = self.map_cat
+        self.dloc = _Idx([seg(l, p) for p in range(1, nmax) for l in range(cnt[p])], upload)
+        self.term = _Idx([off[nl[l] - 1] + l for l in range(C)], upload)
+        self.last = _Idx([first[n] + len(seq_segs[n]) - 1 for n in range(N)], upload)
+        self.first = _Idx(first, upload)
+
+
+def _run_pass(eng: "_Engine", ps: _Pass, x, h0s) -> torch.Tensor:
+    """Phase-1 pass: final states of its packed sequences, in scan order."""
+    q, k, v, g, beta = x
+    Hv, K = v.shape[2], k.shape[3]
+    Vp = K if ps.v_cols_k else v.shape[3]
+    if ps.ranges is None:
+        kk, vv, gg, bb = k, v, g, beta
+    else:
+        kk, gg, bb = (_gather(t, ps.ranges) for t in (k, g, beta))
+        if ps.zero_from is None:
+            vv = _gather(v, ps.v_ranges)
+        else:
+            vv = v.new_empty(1, ps.tokens, Hv, Vp)
+            if ps.zero_from > 0:
+                if len(ps.v_ranges) == 1:
+                    a, b = ps.v_ranges[0]
+                    vv[:, :ps.zero_from].copy_(v[:, a:b])
+                else:
+                    torch.cat([v[:, a:b] for a, b in ps.v_ranges], 1, out=vv[:, :ps.zero_from])
+            vv[:, ps.zero_from:].zero_()
+    h = None
+    use_h0 = h0s is not None and ps.h0_dst.n > 0
+    if ps.eye_from is not None or use_h0:
+        h = torch.zeros(ps.num, Hv, K, Vp, dtype=eng.sd, device=k.device)
+        if use_h0:
+            ps.h0_dst.put(h, ps.h0_src.take(h0s))
+        if ps.eye_from is not None:
+            h[ps.eye_from:].diagonal(dim1=-2, dim2=-1).fill_(1.0)
+    # o of this pass is discarded: k stands in for q (no gather of q)
+    _, ht, _, _, _, _ = eng.forward_call(kk, kk, vv, gg, bb, ps.meta, h, True, False)
+    return ps.take.take(ht).to(eng.sd)
+
+
+def _phase1(eng: "_Engine", prog: _Program, x, h0s):
+    """S_local (scan order) and M (scan order, blocks p >= 1)."""
+    outs = [_run_pass(eng, ps, x, h0s) for ps in prog.passes]
+    if prog.mode == "fused" and prog.NM:
+        return outs[0][:prog.NS], outs[0][prog.NS:]
+    S = outs[0]
+    K, Hv = x[1].shape[3], x[3].shape[2]
+    if prog.mode == "kernel" and prog.NM:
+        return S, outs[1]
+    if prog.mode == "torch" and prog.NM:
+        return S, transition_matrices(x[1], x[3], x[4], prog.m_ranges, eng.l2norm, compute_dtype=eng.sd)
+    return S, S.new_zeros(0, Hv, K, K)
+
+
 def _pack(t: torch.Tensor) -> torch.Tensor:
     """[B, T, ...] -> [1, B*T, ...] (a view for contiguous inputs: segments are then plain token ranges)."""
     return t.reshape(1, t.shape[0] * t.shape[1], *t.shape[2:])
@@ -558,46 +916,50 @@ def _cast(grads, dtypes):
 
 @dataclass
 class _CPConfig:
-    engine: _Engine
+    engine: "_Engine"
+    program: _Program
     shape: tuple               # (B, T) of the caller's tensors
-    num_seqs: int
     output_final_state: bool
     needs_grad: bool
+
+
+def _bmm_into(out, add, a, b):
+    """out = a @ b + add for blocks of rows: out, add, b [rows, Hv, K, V], a [rows * Hv, K, K] (one batched
+    matmul, written in place into the contiguous block ``out``)."""
+    K, V = b.shape[-2], b.shape[-1]
+    torch.baddbmm(add.reshape(-1, K, V), a, b.reshape(-1, K, V), out=out.view(-1, K, V))
 
 
 class _CPFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, h0, cfg: _CPConfig):
-        eng, lay = cfg.engine, cfg.engine.layout
+        eng, prog = cfg.engine, cfg.program
+        sd = eng.sd
         x = tuple(_pack(t) for t in (q, k, v, g, beta))
         dev = q.device
         Hv, K, V = v.shape[2], q.shape[3], v.shape[3]
-        N = cfg.num_seqs
-        # (1) + (2): local end states of the non-last segments of split sequences, and every row's M.
-        row_segs = lay.row_segments()
-        nonlast_rows = [r for i in range(len(lay.chains))
-                        for r in range(lay.row0[i], lay.row0[i] + lay.chain_len(i) - 1)]
-        nonlast = [row_segs[r] for r in nonlast_rows]
-        S_nonlast = eng.local_states(x, nonlast)
-        S_loc = torch.zeros(lay.rows, Hv, K, V, dtype=eng.sd, device=dev)
-        if nonlast:
-            S_loc[torch.tensor(nonlast_rows, device=dev)] = S_nonlast
-        # The forward scan reads M of the non-last rows, the backward scan that of the non-first rows.
-        M = eng.transition(x, None if cfg.needs_grad else nonlast_rows)
-        # (3): the segment scan.
-        if h0 is not None:
-            chain_start = h0[torch.tensor(lay.chains, device=dev)].to(eng.sd)
+        h0s = None if h0 is None else h0.to(sd)
+        # (1) local end states and transitions: one backend pass when K == V
+        S, M = _phase1(eng, prog, x, h0s)
+        # (2) the segment scan, block by block (a prefix of the lanes is still running at position p)
+        C, cnt, off, soff, moff = prog.C, prog.cnt, prog.off, prog.soff, prog.moff
+        starts = torch.empty(prog.P, Hv, K, V, dtype=sd, device=dev)
+        if h0s is not None:
+            starts[:C] = prog.lane_rows.take(h0s)
         else:
-            chain_start = torch.zeros(len(lay.chains), Hv, K, V, dtype=eng.sd, device=dev)
-        starts = eng.scan_forward(M, S_loc, chain_start)
-        # (4): every segment with its true start state, one packed launch.
-        state_dtype = h0.dtype if h0 is not None else eng.sd
-        h0_seg = torch.zeros(lay.num_segments, Hv, K, V, dtype=state_dtype, device=dev)
-        if h0 is not None:
-            h0_seg[torch.tensor(lay.first_seg, device=dev)] = h0
-        h0_seg[torch.tensor(row_segs, device=dev)] = starts.to(state_dtype)
+            starts[:C].zero_()
+        starts[off[1]:off[1] + cnt[1]] = S[:cnt[1]]
+        for p in range(1, prog.nmax - 1):
+            a = cnt[p + 1]
+            _bmm_into(starts[off[p + 1]:off[p + 1] + a], S[soff[p]:soff[p] + a],
+                      M[moff[p]:moff[p] + a].reshape(-1, K, K), starts[off[p]:off[p] + a])
+        # (3) every segment with its true start state: the caller's tokens with the segments' cu_seqlens
+        if h0s is not None and prog.has_unsplit:
+            h0_seg = prog.map_cat.take(torch.cat([starts, h0s]))
+        else:
+            h0_seg = (prog.map_cat if h0s is not None else prog.map_zero_start).take(starts)
         want_ht = cfg.output_final_state or cfg.needs_grad
-        o, ht_seg, saved, aux, be, spec = eng.forward_call(*x, lay.seg_cu, h0_seg, want_ht, cfg.needs_grad)
+        o, ht_seg, saved, aux, be, spec = eng.forward_call(*x, prog.final_meta, h0_seg, want_ht, cfg.needs_grad)
         ctx.be, ctx.spec, ctx.aux, ctx.cfg = be, spec, aux, cfg
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, None if h0 is None else h0.dtype)
         ctx.n_saved = len(saved)
@@ -606,8 +968,7 @@ class _CPFunction(torch.autograd.Function):
         B, T = cfg.shape
         o = o.reshape(B, T, Hv, V)
         if cfg.output_final_state:
-            last = torch.tensor([lay.last_seg(n) for n in range(N)], device=dev)
-            ht = ht_seg[last]
+            ht = prog.last.take(ht_seg)
         else:
             ht = o.new_empty(0)
             ctx.mark_non_differentiable(ht)
@@ -615,37 +976,41 @@ class _CPFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dht):
-        cfg, eng = ctx.cfg, ctx.cfg.engine
-        lay = eng.layout
+        cfg = ctx.cfg
+        eng, prog = cfg.engine, cfg.program
+        sd = eng.sd
         tensors = ctx.saved_tensors
         saved, M = tensors[:ctx.n_saved], tensors[ctx.n_saved]
         B, T = cfg.shape
         do_p = _pack(do.contiguous())
         dev = do.device
         Hv, K, V = ctx.spec.Hv, ctx.spec.K, ctx.spec.V
-        N = cfg.num_seqs
         if dht is not None and dht.numel() == 0:
             dht = None
-        row_segs = lay.row_segments()
-        # Local dh0 of every row: a backward with dht = 0 (only dh0 is kept).
+        C, cnt, off, moff = prog.C, prog.cnt, prog.off, prog.moff
+        # local dh0 of every segment: a backward with dht = 0 (only dh0 is kept), rows p >= 1 in scan order
         g1 = ctx.be.backward(ctx.spec, saved, ctx.aux, do_p, None)
-        dh0_loc = g1[5][torch.tensor(row_segs, device=dev)].to(eng.sd)
+        dloc = prog.dloc.take(g1[5]).to(sd)
         del g1
+        # the backward scan: dS_end[p - 1] = dh0_local[p] + M[p]^T dS_end[p]; each lane's last row is dht
+        dS = torch.empty(prog.P, Hv, K, V, dtype=sd, device=dev)
         if dht is not None:
-            terminal = dht[torch.tensor(lay.chains, device=dev)].to(eng.sd)
+            prog.term.put(dS, prog.lane_rows.take(dht).to(sd))
+        elif prog.term.sl is not None:
+            dS[prog.term.sl].zero_()
         else:
-            terminal = torch.zeros(len(lay.chains), Hv, K, V, dtype=eng.sd, device=dev)
-        dS_end, _ = eng.scan_backward(M, dh0_loc, terminal)
-        sd = ctx.spec.state_dtype and getattr(torch, ctx.spec.state_dtype)
-        dht_seg = torch.zeros(lay.num_segments, Hv, K, V, dtype=sd or torch.float32, device=dev)
-        if dht is not None:
-            dht_seg[torch.tensor([lay.last_seg(n) for n in range(N)], device=dev)] = dht.to(dht_seg.dtype)
-        dht_seg[torch.tensor(row_segs, device=dev)] = dS_end.to(dht_seg.dtype)
+            dS.index_fill_(0, prog.term.t, 0.0)
+        for p in range(prog.nmax - 1, 0, -1):
+            c = cnt[p]
+            _bmm_into(dS[off[p - 1]:off[p - 1] + c], dloc[off[p] - C:off[p] - C + c],
+                      M[moff[p]:moff[p] + c].reshape(-1, K, K).transpose(-1, -2), dS[off[p]:off[p] + c])
+        if dht is not None and prog.has_unsplit:
+            dht_seg = prog.map_cat.take(torch.cat([dS, dht.to(sd)]))
+        else:
+            dht_seg = (prog.map_cat if dht is not None else prog.map_zero_end).take(dS)
         dq, dk, dv, dg, dbeta, dh0_seg = ctx.be.backward(ctx.spec, saved, ctx.aux, do_p, dht_seg)
         shp = lambda t: t.reshape(B, T, *t.shape[2:])  # noqa: E731
-        dh0 = None
-        if ctx.dtypes[5] is not None:
-            dh0 = dh0_seg[torch.tensor(lay.first_seg, device=dev)]
+        dh0 = prog.first.take(dh0_seg) if ctx.dtypes[5] is not None else None
         grads = (shp(dq), shp(dk), shp(dv), shp(dg), shp(dbeta), dh0)
         return _cast(grads, ctx.dtypes) + (None,)
 
@@ -655,6 +1020,16 @@ def _seq_bounds(B: int, T: int, meta: Optional[VarlenMeta]):
         return [b * T for b in range(B)], [T] * B
     cu = meta.cu_seqlens_cpu
     return list(cu[:-1]), [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+
+
+def _transition_mode(transitions: str, K: int, V: int) -> str:
+    if transitions not in _TRANSITIONS:
+        raise ValueError(f"transitions must be one of {_TRANSITIONS}, got {transitions!r}")
+    if transitions == "torch":
+        return "torch"
+    if K == V:
+        return "fused"
+    return "kernel" if transitions == "kernel" else "torch"
 
 
 def cp_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -687,6 +1062,7 @@ def chunk_gated_delta_rule_cp(
     cost: Optional[CPCostModel] = None,
     min_segment_len: int = 512,
     max_segments: int = 64,
+    transitions: str = "auto",
 ):
     """:func:`flashqla.chunk_gated_delta_rule` with exact context parallelism; same arguments and results.
 
@@ -694,25 +1070,33 @@ def chunk_gated_delta_rule_cp(
     the device's SMs; CPU: torch threads); an int splits every sequence into that many segments of whole
     chunks (``1``: no CP); a list gives per sequence a segment count or explicit segment lengths; or a
     :class:`CPPlan` (from :func:`cp_plan`).  When no sequence is split this is exactly the plain op.
-    The segments of all sequences run as one packed varlen batch on the backend chosen by ``backend``.
+    Every pass runs on the backend chosen by ``backend``.
+
+    ``transitions``: how the segment maps M are computed: ``"auto"`` by the backend's forward fused into
+    the local pass when K == V, else torch ops; ``"kernel"`` by the backend also when K != V (a separate
+    pass with K value columns); ``"torch"`` always torch ops (:func:`transition_matrices`).
+
+    No host sync when the sequence lengths are known on the host (dense inputs, or ``varlen_meta``); after
+    one call with the same plan (warm-up) the call is CUDA-graph capturable, forward and backward.
     """
     spec, scale_f, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta)
+    mode = _transition_mode(transitions, spec.K, spec.V)
     B, T = q.shape[0], q.shape[1]
     plan = None
     if B > 0 and T > 0:
-        starts, lens = _seq_bounds(B, T, meta)
+        _, lens = _seq_bounds(B, T, meta)
         plan = _resolve_plan(segments, lens, spec, q.device, sm_count, cost, min_segment_len, max_segments)
     if plan is None or not plan.enabled:
         from .api import chunk_gated_delta_rule
         return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                       use_qk_l2norm_in_kernel, cu_seqlens, backend, varlen_meta=meta)
-    chains = [n for n, s in enumerate(plan.segments) if len(s) > 1]
-    layout = _Layout(starts, list(plan.segments), chains)
     f64 = torch.float64 in (q.dtype, g.dtype, beta.dtype) or (
         initial_state is not None and initial_state.dtype == torch.float64)
-    eng = _Engine(backend, scale_f, bool(use_qk_l2norm_in_kernel), layout,
-                  torch.float64 if f64 else torch.float32)
-    cfg = _CPConfig(eng, (B, T), spec.num_seqs, bool(output_final_state), spec.needs_grad)
+    has_h0 = initial_state is not None
+    key = ("cp", tuple(plan.segments), has_h0, bool(spec.needs_grad), mode)
+    prog = _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
+    eng = _Engine(backend, scale_f, bool(use_qk_l2norm_in_kernel), None, torch.float64 if f64 else torch.float32)
+    cfg = _CPConfig(eng, prog, (B, T), bool(output_final_state), spec.needs_grad)
     o, ht = _CPFunction.apply(q, k, v, g, beta, initial_state, cfg)
     return o, (ht if output_final_state else None)

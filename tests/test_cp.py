@@ -2,18 +2,27 @@
 
 Forward and backward, segment counts 2..7 (and splits that are not multiples of 64), g = 0 heads next to
 strong-decay heads (-exp(A_log) * softplus(x), A_log up to log 16), varlen with short unsplit sequences,
-length-0/1 sequences, GVA, the fused L2 norm, h0 and the final state on and off.  Backends: "reference"
+length-0/1 sequences, several split sequences of different segment counts, GVA, the fused L2 norm, h0 and
+the final state on and off; the three ways of computing the segment maps M (fused into the backend's
+first pass, a separate backend pass, torch ops) against each other and against ``transition_matrices``;
+no host sync on a warm call; on a GPU, CUDA-graph capture of forward + backward.  Backends: "reference"
 always, "cpu" when built.  Outputs are poisoned with NaN.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
+import inspect
 import math
+import textwrap
 
 import pytest
 import torch
+from torch.overrides import TorchFunctionMode
 
 import flashqla
+import flashqla.cp as cpmod
 from flashqla.cp import (CPCostModel, CPPlan, chunk_gated_delta_rule_cp, cp_plan, segment_plan, split_even,
                          transition_matrices)
 from flashqla.dispatch import fake_device, get_backend
@@ -99,6 +108,11 @@ CASES = [
     (Case("strong_decay", 1, 2, 32, 32, seqlens=(260, 7), gate="strong"), 3),
     (Case("zero_decay", 1, 2, 32, 32, B=1, T=260, gate="zero"), 4),
     (Case("zero_decay_noh0_k16_v48", 2, 2, 16, 48, B=1, T=150, gate="zero", h0=False, scale=0.7), 3),
+    # several split sequences with different segment counts (the scan's lane prefixes), short ones between
+    (Case("varlen_unequal_chains", 1, 2, 32, 32, seqlens=(300, 5, 450, 130, 0, 200)), [3, 1, 6, 2, 1, 4]),
+    (Case("varlen_unequal_noh0_noht", 2, 4, 32, 32, seqlens=(130, 450, 64, 300), h0=False, ht=False,
+          l2norm=True), [2, 5, 1, 3]),
+    (Case("dense_b3_all_split", 1, 2, 32, 32, B=3, T=200, gate="strong"), 3),
 ]
 
 
@@ -194,7 +208,7 @@ def test_plan_from_call_and_auto_path():
     case = Case("auto", 1, 2, 32, 32, seqlens=(300, 40))
     x = make_inputs(case, torch.float32, seed=5)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    free = CPCostModel(pass_overhead=0.0)  # at this toy size the fixed overheads would dominate
+    free = CPCostModel(pass_overhead=0.0, scan_step=0.0)  # at this toy size fixed overheads would dominate
     with fake_device("cpu", None, sm_count=132):
         plan = cp_plan(*args, cu_seqlens=x["cu_seqlens"], min_segment_len=128, cost=free)
     assert isinstance(plan, CPPlan) and plan.enabled and plan.segments[1] == (40,), plan.describe()
@@ -233,3 +247,303 @@ def test_no_grad_forward_and_bad_segments():
     o, ht = chunk_gated_delta_rule_cp(*e, output_final_state=True, backend="reference", segments=2)
     assert o.shape == (1, 0, 2, 16) and ht.shape == (1, 2, 16, 16)
     assert math.isfinite(float(o.sum()))
+
+
+# ------------------------------------------------------------------------------------------------------
+# The segment maps M: fused into the backend's first pass, a separate backend pass, torch ops
+# ------------------------------------------------------------------------------------------------------
+
+MODE_CASES = [
+    (Case("modes_kv_varlen", 1, 2, 32, 32, seqlens=(300, 5, 450, 130, 0, 200)), [3, 1, 6, 2, 1, 4]),
+    (Case("modes_k16_v48_dense", 2, 4, 16, 48, B=2, T=200, l2norm=True), [3, 4]),
+    (Case("modes_k48_v16_noh0", 1, 2, 48, 16, seqlens=(260, 40), h0=False, gate="zero"), [4, 1]),
+]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("transitions", ["auto", "kernel", "torch"])
+@pytest.mark.parametrize("case,segments", [pytest.param(c, s, id=c.name) for c, s in MODE_CASES])
+def test_cp_transition_modes(backend, transitions, case, segments):
+    inputs = make_inputs(case, torch.float32, seed=4)
+    if case.gate == "logsigmoid":
+        inputs = _mixed_gate(inputs, case)
+    ref = _oracle(case, inputs, case.name)
+    cp = _run(chunk_gated_delta_rule_cp, case, inputs, backend=backend, segments=segments,
+              transitions=transitions)
+    plain = _run(flashqla.chunk_gated_delta_rule, case, inputs, backend=backend)
+    _compare(cp, ref, TOL, f"{backend} CP transitions={transitions} vs oracle")
+    _compare(cp, plain, TOL, f"{backend} CP transitions={transitions} vs without CP")
+
+
+def _upload_cpu():
+    return functools.partial(cpmod._upload, device=torch.device("cpu"), keep=None)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("needs_grad", [False, True])
+def test_kernel_transitions_equal_torch_transitions(backend, needs_grad):
+    """M (and S_local) out of the backend's forward (v = 0, start state I) == transition_matrices, row by
+    row, for every mode of the first phase; and the rows are the segments the scan needs."""
+    case = Case("m", 1, 4, 32, 32, seqlens=(300, 5, 450, 130, 200), l2norm=True)
+    x = _mixed_gate(make_inputs(case, torch.float32, seed=11), case)
+    segs = ((64, 128, 108), (5,), (64,) * 6 + (66,), (64, 66), (100, 100))
+    xp = tuple(x[n] for n in ("q", "k", "v", "g", "beta"))
+    h0 = x["initial_state"]
+    eng = cpmod._Engine(backend, 32 ** -0.5, True, None, torch.float32)
+    out = {}
+    for mode in ("fused", "kernel", "torch"):
+        prog = cpmod._Program(segs, True, needs_grad, mode, _upload_cpu())
+        with torch.no_grad():
+            out[mode] = cpmod._phase1(eng, prog, xp, h0)
+    prog = cpmod._Program(segs, True, needs_grad, "torch", _upload_cpu())
+    # the M rows are the segments p >= 1 (up to the last one when the backward needs it), position-major
+    lanes = [2, 0, 3, 4]   # decreasing segment count, stable
+    nl = [len(segs[n]) for n in lanes]
+    starts = [sum(map(sum, segs[:n])) for n in range(len(segs))]
+    want = [(starts[lanes[l]] + sum(segs[lanes[l]][:p]), segs[lanes[l]][p])
+            for p in range(1, max(nl)) for l in range(len(lanes)) if p < (nl[l] if needs_grad else nl[l] - 1)]
+    assert prog.m_ranges == want
+    M_ref = transition_matrices(x["k"], x["g"], x["beta"], want, use_qk_l2norm=True)
+    for mode, (S, M) in out.items():
+        assert M.shape == M_ref.shape, mode
+        assert rel_l2(M, M_ref) <= TOL, (mode, rel_l2(M, M_ref))
+        assert rel_l2(S, out["torch"][0]) <= TOL, mode
+    # S_local of a first segment is its true end state (it starts from the caller's h0)
+    ref = oracle(Case("seg0", 1, 4, 32, 32, seqlens=(64,), l2norm=True),
+                 {**{n: x[n][:, starts[2]:starts[2] + 64] for n in ("q", "k", "v", "g", "beta")},
+                  "initial_state": h0[2:3], "cu_seqlens": None, "do": None, "dht": None}, grads=False)
+    assert rel_l2(out["fused"][0][0], ref["ht"][0]) <= TOL
+
+
+def test_fused_first_pass_is_one_launch_and_final_pass_no_gather(monkeypatch):
+    """K == V: phase 1 is ONE backend forward (S_local and M together); the final pass runs on views of the
+    caller's tokens (no copy); without gradients a single split sequence needs no gather at all when
+    it has two segments."""
+    case = Case("launches", 1, 2, 32, 32, seqlens=(300, 40, 260))
+    x = make_inputs(case, torch.float32, seed=2)
+    meta = flashqla.prepare_varlen(x["cu_seqlens"])
+    calls = []
+    real = cpmod._Engine.forward_call
+
+    def spy(self, q, k, v, g, beta, cu, h0, out_final, needs_grad):
+        calls.append(dict(T=q.shape[1], same_qk=q is k, nseq=len(cu.cu_seqlens_cpu) - 1, v_ptr=v.data_ptr(),
+                          h0=None if h0 is None else h0.shape[0]))
+        return real(self, q, k, v, g, beta, cu, h0, out_final, needs_grad)
+
+    monkeypatch.setattr(cpmod._Engine, "forward_call", spy)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    with torch.no_grad():
+        chunk_gated_delta_rule_cp(*args, initial_state=x["initial_state"], cu_seqlens=x["cu_seqlens"],
+                                  varlen_meta=meta, backend="reference", segments=[4, 1, 3])
+    assert len(calls) == 2, calls
+    # phase 1: S rows (3 + 2) and M rows (2 + 1), q = k, one packed batch
+    assert calls[0]["same_qk"] and calls[0]["nseq"] == 8 and calls[0]["h0"] == 8
+    # final pass: every segment, the caller's v itself
+    assert calls[1]["nseq"] == 8 and calls[1]["T"] == 600 and calls[1]["v_ptr"] == x["v"].data_ptr()
+    calls.clear()
+    with torch.no_grad():
+        chunk_gated_delta_rule_cp(*args, cu_seqlens=x["cu_seqlens"], varlen_meta=meta, backend="reference",
+                                  segments=[2, 1, 1])
+    assert len(calls) == 2 and calls[0]["nseq"] == 1 and calls[0]["h0"] is None
+    assert calls[0]["v_ptr"] == x["v"].data_ptr()   # the first segment is a view: nothing gathered
+
+
+# ------------------------------------------------------------------------------------------------------
+# No host sync, cached metadata
+# ------------------------------------------------------------------------------------------------------
+
+_SYNCING = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "tensor", "as_tensor", "cpu",
+            "numpy", "pin_memory", "from_numpy", "nonzero", "unique", "masked_select"}
+
+
+class _HostOps(TorchFunctionMode):
+    """Records tensor functions that read device values on the host or build tensors from host data."""
+
+    def __init__(self):
+        super().__init__()
+        self.bad = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", str(func))
+        kw = kwargs or {}
+        if name in _SYNCING:
+            self.bad.append(name)
+        elif name == "to" and (any(isinstance(a, (str, torch.device)) for a in args[1:]) or "device" in kw):
+            self.bad.append("to(device)")
+        return func(*args, **kw)
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("transitions", ["auto", "torch"])
+def test_warm_cp_call_reads_nothing_on_the_host(backend, transitions):
+    """After one call with the same plan, forward + backward make no device->host read, build no tensor from
+    host data and move nothing between devices (what a CUDA graph capture needs)."""
+    case = Case("sync", 1, 2, 32, 32, seqlens=(300, 5, 450, 130, 0, 200))
+    x = make_inputs(case, torch.float32, seed=6)
+    meta = flashqla.prepare_varlen(x["cu_seqlens"])
+    leaves = [x[n].clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+    def run():
+        o, ht = chunk_gated_delta_rule_cp(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                          cu_seqlens=x["cu_seqlens"], varlen_meta=meta, backend=backend,
+                                          segments=[3, 1, 6, 2, 1, 4], transitions=transitions)
+        return torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
+
+    first = run()
+    n_cached = len(cpmod._CACHE)
+    with _HostOps() as rec:
+        again = run()
+    assert not rec.bad, rec.bad
+    assert len(cpmod._CACHE) == n_cached   # nothing rebuilt
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+def test_hot_path_source_has_no_host_reads():
+    """Code structure: the functions run on every call never call .item()/.tolist()/.cpu()/.numpy() or build
+    tensors from Python data (torch.tensor); host lists are uploaded once per plan by _device_cached."""
+    hot = [cpmod._CPFunction.forward, cpmod._CPFunction.backward, cpmod._run_pass, cpmod._phase1,
+           cpmod._gather, cpmod._bmm_into, cpmod._Idx.take, cpmod._Idx.put, cpmod.chunk_gated_delta_rule_cp,
+           cpmod._Engine.forward_call]
+    for fn in hot:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr in ("item", "tolist", "cpu", "numpy", "pin_memory"):
+                raise AssertionError(f"{fn.__qualname__} calls .{node.attr}")
+            if isinstance(node, ast.Attribute) and node.attr in ("tensor", "as_tensor") and \
+                    isinstance(node.value, ast.Name) and node.value.id == "torch":
+                raise AssertionError(f"{fn.__qualname__} calls torch.{node.attr}")
+
+
+def test_device_cache_keeps_graph_entries():
+    saved = cpmod._CACHE.copy()
+    try:
+        cpmod._CACHE.clear()
+        dev = torch.device("cpu")
+        cpmod._device_cached("pinned-by-graph", dev, lambda up: up([1, 2, 3]))
+        cpmod._CACHE[("pinned-by-graph", "cpu")][1] = True   # as if a captured graph used it
+        for i in range(cpmod._CACHE_MAX + 5):
+            t = cpmod._device_cached(("k", i), dev, lambda up, i=i: up([i]))
+            assert int(t[0]) == i
+        assert ("pinned-by-graph", "cpu") in cpmod._CACHE
+        assert len(cpmod._CACHE) <= cpmod._CACHE_MAX + 1
+        built = []
+        cpmod._device_cached(("k", cpmod._CACHE_MAX + 4), dev, lambda up: built.append(1))
+        assert not built   # a hit
+    finally:
+        cpmod._CACHE.clear()
+        cpmod._CACHE.update(saved)
+
+
+def test_bad_transitions_argument():
+    case = Case("badtr", 1, 2, 16, 16, B=1, T=130)
+    x = make_inputs(case, torch.float32)
+    with pytest.raises(ValueError, match="transitions"):
+        chunk_gated_delta_rule_cp(x["q"], x["k"], x["v"], x["g"], x["beta"], backend="reference", segments=2,
+                                  transitions="fast")
+
+
+# ------------------------------------------------------------------------------------------------------
+# GPU: CUDA graphs, bf16 agreement with the plain op
+# ------------------------------------------------------------------------------------------------------
+
+def _gpu_backends():
+    out = []
+    for name in ("tilelang", "triton"):
+        out.append(pytest.param(name, id=name, marks=pytest.mark.gpu))
+    return out
+
+
+def _gpu_setup(backend, seqlens=(4096, 300, 2048), segments=(4, 1, 2)):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    case = Case("gpu_cp", 2, 8, 128, 128, seqlens=seqlens, l2norm=True)
+    x = make_inputs(case, torch.bfloat16, "cuda", seed=1)
+    # slow decay on most heads: the state carries across every segment (logsigmoid gates alone forget it)
+    x["g"] = x["g"] * torch.logspace(-4, 0, case.Hv, device="cuda")
+    meta = flashqla.prepare_varlen(x["cu_seqlens"])
+    d = flashqla.explain(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                         output_final_state=True, use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"],
+                         varlen_meta=meta, backend=backend, needs_grad=True)
+    if d.chosen != backend:
+        pytest.skip(f"{backend} cannot serve: {d.reasons().get(backend)}")
+    return case, x, meta, list(segments)
+
+
+def _gpu_run(x, meta, leaves, backend, segments, **kw):
+    o, ht = chunk_gated_delta_rule_cp(*leaves[:5], initial_state=leaves[5], output_final_state=True,
+                                      use_qk_l2norm_in_kernel=True, cu_seqlens=x["cu_seqlens"], varlen_meta=meta,
+                                      backend=backend, segments=segments, **kw)
+    grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
+    return (o.detach(), ht.detach()) + tuple(grads)
+
+
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_gpu_cp_cuda_graph_forward_backward(backend):
+    case, x, meta, segments = _gpu_setup(backend)
+    leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    run = functools.partial(_gpu_run, x, meta, leaves, backend, segments)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run()  # warm-up outside capture: kernels compile, the plan's metadata is uploaded once
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run()
+    with torch.no_grad():
+        leaves[2].mul_(0.5)  # new values in the captured input buffers
+        leaves[5].mul_(-1.0)
+    graph.replay()
+    eager = run()
+    torch.cuda.synchronize()
+    for name, a, b in zip(NAMES, captured, eager):
+        assert rel_l2(a, b) <= 1e-5, (name, rel_l2(a, b))
+    graph.replay()   # a second replay reads the same cached metadata
+    torch.cuda.synchronize()
+    for name, a, b in zip(NAMES, captured, eager):
+        assert rel_l2(a, b) <= 1e-5, (name, rel_l2(a, b))
+
+
+@pytest.mark.parametrize("backend", _gpu_backends())
+@pytest.mark.parametrize("transitions", ["auto", "torch"])
+def test_gpu_cp_matches_plain_bf16(backend, transitions):
+    """bf16 CP (M by the kernel or by torch) is as close to the fp32 chunked reference as the plain op."""
+    case, x, meta, segments = _gpu_setup(backend)
+    leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    cp = _gpu_run(x, meta, leaves, backend, segments, transitions=transitions)
+    plain = _gpu_run(x, meta, leaves, backend, 1)
+    ref_leaves = [t.detach().float().requires_grad_() if t.dtype != torch.float32 else t.detach().requires_grad_()
+                  for t in leaves]
+    ref = _gpu_run({**x, "do": x["do"].float()}, meta, ref_leaves, "reference", 1)
+    for name, a, b, r in zip(NAMES, cp, plain, ref):
+        e_cp, e_plain = rel_l2(a, r), rel_l2(b, r)
+        assert e_cp <= 2.0 * e_plain + 2e-3, (name, e_cp, e_plain)
+
+
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_gpu_cp_capture_without_cp_warmup(backend):
+    """A plan first seen during capture: its metadata is uploaded from pinned memory kept for the graph.  If
+    this CUDA/PyTorch cannot pin memory while capturing, xfail: only warmed-up capture (the supported,
+    documented pattern) works.  Last in the file: a failed capture must not disturb the other tests."""
+    case, x, meta, _ = _gpu_setup(backend)
+    leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    run = functools.partial(_gpu_run, x, meta, leaves, backend)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        run([4, 1, 2])  # kernels compiled (same pass shapes), but the plan below is new
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            captured = run([[1024, 1024, 960, 1088], 1, 2])
+    except Exception as exc:
+        torch.cuda.synchronize()
+        pytest.xfail(f"cold capture unsupported here: {type(exc).__name__}: {str(exc)[:300]} "
+                     f"(cause: {exc.__cause__!r})")
+    graph.replay()
+    eager = run([[1024, 1024, 960, 1088], 1, 2])
+    torch.cuda.synchronize()
+    for name, a, b in zip(NAMES, captured, eager):
+        assert rel_l2(a, b) <= 1e-5, (name, rel_l2(a, b))
