@@ -277,7 +277,8 @@ class CutlassBackend(Backend):
         # Offsets past 2^31 elements (o, dq/dk/dv, the chunk-major workspaces) are 64-bit in the kernels
         # (``_sm90.wide`` strides); what stays 32-bit are TMA coordinates and the indices of the per-token
         # gates and per-chunk-row vectors, the largest being (chunks * Hv) * 128 <= (tokens + 64 N) * Hv * 2
-        if (spec.tokens + BT * spec.num_seqs) * spec.Hv * 2 > _INT32_MAX:
+        # (tokens: B * T; spec.tokens is T, per batch row)
+        if (spec.batch * spec.tokens + BT * spec.num_seqs) * spec.Hv * 2 > _INT32_MAX:
             return False, "too large for the kernels' 32-bit coordinates ((tokens + 64 N) * Hv * 2 >= 2^31)"
         return True, "bf16, K = V = 128 on sm_90"
 
