@@ -373,6 +373,9 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                     help="q/k/v dtype (default bfloat16 on cuda, float32 on the cpu)")
     ap.add_argument("--tiny", action="store_true", help="two tiny rows instead of the grid (harness check)")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="measure nothing: combine earlier bench_memory.json files (e.g. a fwd and a fwdbwd run) "
+                         "into one JSON + markdown under --out")
     ap.add_argument("-v", "--verbose", action="store_true", help="print tracebacks of failures")
     args = ap.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -382,8 +385,41 @@ def parse_args(argv=None):
     return args
 
 
+class _SavedImpl:
+    """An implementation as recorded in a result file's meta (what the tables need)."""
+
+    def __init__(self, d: dict):
+        self.name, self.kind, self.version, self.skip_reason = d["name"], d["kind"], d.get("version", ""), \
+            d.get("skipped", "")
+
+
+def merge(paths, out_dir: Path) -> int:
+    """One JSON + markdown from several result files (rows in file order, implementations in first-seen
+    order, meta of the first file with the union of the modes)."""
+    docs = [json.loads(Path(p).read_text()) for p in paths]
+    meta = dict(docs[0]["meta"])
+    meta["modes"] = [m for m in ("fwd", "fwdbwd") if any(m in d["meta"]["modes"] for d in docs)]
+    meta["merged_from"] = [str(p) for p in paths]
+    seen, impls = set(), []
+    for d in docs:
+        for i in d["meta"]["impls"]:
+            if i["name"] not in seen:
+                seen.add(i["name"])
+                impls.append(i)
+    meta["impls"] = impls
+    rows = [r for d in docs for r in d["rows"]]
+    write_outputs(out_dir, meta, rows, [_SavedImpl(i) for i in impls])
+    print(f"merged {len(rows)} rows into {out_dir / 'bench_memory.json'} and {out_dir / 'bench_memory.md'}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.merge:
+        if not args.out:
+            print("bench_memory: --merge needs --out", file=sys.stderr)
+            return 2
+        return merge(args.merge, Path(args.out))
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda" and not torch.cuda.is_available():
         print("bench_memory: --device cuda but torch sees no CUDA device", file=sys.stderr)

@@ -24,6 +24,24 @@ training forward (per-chunk states saved) the same way; forward + backward at 51
 
 The memory benchmark (``benchmarks/bench_memory.py``): argument parsing, one row on the CPU with its simple
 accounting, the table / JSON writer, error cells and the "<= FlashQLA" column.
+
+Audit behind these tests (T = 2^20, Hqk / Hv = 16 / 32, K = V = 128, per-chunk states 2^33 elements):
+
+* triton (chunk kernels): already 64-bit where it matters (token rows, state and inverse bases, gate planes
+  are int64 before any product); per-tile ``tl.arange`` offsets stay 32-bit.  Nothing changed.
+* triton_decode: the token loop's ``t * stride`` (q, k, v, g, beta, o) was 32-bit: it wraps for one call
+  over >= 2^31 / (Hv V) tokens (524,288 at 32 x 128).  The counter is int64 now.
+* tilelang: TileLang 0.1.15 widens every plain global index of buffers with symbolic shapes to int64
+  (``ConfigIndexBitwidth`` after ``FlattenBuffer``) and the host builds TMA descriptors with 64-bit
+  strides; TMA coordinates are per dimension (all < 2^31 here).  The few ``int`` locals (bos, chunk
+  offsets) are token / chunk counts.  Nothing changed.
+* cutlass: CuTe computes ``coordinate * stride`` in the stride's type: o, dq / dk / dv, the chunk-major
+  workspaces (-w, u^T, Aqk, T, chunk states, v_new) and h0 / ht had static or Int32 strides and wrapped
+  (supports() refused > ~2^31 / 128 elements for that reason, and counted T instead of B * T).  Their
+  strides are ``_sm90.wide`` (Int64) now; TMA-read tensors are unchanged; supports() keeps only the limit
+  of the remaining 32-bit quantities ((B T + 64 N) Hv 2 < 2^31).
+* host (varlen.py, ops): cu_seqlens / chunk offsets / chunk indices are token and chunk counts (int32 is
+  ample); every buffer size is a Python int.
 """
 
 from __future__ import annotations
@@ -887,3 +905,10 @@ def test_bench_memory_cli_on_cpu(tmp_path):
     doc = json.loads((tmp_path / "bench_memory.json").read_text())
     assert [(r["mode"], r["label"]) for r in doc["rows"]] == [("fwd", "1/2 1x64"), ("fwdbwd", "1/2 1x64")]
     assert all(r["results"]["reference"]["status"] == "ok" for r in doc["rows"])
+    # two runs (the device run measures fwd and fwdbwd in separate calls) merged into one table
+    bm = _bench_memory()
+    assert bm.main(["--merge", str(tmp_path / "bench_memory.json"), str(tmp_path / "bench_memory.json"),
+                    "--out", str(tmp_path / "merged")]) == 0
+    merged = json.loads((tmp_path / "merged" / "bench_memory.json").read_text())
+    assert len(merged["rows"]) == 4 and merged["meta"]["modes"] == ["fwd", "fwdbwd"]
+    assert (tmp_path / "merged" / "bench_memory.md").read_text().count("| 1/2 | 1x64 | 64 |") == 4
