@@ -395,7 +395,7 @@ def test_ttir_range_analysis_on_handwritten_ir():
 # ======================================================================================== tilelang: lowered source
 
 _CAST = r"\(\s*(?:int64_t|int|uint|unsigned int|long long|int32_t|uint64_t|uint32_t)\s*\)"
-_TOKEN = re.compile(rf"\s*({_CAST}|[A-Za-z_][A-Za-z_0-9.]*|\d+|<<|>>|[-+*/%&|^()\[\]])")
+_TOKEN = re.compile(rf"\s*({_CAST}|[A-Za-z_][A-Za-z_0-9.]*|\d+|<<|>>|<=|>=|==|!=|&&|\|\||[-+*/%&|^()\[\]<>?:!])")
 
 
 def _c_tokens(s: str) -> list:
@@ -433,8 +433,15 @@ def _c_parse(toks: list):
                 return lhs
             op = take()
             rhs = expr()
+            if op == "?":                 # (c ? a : b)
+                assert take() == ":", "bad ternary"
+                other = expr()
+                assert take() == ")", "unbalanced"
+                return ("sel", lhs, rhs, other)
             assert take() == ")", "unbalanced"
             return ("bin", op, lhs, rhs)
+        if t == "!":
+            return ("not", expr())
         if t[0].isdigit():
             return ("lit", int(t))
         if peek() == "[":
@@ -451,6 +458,10 @@ def _c_type(n) -> str:
     if n[0] == "cast":
         return "i64" if n[1] in ("int64_t", "longlong", "uint64_t") else "i32"
     if n[0] == "bin":
+        if n[1] in ("<", ">", "<=", ">=", "==", "!=", "&&", "||"):
+            return "bool"
+        return "i64" if "i64" in (_c_type(n[2]), _c_type(n[3])) else "i32"
+    if n[0] == "sel":
         return "i64" if "i64" in (_c_type(n[2]), _c_type(n[3])) else "i32"
     return "i32"
 
@@ -464,6 +475,11 @@ def _narrow_ops(n, out):
             out.append(n)
     elif n[0] == "cast":
         _narrow_ops(n[2], out)
+    elif n[0] == "sel":
+        for c in n[1:]:
+            _narrow_ops(c, out)
+    elif n[0] == "not":
+        _narrow_ops(n[1], out)
     return out
 
 
