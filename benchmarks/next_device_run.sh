@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Session 4, device run 3: the tilelang decode kernel with its [K, V] mapping rewritten (lanes along V),
-# both pool layouts against triton and FLA fused_recurrent; the chunk op's VK state option on CUDA.
+# Session 4, device run 4: decode + prefill in one CUDA graph, torch.compile on the GPU, FLA's own op,
+# the CP engine without host syncs (GPU tests + check_cp), tensors past 2^31 elements.
 # carry: [".gpu"].  From the repository root:  bash benchmarks/next_device_run.sh
 set -u
 START=$(date +%s); BUDGET_S=${BUDGET_S:-560}; DEADLINE=$((START + BUDGET_S))
@@ -23,12 +23,11 @@ fi
 source .gpu/setup.sh
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
-PYT="python -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=line"
-TAIL=12 run_step "decode GPU tests" 120 $PYT tests/test_decode.py
-TAIL=16 run_step "decode bench" 200 python -m flashqla bench --preset decode --out $OUT/decode \
-    --backends "triton,tilelang,triton[layout=VK],tilelang[layout=VK]"
-TAIL=8 run_step "state layout GPU test" 60 $PYT tests/test_state_layout.py
-# the compile caches: tilelang (carried next time) and triton (kept apart: it outgrows the return limit)
+PYT="python -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short"
+TAIL=12 run_step "decode and library GPU tests" 150 $PYT tests/test_decode.py tests/test_library.py tests/test_state_layout.py
+TAIL=14 run_step "large tensor GPU tests" 150 $PYT -s tests/test_large_tensors.py -k "not cutlass"
+TAIL=12 run_step "CP GPU tests" 100 $PYT tests/test_cp.py
+TAIL=40 run_step "check_cp" 200 python benchmarks/check_cp.py --deadline-s 150 --heads 2/8 --out $OUT/cp
 tar cf - -C /tmp/kcache --exclude=.restored --exclude=./triton . | xz -T16 -6 > $OUT/kcache.tar.xz
 ls -la $OUT/kcache.tar.xz
 echo "total $(( $(date +%s) - START ))s"
