@@ -7,6 +7,9 @@
 #   bash benchmarks/next_device_run.sh cutlass    carry [".gpu_cute"]: the cutlass GPU suite, the 2^31-element
 #                                                 tests and the 100-run determinism test for cutlass (#5, #11)
 #   bash benchmarks/next_device_run.sh memory     carry [".gpu"]: the memory table on the whole Step 2 grid (#11)
+#   bash benchmarks/next_device_run.sh ncu        carry [".gpu"]: Nsight Compute on the tilelang ws forward
+#                                                 recurrence (stall reasons, pipe use) at 16/32 4x8192 and
+#                                                 2/8 1x32768: where its ~4 us per chunk goes (#4, #8)
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
 STEP=${1:-flashqla}
@@ -30,5 +33,13 @@ case "$STEP" in
     TAIL=30 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd --out $OUT/memfwd
     TAIL=30 run_step "memory fwdbwd" 250 python benchmarks/bench_memory.py --modes fwdbwd --out $OUT/membwd
     save_kcache ;;
-  *) echo "unknown step $STEP (flashqla | cutlass | memory)"; exit 2 ;;
+  ncu)
+    for row in 16/32:4x8192 2/8:1x32768; do
+      TAIL=60 run_step "ncu $row" 200 ncu --clock-control none -k regex:gdn_fwd_recurrent_ws --launch-skip 2 \
+          --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+          --section ComputeWorkloadAnalysis --section LaunchStats --section Occupancy \
+          python benchmarks/profile_kernels.py --impls tilelang --rows $row --modes fwd --iters 3
+    done
+    save_kcache ;;
+  *) echo "unknown step $STEP (flashqla | cutlass | memory | ncu)"; exit 2 ;;
 esac
