@@ -251,11 +251,16 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
         if initial_state is not None:
             initial_state = initial_state.transpose(-1, -2)  # what cp_plan checks, as the backends see it
     if q.shape[0] and q.shape[1]:
-        from .cp import cp_plan
+        from .cp import auto_declined, cp_plan
         try:
-            plan = cp_plan(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                           cu_seqlens, varlen_meta=varlen_meta, needs_grad=needs_grad)
-            d.context_parallel = f"context_parallel='auto' would: {plan.describe()} (the op's default is off)"
+            why = auto_declined(d.chosen, q.device) if d.chosen else None
+            if why:
+                d.context_parallel = f"context_parallel='auto' would stay off on {d.chosen}: {why}"
+            else:
+                plan = cp_plan(q, k, v, g, beta, scale, initial_state, output_final_state,
+                               use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta=varlen_meta, needs_grad=needs_grad)
+                d.context_parallel = (f"context_parallel='auto' would: {plan.describe()} "
+                                      "(the op's default is off)")
         except Exception as exc:  # the plan is advice; never let it break explain()
             d.context_parallel = f"no plan ({type(exc).__name__}: {exc})"
     if print_it:

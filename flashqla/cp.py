@@ -1022,6 +1022,22 @@ def _seq_bounds(B: int, T: int, meta: Optional[VarlenMeta]):
     return list(cu[:-1]), [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
 
 
+# Backends on which the automatic plan (``segments=None``) stays off, with the measurement that says why.
+# A forced segment count still runs CP on them.
+AUTO_DECLINED = {
+    "triton": "CP on the triton backend measured slower than plain on the H200 (2/8 heads, one 32768-token "
+              "sequence, forward: 1.489 ms plain, 2.29 ms with 8 segments; "
+              "benchmarks/results/h200_2026-12-03_s4run4_check_cp.log)",
+}
+
+
+def auto_declined(backend_name: str, device: torch.device) -> Optional[str]:
+    """Why the automatic plan stays off for this backend on this device (None: the cost model decides)."""
+    if device.type != "cuda":
+        return None
+    return AUTO_DECLINED.get(backend_name)
+
+
 def _transition_mode(transitions: str, K: int, V: int) -> str:
     if transitions not in _TRANSITIONS:
         raise ValueError(f"transitions must be one of {_TRANSITIONS}, got {transitions!r}")
@@ -1084,7 +1100,11 @@ def chunk_gated_delta_rule_cp(
     mode = _transition_mode(transitions, spec.K, spec.V)
     B, T = q.shape[0], q.shape[1]
     plan = None
-    if B > 0 and T > 0:
+    declined = None
+    if segments is None and B > 0 and T > 0:
+        be, _ = select(spec, backend)
+        declined = auto_declined(be.name, q.device)
+    if B > 0 and T > 0 and declined is None:
         _, lens = _seq_bounds(B, T, meta)
         plan = _resolve_plan(segments, lens, spec, q.device, sm_count, cost, min_segment_len, max_segments)
     if plan is None or not plan.enabled:

@@ -547,3 +547,13 @@ def test_gpu_cp_capture_without_cp_warmup(backend):
     torch.cuda.synchronize()
     for name, a, b in zip(NAMES, captured, eager):
         assert rel_l2(a, b) <= 1e-5, (name, rel_l2(a, b))
+
+
+def test_auto_plan_declined_where_measured_slower():
+    """The automatic plan stays off on backends where CP measured slower on the GPU (triton); forced
+    segments still run; on the CPU the cost model decides for every backend."""
+    from flashqla.cp import auto_declined
+    cuda = torch.device("cuda")
+    assert "slower" in auto_declined("triton", cuda)
+    assert auto_declined("tilelang", cuda) is None and auto_declined("cutlass", cuda) is None
+    assert auto_declined("triton", torch.device("cpu")) is None
