@@ -248,3 +248,37 @@ def test_runtime_failure_fallback_in_fwd_api_too():
     finally:
         unregister_backend("crashy")
         registry._RUNTIME_FAILURES.clear()
+
+
+class UncompilableBackend(Backend):
+    """Its kernel goes through the real tilelang compile cache with a builder that fails."""
+
+    name = "uncompilable"
+    priorities = {"cpu": 1000}
+    has_backward = False
+
+    def forward(self, spec, x):
+        from flashqla.backends.tilelang._compile import get_kernel
+
+        def build_broken(K, V):
+            raise ValueError("shared memory 300 KB over the 227 KB limit")
+        get_kernel("fwd_broken_sm90", build_broken, (spec.K, spec.V))
+
+
+def test_compile_failure_names_backend_kernel_and_configuration():
+    from flashqla.dispatch import BackendRuntimeError, KernelBuildError, registry
+
+    register_backend(UncompilableBackend())
+    try:
+        args = _inputs()
+        o, _ = flashqla.chunk_gated_delta_rule(*args)  # auto: the next backend serves
+        d = flashqla.explain(*args, needs_grad=False)
+        why = d.reasons()["uncompilable"]
+        assert "KernelBuildError" in why and "fwd_broken_sm90" in why and "300 KB" in why
+        with pytest.raises(BackendRuntimeError, match="'uncompilable'.*tilelang kernel fwd_broken_sm90 failed to "
+                                                      r"compile for key \(\d+, \d+\)") as info:
+            flashqla.chunk_gated_delta_rule(*args, backend="uncompilable")
+        assert isinstance(info.value.__cause__, KernelBuildError)
+    finally:
+        unregister_backend("uncompilable")
+        registry._RUNTIME_FAILURES.clear()

@@ -49,6 +49,17 @@ class BackendRuntimeError(RuntimeError):
 _RUNTIME_FAILURES: dict = {}
 
 
+class KernelBuildError(RuntimeError):
+    """A kernel failed to compile: names the backend, the kernel and its compile key (the configuration).
+    Dispatch treats it like any run-time failure: ``auto`` moves to the next backend and explain() says why."""
+
+    def __init__(self, backend: str, kernel: str, key, exc: BaseException):
+        self.backend, self.kernel, self.key = backend, kernel, key
+        msg = str(exc).strip().splitlines()
+        super().__init__(f"{backend} kernel {kernel} failed to compile for key {key}: {type(exc).__name__}: "
+                         f"{msg[0][:400] if msg else '(no message)'}")
+
+
 def record_runtime_failure(name: str, spec: CallSpec, exc: BaseException) -> str:
     why = f"failed at run time on this configuration: {type(exc).__name__}: {str(exc).strip()[:300] or '(no message)'}"
     _RUNTIME_FAILURES[(name, spec)] = why

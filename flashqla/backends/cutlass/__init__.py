@@ -175,9 +175,13 @@ def compile_kernel(kind: str, key: tuple, arch: str = ARCH, keep_dir=None):
             opts += f" --keep-ptx --keep-cubin --dump-dir {out}"
         except OSError as exc:  # an unwritable cache dir must not stop the kernels
             log.warning("flashqla cutlass: cannot keep artifacts in %s (%s)", out, exc)
-        kernel = _make_kernel(kind, key)
         log.info("flashqla cutlass: compiling %s %s for %s", kind, key, arch)
-        fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
+        try:
+            kernel = _make_kernel(kind, key)
+            fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
+        except Exception as exc:
+            from ...dispatch.registry import KernelBuildError
+            raise KernelBuildError("cutlass", kind, (arch,) + tuple(key), exc) from exc
         _compile_counter[0] += 1
         _compiled[full_key] = fn
         _artifacts[full_key] = out

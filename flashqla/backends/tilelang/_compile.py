@@ -70,11 +70,15 @@ def get_kernel(name: str, builder: Callable[..., Any], key: tuple):
     with _LOCK:
         kern = _KERNELS.get(ck)
         if kern is None:
-            import tilelang
-
             t0 = time.perf_counter()
-            func = builder(*key)
-            kern = tilelang.compile(func, out_idx=None, target=TARGET)
+            try:
+                import tilelang
+
+                func = builder(*key)
+                kern = tilelang.compile(func, out_idx=None, target=TARGET)
+            except Exception as exc:
+                from ...dispatch.registry import KernelBuildError
+                raise KernelBuildError("tilelang", name, key, exc) from exc
             COMPILE_SECONDS += time.perf_counter() - t0
             COMPILE_COUNT += 1
             _KERNELS[ck] = kern
