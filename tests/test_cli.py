@@ -284,3 +284,20 @@ def test_bench_plot_when_matplotlib_is_there(tmp_path, capsys):
     assert rc == 0
     png = (out / "bench_quick_fwd.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 1000
+
+
+def test_bench_decode_on_cpu_both_layouts(tmp_path, capsys):
+    """The decode preset on the CPU: the torch path in both pool layouts, checked against itself (same
+    math), with JSON + markdown written."""
+    import json
+    out = tmp_path / "dec"
+    rc = main(["bench", "--preset", "decode", "--backends", "torch,torch[layout=VK]", "--baselines", "none",
+               "--filter", "16/32 b1", "--min-time", "0.01", "--max-reps", "2", "--out", str(out)])
+    assert rc == 0
+    data = json.loads((out / "bench_decode.json").read_text())
+    assert len(data["rows"]) == 1
+    res = data["rows"][0]["results"]
+    for name in ("torch", "torch[layout=VK]"):
+        assert res[name]["status"] == "ok" and res[name]["err"] < 1e-6 and res[name]["ms"] > 0, res[name]
+    md = (out / "bench_decode.md").read_text()
+    assert "| 16/32 | 1 |" in md and "torch[layout=VK] us" in md
