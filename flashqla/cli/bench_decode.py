@@ -255,7 +255,8 @@ def _row_line(rec, impls) -> str:
 
 def _table(results, impls, gm, device, ceil) -> str:
     names = [im["name"] for im in impls]
-    head = ["heads", "batch"] + [f"{n} us" for n in names] + [f"{n} vs fla" for n in names if n != "fla"] + \
+    vs = [n for n in names if n != "fla"] if "fla" in names else []   # no ratio columns without the baseline
+    head = ["heads", "batch"] + [f"{n} us" for n in names] + [f"{n} vs fla" for n in vs] + \
         [f"{n} %floor" for n in names] + ["max err"]
     lines = [f"decode step (1 token, fp32 pool, bf16 io, q/k L2 norm) on {device}; copy ceiling "
              f"{ceil.get('copy_gbps', float('nan')):.0f} GB/s; CUDA-graph medians",
@@ -265,7 +266,7 @@ def _table(results, impls, gm, device, ceil) -> str:
         cells = [f"{rec['Hqk']}/{rec['Hv']}", str(rec["batch"])]
         cells += [f"{rs[n]['ms'] * 1e3:.1f}" if rs.get(n, {}).get("status") == "ok" else rs.get(n, {}).get("status", "-")
                   for n in names]
-        cells += [f"{rec.get('speedup_vs_fla', {}).get(n, float('nan')):.2f}" for n in names if n != "fla"]
+        cells += [f"{rec.get('speedup_vs_fla', {}).get(n, float('nan')):.2f}" for n in vs]
         cells += [f"{rs[n]['pct_floor']:.0f}%" if "pct_floor" in rs.get(n, {}) else "-" for n in names]
         errs = [rs[n]["err"] for n in names if rs.get(n, {}).get("status") == "ok"]
         cells.append(f"{max(errs):.1e}" if errs else "-")
