@@ -96,6 +96,12 @@ def test_info_json_and_fake_arch(capsys):
         assert d["chosen"] in names
         # every rejection carries its reason
         assert all(c["reason"] for c in d["order"])
+    # the decode op's choice for a typical serving step, with every implementation's verdict
+    dec = doc["decode"]
+    assert dec["chosen"] == ("tilelang" if torch.cuda.is_available() and
+                             torch.cuda.get_device_capability() == (9, 0) else
+                             "triton" if torch.cuda.is_available() else "torch")
+    assert {r["name"] for r in dec["order"]} == {"tilelang", "triton", "torch"} and all(r["verdict"] for r in dec["order"])
 
 
 def test_module_entry_point_runs():

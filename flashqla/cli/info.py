@@ -118,6 +118,26 @@ def decisions(device: torch.device, fake_arch=None, dtype=None) -> list:
     return out
 
 
+def decode_decision(device: torch.device) -> dict:
+    """What ``gated_delta_rule_decode(impl="auto")`` picks for a typical serving step on this device (batch 8,
+    one token, 16/32 heads, K = V = 128, fp32 pool), with every implementation's verdict."""
+    from flashqla.decode import choose_decode_impl, decode_implementations
+    dt = torch.bfloat16 if device.type == "cuda" else torch.float32
+    q = torch.empty(8, 1, 16, 128, dtype=dt, device=device)
+    v = torch.empty(8, 1, 32, 128, dtype=dt, device=device)
+    g = torch.empty(8, 1, 32, dtype=torch.float32, device=device)
+    pool = torch.empty(8, 32, 128, 128, dtype=torch.float32, device=device)
+    try:
+        chosen, verdicts = choose_decode_impl(q, v, g, g.to(dt), pool)
+    except Exception as exc:  # the listing must not break info
+        chosen, verdicts = None, {"error": f"{type(exc).__name__}: {exc}"}
+    avail = decode_implementations()
+    order = [{"name": n, "available": ok, "verdict": verdicts.get(n, why if not ok else "not tried")}
+             for n, (ok, why) in avail.items()]
+    return {"call": f"{device.type} {str(dt).replace('torch.', '')} B=8 T=1 Hqk/Hv=16/32 K=V=128 fp32 pool",
+            "chosen": chosen, "order": order}
+
+
 def run_info(args) -> int:
     import flashqla
     from flashqla.dispatch import priority_of
@@ -129,6 +149,7 @@ def run_info(args) -> int:
     dev = device_info(device)
     fw = frameworks()
     decs = decisions(device, args.fake_arch)
+    dec_step = decode_decision(device)
     spec = decs[0][1].spec
     backends = []
     for name in flashqla.list_backends():
@@ -153,6 +174,7 @@ def run_info(args) -> int:
             "decisions": [{"call": label, "spec": d.spec.summary(), "chosen": d.chosen,
                            "order": [{"name": c.name, "priority": c.priority, "verdict": c.verdict,
                                       "reason": c.reason} for c in d.candidates]} for label, d in decs],
+            "decode": dec_step,
         }, indent=1, default=str))
         return 0
 
@@ -180,7 +202,12 @@ def run_info(args) -> int:
         for i, c in enumerate(d.candidates, 1):
             prio = "-" if c.priority is None else str(c.priority)
             print(f"    {i}. {c.name:<10} prio {prio:>4}  {c.verdict:<19} {c.reason}")
-    env = {k: os.environ[k] for k in ("FLASHQLA_BACKEND", "FLASHQLA_DISABLE", "FLASHQLA_CACHE_DIR") if k in os.environ}
+    print(f"\ngated_delta_rule_decode(impl=\"auto\") for a typical step: {dec_step['call']}")
+    print(f"  chosen: {dec_step['chosen'] or 'none'}")
+    for i, r in enumerate(dec_step["order"], 1):
+        print(f"    {i}. {r['name']:<10} {'available' if r['available'] else 'unavailable':<12} {r['verdict']}")
+    env = {k: os.environ[k] for k in ("FLASHQLA_BACKEND", "FLASHQLA_DISABLE", "FLASHQLA_CACHE_DIR",
+                                      "FLASHQLA_DECODE_IMPL") if k in os.environ}
     if env:
         print("\nenvironment: " + ", ".join(f"{k}={v}" for k, v in env.items()))
     return 0
