@@ -53,12 +53,34 @@ def build_decode(io_dtype: str, g_dtype: str, beta_dtype: str, state_dtype: str,
     return build(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_indices)
 
 
+STATE_VK, STATE_KV = True, False
+
+
+def _signature(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, state_vk, has_indices):
+    """The kernel's tensor types (both layouts share them but the pool's): q/k ``[B, T, Hqk, K]``, v and o
+    ``[B, T, Hv, V]``, g and beta ``[B, T, Hv]``, the pool, the indices; every outer size symbolic.  One
+    object per parameter: TileLang binds a parameter's buffer to its annotation object, so two parameters
+    sharing one would alias."""
+    from types import SimpleNamespace
+
+    import tilelang.language as T
+
+    B, Tn, Hqk, Hv, P = T.dynamic("B"), T.dynamic("T"), T.dynamic("Hqk"), T.dynamic("Hv"), T.dynamic("P")
+    NI = B if has_indices else T.dynamic("NI")
+    return SimpleNamespace(
+        q=T.Tensor((B, Tn, Hqk, K), io_dtype), k=T.Tensor((B, Tn, Hqk, K), io_dtype),
+        v=T.Tensor((B, Tn, Hv, V), io_dtype), o=T.Tensor((B, Tn, Hv, V), io_dtype),
+        g=T.Tensor((B, Tn, Hv), g_dtype), beta=T.Tensor((B, Tn, Hv), beta_dtype),
+        state=T.Tensor((P, Hv, V, K) if state_vk else (P, Hv, K, V), state_dtype),
+        indices=T.Tensor((NI,), "int32"), B=B, Tn=Tn, Hv=Hv, P=P)
+
+
 def _build_vk(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_indices):
     import tilelang.language as T
 
 
-    B, Tn, Hqk, Hv, P = T.dynamic("B"), T.dynamic("T"), T.dynamic("Hqk"), T.dynamic("Hv"), T.dynamic("P")
-    NI = B if has_indices else T.dynamic("NI")
+    ty = _signature(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, STATE_VK, has_indices)
+    B, Tn, Hv, P = ty.B, ty.Tn, ty.Hv, ty.P
     KPL = K // 32
     VPW = BV // WARPS
     NV = V // BV
@@ -66,14 +88,14 @@ def _build_vk(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_
 
     @T.prim_func
     def gdn_decode_vk(
-        q: T.Tensor((B, Tn, Hqk, K), io_dtype),
-        k: T.Tensor((B, Tn, Hqk, K), io_dtype),
-        v: T.Tensor((B, Tn, Hv, V), io_dtype),
-        g: T.Tensor((B, Tn, Hv), g_dtype),
-        beta: T.Tensor((B, Tn, Hv), beta_dtype),
-        o: T.Tensor((B, Tn, Hv, V), io_dtype),
-        state: T.Tensor((P, Hv, V, K), state_dtype),
-        indices: T.Tensor((NI,), "int32"),
+        q: ty.q,
+        k: ty.k,
+        v: ty.v,
+        g: ty.g,
+        beta: ty.beta,
+        o: ty.o,
+        state: ty.state,
+        indices: ty.indices,
         scale: T.float32,
         ratio: T.int32,
     ):
@@ -165,8 +187,8 @@ def kv_mapping(K: int, BV: int) -> tuple:
 def _build_kv(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_indices):
     import tilelang.language as T
 
-    B, Tn, Hqk, Hv, P = T.dynamic("B"), T.dynamic("T"), T.dynamic("Hqk"), T.dynamic("Hv"), T.dynamic("P")
-    NI = B if has_indices else T.dynamic("NI")
+    ty = _signature(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, STATE_KV, has_indices)
+    B, Tn, Hv, P = ty.B, ty.Tn, ty.Hv, ty.P
     KPL = K // 32
     VPL, NVS, KG, KPG = kv_mapping(K, BV)
     assert K % KG == 0 and BV % NVS == 0
@@ -175,14 +197,14 @@ def _build_kv(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_
 
     @T.prim_func
     def gdn_decode_kv(
-        q: T.Tensor((B, Tn, Hqk, K), io_dtype),
-        k: T.Tensor((B, Tn, Hqk, K), io_dtype),
-        v: T.Tensor((B, Tn, Hv, V), io_dtype),
-        g: T.Tensor((B, Tn, Hv), g_dtype),
-        beta: T.Tensor((B, Tn, Hv), beta_dtype),
-        o: T.Tensor((B, Tn, Hv, V), io_dtype),
-        state: T.Tensor((P, Hv, K, V), state_dtype),
-        indices: T.Tensor((NI,), "int32"),
+        q: ty.q,
+        k: ty.k,
+        v: ty.v,
+        g: ty.g,
+        beta: ty.beta,
+        o: ty.o,
+        state: ty.state,
+        indices: ty.indices,
         scale: T.float32,
         ratio: T.int32,
     ):
