@@ -17,11 +17,12 @@ Implementations, chosen by ``impl="auto"`` (or named):
   under ``TRITON_INTERPRET=1`` (for tests).
 * ``"torch"``: PyTorch, vectorised over the batch and the heads, a loop over the T tokens.  The default on
   the CPU and the fallback for what the Triton kernel does not support (float64).  With ``state_indices``
-  it gathers the live rows with a boolean mask, which synchronises on CUDA: on a GPU only the Triton
-  path is CUDA-graph capturable.
+  it gathers the live rows with a boolean mask, which synchronises on CUDA: on a GPU only the Triton and
+  TileLang paths are CUDA-graph capturable.
 * ``"tilelang"``: :mod:`flashqla.backends.tilelang.decode_sm90` -- Hopper (sm_90a), one CTA per (batch row,
-  value head, V block), lanes over K so each warp reads its state columns as contiguous rows and the sums
-  over K are warp shuffles; contiguous pools only (a strided pool view goes to triton).  The default on
+  value head, V block), the thread mapping chosen per pool layout so loads stay coalesced (``[V, K]``:
+  lanes along K, warp-shuffle sums; ``[K, V]``: lanes along V, per-group partials in shared memory);
+  contiguous pools only (a strided pool view goes to triton).  The default on
   sm_90 (measured faster than triton on the H200 decode bench).
 """
 
@@ -35,12 +36,12 @@ from typing import Callable, Optional
 import torch
 
 from .reference import L2NORM_EPS
+from .validation import check_state_layout
 
 __all__ = ["gated_delta_rule_decode", "decode_implementations", "choose_decode_impl"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-LAYOUTS = ("KV", "VK")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -56,8 +57,7 @@ def _tensor(x, name: str) -> torch.Tensor:
 def _validate(q, k, v, g, beta, state, state_indices, scale, state_layout, check_indices):
     q, k, v, g, beta, state = (_tensor(x, n) for x, n in
                                ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta"), (state, "state")))
-    if not isinstance(state_layout, str) or state_layout not in LAYOUTS:
-        raise ValueError(f"state_layout must be 'KV' ([P, Hv, K, V]) or 'VK' ([P, Hv, V, K]), got {state_layout!r}")
+    check_state_layout(state_layout, rows="P")
     if q.dim() != 4:
         raise ValueError(f"q must be 4-D [B, T, Hqk, K], got shape {tuple(q.shape)}")
     B, T, Hqk, K = q.shape
@@ -225,14 +225,9 @@ def _torch_supports(q, v, g, beta, state):
 
 
 def _tilelang_available():
-    import importlib.util
-    if importlib.util.find_spec("tilelang") is None:
-        return False, "the tilelang package is not installed (pip install tilelang==0.1.15)"
-    try:
-        import tilelang
-    except Exception as exc:  # a broken install must not break dispatch
-        return False, f"importing tilelang failed: {type(exc).__name__}: {exc}"
-    return True, f"tilelang {tilelang.__version__}"
+    # the chunk backend's verdict (cached there): whether tilelang imports, with its version
+    from .dispatch import get_backend
+    return get_backend("tilelang")._tilelang_importable()
 
 
 def _tilelang_supports(q, v, g, beta, state):
@@ -247,8 +242,9 @@ def _tilelang_supports(q, v, g, beta, state):
         if x.dtype not in tk._TL:
             return False, f"{nm} dtype {x.dtype} not supported (float32, bfloat16, float16)"
     K, V = q.shape[-1], v.shape[-1]
-    if not (K % 32 == 0 and 32 <= K <= 256 and V % 16 == 0):
-        return False, f"head dims K = {K}, V = {V}: needs K a multiple of 32 in [32, 256] and V a multiple of 16"
+    if not tk.supported_head_dims(K, V, tk.MIN_BV):
+        return False, (f"head dims K = {K}, V = {V}: needs K a multiple of 32 in [32, 256] and V a multiple "
+                       f"of {tk.MIN_BV}")
     if not state.is_contiguous():
         return False, "the pool must be contiguous (a strided view of a larger pool goes to triton)"
     return True, "ok"

@@ -36,10 +36,11 @@ def _shape(x: torch.Tensor, name: str, expected: tuple, layout: str) -> None:
         raise ValueError(f"{name} must have shape {layout} = {tuple(expected)}, got {tuple(x.shape)}")
 
 
-def check_state_layout(state_layout) -> str:
-    """``state_layout`` must be ``"KV"`` (``[N, Hv, K, V]``) or ``"VK"`` (``[N, Hv, V, K]``)."""
+def check_state_layout(state_layout, rows: str = "N") -> str:
+    """``state_layout`` must be ``"KV"`` (``[N, Hv, K, V]``) or ``"VK"`` (``[N, Hv, V, K]``); ``rows`` names
+    the state's first dim in the message (``"P"`` for the decode op's pool)."""
     if not isinstance(state_layout, str) or state_layout not in STATE_LAYOUTS:
-        raise ValueError(f"state_layout must be 'KV' (state [N, Hv, K, V]) or 'VK' (state [N, Hv, V, K]), "
+        raise ValueError(f"state_layout must be 'KV' (state [{rows}, Hv, K, V]) or 'VK' (state [{rows}, Hv, V, K]), "
                          f"got {state_layout!r}")
     return state_layout
 

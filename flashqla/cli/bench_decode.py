@@ -76,10 +76,9 @@ def _split_layout(tune: str) -> tuple:
     return ",".join(parts), layout
 
 
-def _flashqla_call(impl: str, tune: str, x: dict):
+def _flashqla_call(impl: str, tune: str, layout: str, x: dict):
     from flashqla.decode import gated_delta_rule_decode
 
-    tune, layout = _split_layout(tune)
     if layout == "VK":
         # the serving layout [P, Hv, V, K]: a transposed copy of the pool, turned back for the check
         x["pool"] = x["pool"].transpose(-1, -2).contiguous()
@@ -151,10 +150,12 @@ def run_decode_bench(args) -> int:
     impls = []
     for n in names:
         base, tune = _parse_impl(n)
+        tune, layout = _split_layout(tune)
         if base not in avail:
             raise SystemExit(f"unknown decode implementation {base!r}; known: {', '.join(avail)}")
         ok, why = avail[base]
-        impls.append({"name": n, "kind": "flashqla", "impl": base, "tune": tune, "skip": "" if ok else why})
+        impls.append({"name": n, "kind": "flashqla", "impl": base, "tune": tune, "layout": layout,
+                      "skip": "" if ok else why})
     fla_fn, fla_ver = None, ""
     for b in baselines:
         if b != "fla":
@@ -199,11 +200,11 @@ def run_decode_bench(args) -> int:
                 if im["kind"] == "baseline":
                     fn = _fla_call(fla_fn, xi)
                 else:
-                    fn = _flashqla_call(im["impl"], im["tune"], xi)
+                    fn = _flashqla_call(im["impl"], im["tune"], im["layout"], xi)
                 outs = fn()
                 if im["kind"] != "baseline":
                     after = xi["pool"].float()
-                    ref["pool_after"] = after.transpose(-1, -2) if "layout=vk" in im["tune"].lower() else after
+                    ref["pool_after"] = after.transpose(-1, -2) if im["layout"] == "VK" else after
                 err = _check(outs, ref, o_ref, pool_ref, im["kind"] == "baseline")
                 if device.type == "cuda":
                     r = bench.time_cuda([fn], min_time, max_reps, use_graph=not args.no_graph)

@@ -170,7 +170,6 @@ def decode_variants(dtypes, fixed):
 
     from ..backends.tilelang import _compile, decode_sm90
 
-    out = []
     l2s = [fixed["l2norm"]] if "l2norm" in fixed else [False, True]
     with _compile.record_keys() as rec:
         for dt_name in dtypes:
@@ -179,10 +178,7 @@ def decode_variants(dtypes, fixed):
                                                       (1, 1 << 20)):
                 bv = decode_sm90.block_v(128, 128, rows)
                 decode_sm90.decode_kernel(dt, torch.float32, dt, st, 128, 128, bv, vk, l2, True)
-    for name, builder, key in rec:
-        if (name, key) not in {(n, k) for n, _, k in out}:
-            out.append((name, builder, key))
-    return out
+    return rec   # enumerate_variants drops repeats (its ``seen`` set)
 
 
 # ----------------------------------------------------------------------------------------------------

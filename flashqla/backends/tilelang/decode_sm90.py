@@ -42,6 +42,9 @@ L2_EPS = 1e-6
 _TL = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+MIN_BV = 16   # the narrowest V block block_v() picks: V must be a multiple of it
+
+
 def supported_head_dims(K: int, V: int, BV: int) -> bool:
     return K % 32 == 0 and 32 <= K <= 256 and V % BV == 0 and BV % WARPS == 0
 
@@ -310,7 +313,7 @@ def _build_kv(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_
 def block_v(K: int, V: int, rows: int) -> int:
     """The V block: 64 columns per CTA (64 fp32 state values per thread at K = 128) when there are enough
     (batch row, head) pairs to fill the GPU, else 16 (four times the CTAs for small batches)."""
-    bv = 64 if rows > 512 else 16
+    bv = 64 if rows > 512 else MIN_BV
     while bv > WARPS and V % bv:
         bv //= 2
     if K > 128:
