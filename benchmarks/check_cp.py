@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import flashqla  # noqa: E402
 from flashqla.cp import CPCostModel, _model_cost, cp_plan, split_even  # noqa: E402
+from flashqla.testing import warm_up_for_capture  # noqa: E402
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta")
 
@@ -110,12 +111,7 @@ def time_graph(fn, reps):
             times.append((time.perf_counter() - t0) * 1e3)
         return statistics.median(times), out, "wall", "", None
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream (compilation, the CP plan's metadata)
-        for _ in range(2):
-            out = fn()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(fn, reps=2)   # compilation, the CP plan's metadata
     torch.cuda.synchronize()
     graph, note = None, ""
     try:

@@ -209,6 +209,19 @@ class CaseResult:
         return not self.failures
 
 
+def warm_up_for_capture(*fns, reps: int = 1) -> None:
+    """Run each of ``fns`` ``reps`` times on a side stream, then make the current stream wait for it: the
+    warm-up CUDA graph capture needs (kernels compile, one-time uploads happen, allocations settle) off
+    the stream that will be captured."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(reps):
+            for f in fns:
+                f()
+    torch.cuda.current_stream().wait_stream(side)
+
+
 def tolerance_key(dtype: torch.dtype, device_type: str, exact_fp32: bool) -> str:
     name = str(dtype).replace("torch.", "")
     if name == "float32" and not exact_fp32:

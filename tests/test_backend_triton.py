@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 
 import flashqla  # noqa: E402
 from flashqla.dispatch import fake_device, get_backend  # noqa: E402
-from flashqla.testing import Case, make_inputs, oracle, poisoned_outputs, rel_l2, run_case  # noqa: E402
+from flashqla.testing import (Case, make_inputs, oracle, poisoned_outputs, rel_l2, run_case,  # noqa: E402
+                              warm_up_for_capture)
 from flashqla.validation import validate  # noqa: E402
 
 CUDA = torch.cuda.is_available()
@@ -337,11 +338,7 @@ def test_gpu_cuda_graph_forward_backward():
         grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
         return (o.detach(), ht.detach()) + tuple(grads)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # warm-up (compilation) outside capture
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(run)  # compilation outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run()

@@ -26,7 +26,7 @@ import flashqla.cp as cpmod
 from flashqla.cp import (CPCostModel, CPPlan, chunk_gated_delta_rule_cp, cp_plan, segment_plan, split_even,
                          transition_matrices)
 from flashqla.dispatch import fake_device, get_backend
-from flashqla.testing import Case, make_inputs, oracle, poisoned_outputs, rel_l2
+from flashqla.testing import Case, make_inputs, oracle, poisoned_outputs, rel_l2, warm_up_for_capture
 
 TOL = 1e-5
 NAMES = ("o", "ht", "dq", "dk", "dv", "dg", "dbeta", "dh0")
@@ -483,11 +483,7 @@ def test_gpu_cp_cuda_graph_forward_backward(backend):
     case, x, meta, segments = _gpu_setup(backend)
     leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
     run = functools.partial(_gpu_run, x, meta, leaves, backend, segments)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()  # warm-up outside capture: kernels compile, the plan's metadata is uploaded once
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(run)  # outside capture: kernels compile, the plan's metadata is uploaded once
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = run()
@@ -529,11 +525,7 @@ def test_gpu_cp_capture_without_cp_warmup(backend):
     case, x, meta, _ = _gpu_setup(backend)
     leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
     run = functools.partial(_gpu_run, x, meta, leaves, backend)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run([4, 1, 2])  # kernels compiled (same pass shapes), but the plan below is new
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(lambda: run([4, 1, 2]))  # kernels compiled (same pass shapes), but the plan below is new
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):

@@ -20,7 +20,7 @@ import pytest  # noqa: E402
 import flashqla  # noqa: E402
 from flashqla.decode import choose_decode_impl, decode_implementations, gated_delta_rule_decode  # noqa: E402
 from flashqla.reference import recurrent_gated_delta_rule_ref  # noqa: E402
-from flashqla.testing import TOLERANCES, poisoned_outputs, rel_l2  # noqa: E402
+from flashqla.testing import TOLERANCES, poisoned_outputs, rel_l2, warm_up_for_capture  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -377,11 +377,8 @@ def test_decode_cuda_graph_capture(impl):
     args = {n: x[n] for n in ("q", "k", "v", "g", "beta")}
     # warm up (compiles the kernel) on a scratch copy, outside capture
     scratch = pool.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        gated_delta_rule_decode(**args, state=scratch, state_indices=idx, state_layout="VK", impl=impl)
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(lambda: gated_delta_rule_decode(**args, state=scratch, state_indices=idx, state_layout="VK",
+                                                        impl=impl))
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = gated_delta_rule_decode(**args, state=pool, state_indices=idx, state_layout="VK", impl=impl)
@@ -428,11 +425,7 @@ def test_cuda_graph_prefill_then_decode(layout):
                                        state_layout=layout, check_indices=False)
 
     eager_pool = pool.clone()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step(pool.clone())  # compile outside capture
-    torch.cuda.current_stream().wait_stream(s)
+    warm_up_for_capture(lambda: step(pool.clone()))  # compile outside capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step(pool)

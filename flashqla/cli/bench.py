@@ -269,14 +269,9 @@ def _sync(device):
 
 
 def time_cuda(fns, min_time_s: float, max_reps: int, use_graph: bool) -> dict:
+    from ..testing import warm_up_for_capture
     torch.cuda.synchronize()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as capture requires
-        for _ in range(2):
-            for f in fns:
-                f()
-    torch.cuda.current_stream().wait_stream(side)
+    warm_up_for_capture(*fns, reps=2)
     torch.cuda.synchronize()
     graph, note, held = None, "", []
     if use_graph:
