@@ -10,21 +10,40 @@
 #   bash benchmarks/next_device_run.sh ncu        carry [".gpu"]: Nsight Compute on the tilelang ws forward
 #                                                 recurrence (stall reasons, pipe use) at 16/32 4x8192 and
 #                                                 2/8 1x32768: where its ~4 us per chunk goes (#4, #8)
+#   bash benchmarks/next_device_run.sh firstcall  carry [".gpu"] with a CPU-precompiled kcache: first-call latency of
+#                                                 a fresh process with an empty cache, again on the cache it
+#                                                 filled, and on the precompiled cache for a new head configuration (#7)
+#   bash benchmarks/next_device_run.sh profile    per-kernel times of triton, tilelang and FLA, fwd and fwd+bwd (#3, #4)
+# Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
-STEP=${1:-flashqla}
+STEPS=${*:-flashqla}
+STEPS=${STEPS//flashqla/flqwarm fwdbench save}     # the whole #7 run as one word
 source benchmarks/device_lib.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 PYT="python -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short"
+for STEP in $STEPS; do
 case "$STEP" in
-  flashqla)
+  firstcall)
+    # one process per line; the cold one gets caches of its own so the carried kcache does not help it
+    TAIL=3 run_step "first call cold cache 8-32" 150 env TILELANG_CACHE_DIR=/tmp/cold/tilelang \
+        FLASHQLA_CACHE_DIR=/tmp/cold/flashqla python benchmarks/first_call.py --heads 8/32
+    TAIL=3 run_step "first call same config again 8-32" 60 env TILELANG_CACHE_DIR=/tmp/cold/tilelang \
+        FLASHQLA_CACHE_DIR=/tmp/cold/flashqla python benchmarks/first_call.py --heads 8/32
+    TAIL=3 run_step "first call precompiled 4-16" 60 python benchmarks/first_call.py --heads 4/16
+    TAIL=3 run_step "first call precompiled again 4-16" 60 python benchmarks/first_call.py --heads 4/16 ;;
+  profile)
+    TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls triton,tilelang,fla \
+        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --modes fwd,fwdbwd --out $OUT/profile.json ;;
+  flqwarm)
     TAIL=20 run_step "flashqla rekey check" 40 python benchmarks/check_flashqla_warm.py --rekey --no-calls \
         --dump-keys $OUT/flq_keys
-    TAIL=10 run_step "flashqla device warm-up" 200 python benchmarks/warm_flashqla_cache.py \
-        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads 2/8,4/16,8/32,16/64
-    TAIL=30 run_step "qwen35-fwd preset, both baselines" 280 python -m flashqla bench --preset qwen35-fwd \
-        --no-progress --backends tilelang,triton --baselines fla,flashqla --out $OUT/fwd
+    TAIL=10 run_step "flashqla device warm-up" 300 python benchmarks/warm_flashqla_cache.py \
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads 2/8,4/16,8/32,16/32,16/64
     save_kcache ;;
+  fwdbench)
+    TAIL=40 run_step "qwen35-fwd preset, both baselines" 480 python -m flashqla bench --preset qwen35-fwd \
+        --no-progress --backends tilelang,triton --baselines fla,flashqla --out $OUT/fwd ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
@@ -41,5 +60,7 @@ case "$STEP" in
           python benchmarks/profile_kernels.py --impls tilelang --rows $row --modes fwd --iters 3
     done
     save_kcache ;;
-  *) echo "unknown step $STEP (flashqla | cutlass | memory | ncu)"; exit 2 ;;
+  save) save_kcache ;;
+  *) echo "unknown step $STEP (firstcall | profile | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
+done
