@@ -14,6 +14,7 @@
 #                                                 a fresh process with an empty cache, again on the cache it
 #                                                 filled, and on the precompiled cache for a new head configuration (#7)
 #   bash benchmarks/next_device_run.sh profile    per-kernel times of triton, tilelang and FLA, fwd and fwd+bwd (#3, #4)
+#   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
@@ -35,6 +36,10 @@ case "$STEP" in
   profile)
     TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls triton,tilelang,fla \
         --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --modes fwd,fwdbwd --out $OUT/profile.json ;;
+  sweep)
+    TAIL=40 run_step "triton sweep fwd" 200 python benchmarks/sweep_triton.py --mode fwd \
+        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --out $OUT/sweep_fwd.json --variants \
+        "-;fwd.fuse=1;state.bv=64;state.bv=64,state.warps=4;state.stages=3;state.bv=32,state.warps=2;output.warps=4;prep.warps=8;prep.bv=32;prep.bv=128;prep.stages=3" ;;
   flqwarm)
     TAIL=20 run_step "flashqla rekey check" 40 python benchmarks/check_flashqla_warm.py --rekey --no-calls \
         --dump-keys $OUT/flq_keys
@@ -61,6 +66,6 @@ case "$STEP" in
     done
     save_kcache ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (firstcall | profile | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (firstcall | profile | sweep | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
