@@ -34,8 +34,8 @@ case "$STEP" in
     TAIL=3 run_step "first call precompiled 4-16" 60 python benchmarks/first_call.py --heads 4/16
     TAIL=3 run_step "first call precompiled again 4-16" 60 python benchmarks/first_call.py --heads 4/16 ;;
   profile)
-    TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls triton,tilelang,fla \
-        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --modes fwd,fwdbwd --out $OUT/profile.json ;;
+    TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls ${PROFILE_IMPLS:-triton} \
+        --rows 16/32:1x32768,16/32:4x8192 --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
   sweep)
     TAIL=40 run_step "triton sweep fwd" 200 python benchmarks/sweep_triton.py --mode fwd \
         --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --out $OUT/sweep_fwd.json --variants \
