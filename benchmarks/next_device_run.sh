@@ -39,7 +39,7 @@ case "$STEP" in
   sweep)
     TAIL=40 run_step "triton sweep fwd" 200 python benchmarks/sweep_triton.py --mode fwd \
         --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --out $OUT/sweep_fwd.json --variants \
-        "-;fwd.fuse=1;state.bv=64;state.bv=64,state.warps=4;state.stages=3;state.bv=32,state.warps=2;output.warps=4;prep.warps=8;prep.bv=32;prep.bv=128;prep.stages=3" ;;
+        "-;fwd.fuse=1;state.bv=64;state.bv=64,state.warps=4;state.bv=64,state.warps=2;state.warps=2;state.warps=2,state.stages=3;state.stages=3;state.stages=4;output.warps=4;output.bv=64;prep.warps=8;prep.bv=32;prep.bv=128;prep.stages=3" ;;
   flqwarm)
     TAIL=20 run_step "flashqla rekey check" 40 python benchmarks/check_flashqla_warm.py --rekey --no-calls \
         --dump-keys $OUT/flq_keys
