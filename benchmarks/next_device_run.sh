@@ -15,6 +15,7 @@
 #                                                 filled, and on the precompiled cache for a new head configuration (#7)
 #   bash benchmarks/next_device_run.sh profile    per-kernel times of triton, tilelang and FLA, fwd and fwd+bwd (#3, #4)
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
+#   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
@@ -37,9 +38,15 @@ case "$STEP" in
     TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls ${PROFILE_IMPLS:-triton} \
         --rows 16/32:1x32768,16/32:4x8192 --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
   sweep)
-    TAIL=40 run_step "triton sweep fwd" 200 python benchmarks/sweep_triton.py --mode fwd \
+    TAIL=40 run_step "triton sweep fwd" 200 python benchmarks/sweep_variants.py --backend triton --mode fwd \
         --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --out $OUT/sweep_fwd.json --variants \
-        "-;fwd.fuse=1;state.bv=64;state.bv=64,state.warps=4;state.bv=64,state.warps=2;state.warps=2;state.warps=2,state.stages=3;state.stages=3;state.stages=4;output.warps=4;output.bv=64;prep.warps=8;prep.bv=32;prep.bv=128;prep.stages=3" ;;
+        "-;FLASHQLA_TRITON_TUNE=fwd.fuse=1;FLASHQLA_TRITON_TUNE=state.bv=64;FLASHQLA_TRITON_TUNE=state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.bv=64,state.warps=2;FLASHQLA_TRITON_TUNE=state.warps=2;FLASHQLA_TRITON_TUNE=state.warps=2,state.stages=3;FLASHQLA_TRITON_TUNE=state.stages=3;FLASHQLA_TRITON_TUNE=state.stages=4;FLASHQLA_TRITON_TUNE=output.warps=4;FLASHQLA_TRITON_TUNE=output.bv=64;FLASHQLA_TRITON_TUNE=prep.warps=8;FLASHQLA_TRITON_TUNE=prep.bv=32;FLASHQLA_TRITON_TUNE=prep.bv=128;FLASHQLA_TRITON_TUNE=prep.stages=3" ;;
+  tchain)
+    # the register-only state chain of the tilelang forward (BV = 64) against the current kernels
+    B=FLASHQLA_TILELANG_BV; O=FLASHQLA_TILELANG_WS_OPTS
+    TAIL=40 run_step "tilelang tchain sweep" 200 python benchmarks/sweep_variants.py --backend tilelang \
+        --mode fwd --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768,16/32:8x1024 --out $OUT/sweep_tchain.json \
+        --variants "-;$B=64;$B=64 $O=fastexp,psplit,tchain;$B=64 $O=fastexp,tchain" ;;
   flqwarm)
     TAIL=20 run_step "flashqla rekey check" 40 python benchmarks/check_flashqla_warm.py --rekey --no-calls \
         --dump-keys $OUT/flq_keys
@@ -66,6 +73,6 @@ case "$STEP" in
     done
     save_kcache ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (firstcall | profile | sweep | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (firstcall | profile | sweep | tchain | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done

@@ -398,6 +398,9 @@ def _fwd_variants():
     # the experimental options (fast exp2, a fourth warpgroup for the scores)
     out.append(("fwd_ws", ("bfloat16", 128, 128, 32, True, True, True, False, 0, 0, True, True)))
     out.append(("fwd_ws", ("bfloat16", 128, 128, 128, True, False, True, True, 0, 0, False, True)))
+    # the register-only state chain (BV = 64), with and without the scores warpgroup
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 64, True, True, True, True, 0, 0, True, True, True)))
+    out.append(("fwd_ws", ("float16", 128, 128, 64, False, False, True, False, 0, 0, True, False, True)))
     return out
 
 
@@ -436,6 +439,9 @@ def test_kernels_lower_for_sm90a(kind, args):
     if kind in ("fwd", "bwd_state", "bwd_dqk") or (kind == "fwd_ws" and (args[3] > 64 or (len(args) > 11 and args[11]))):
         # warp-specialised pipelines: a TMA producer branch and setmaxnreg on the consumer side
         assert "warpgroup_reg_alloc" in src or "setmaxnreg" in src
+    if kind == "fwd_ws" and len(args) > 12 and args[12]:
+        # tchain: both state-chain products take their A operand from registers
+        assert src.count("wgmma_rs<") == 2, "tchain: expected two register-operand wgmma in the state chain"
     if kind in ("fwd_ws", "bwd_state_ws"):
         # three roles, each waiting on mbarriers; the consumers sync only their own warpgroup
         # (a whole-CTA barrier inside a role would deadlock: only the one after the barrier init)

@@ -59,11 +59,23 @@ def ws_layout(BV: int) -> tuple:
 
 
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
-                 save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False):
+                 save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
+                 tchain: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
-    P buffers, so the output warpgroup only runs ``q Sb``, ``P v_new`` and the stores."""
+    P buffers, so the output warpgroup only runs ``q Sb``, ``P v_new`` and the stores.
+
+    ``tchain`` (register-only state chain, BV = 64): warpgroup 0 keeps the transposed state ``S^T [BV, K]``
+    as its wgmma accumulator and runs both products with the A operand in registers::
+
+        v_new^T = bf16(S^T) w^T                   (rs-wgmma, B = the w tile as stored)
+        S^T     = exp(G_last) S^T + (v_new^T exp(G_last - G) nk) k     (rs-wgmma, async)
+
+    The accumulator layout of an M x N product is the register layout of an M x K operand, so
+    ``bf16(S^T)`` and the decayed ``v_new^T`` feed the next wgmma without going through shared memory,
+    and no proxy fence sits on the chain.  Sb and v_new still go to shared memory for the output
+    warpgroup, written while the second wgmma runs.  M = BV must be 64 (one warpgroup's wgmma)."""
     import tilelang.language as T
 
     from ._common import make_l2_row_factors_ring, symbolic_sizes
@@ -75,6 +87,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     HTN, HTH = (NS, Hv) if store_ht else T.dynamic("HTN, HTH")
     SVN, SVH = (NC, Hv) if save_states else T.dynamic("SVN, SVH")
     assert V % BV == 0
+    assert not tchain or BV == 64, "tchain: the transposed state is one warpgroup's wgmma accumulator, M = BV = 64"
     big = BV > 64
     R0, nb0 = ws_layout(BV)
     R = ring or R0          # ring slots of q, k, w, u, G
@@ -134,6 +147,11 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             nq_s = T.alloc_shared((R, C), acc)
             nk_s = T.alloc_shared((R, C), acc)
 
+            if tchain:
+                St_f = T.alloc_fragment((BV, K), acc)
+                Stb_f = T.alloc_fragment((BV, K), dtype)
+                vnt_f = T.alloc_fragment((BV, C), acc)
+                vdt_f = T.alloc_fragment((BV, C), dtype)
             S_f = T.alloc_fragment((K, BV), acc)
             vn_f = T.alloc_fragment((C, BV), acc)
             P_f = T.alloc_fragment((C, C), acc)
@@ -160,49 +178,97 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             v0 = bv * BV
 
             if tx < 128:
-                # ---- state chain ----
-                if psplit:
-                    T.set_max_nreg(232 if big else 168, 1)
-                elif big:
-                    T.set_max_nreg(240, 1)
-                if has_h0:
-                    T.copy(h0[n, h, :, v0:v0 + BV], S_f)
-                else:
-                    T.clear(S_f)
-                for i in T.serial(nchunks):
-                    s = i % R
-                    b = i % 2 if nb == 2 else 0
-                    bos = bos0 + i * C
-                    T.barrier_wait(ready[s], (i // R) % 2)
-                    T.barrier_wait(state_free[b], (i // nb + 1) % 2)
-                    T.copy(S_f, S_s[b, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(state_ready[b])
-                    if save_states:
-                        T.copy(S_s[b, :, :], h_out[c0 + i, h, :, v0:v0 + BV])
-                    T.gemm(w_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
-                    for r, j in T.Parallel(C, BV):
-                        vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
-                    T.barrier_wait(vnew_free[b], (i // nb + 1) % 2)
-                    T.copy(vn_f, vn_s[b, :, :])
-                    T.fence_proxy_async()
-                    T.barrier_arrive(vnew_ready[b])
-                    if save_states:
-                        T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
-                    if l2norm:
-                        T.barrier_wait(norm_ready[s], (i // R) % 2)
-                        for r, j in T.Parallel(C, BV):
-                            vd_s[r, j] = vn_f[r, j] * nk_s[s, r] * ex(G_s[s, C - 1] - G_s[s, r])
+                if tchain:
+                    # ---- state chain, transposed, operands in registers (see ``tchain``) ----
+                    T.set_max_nreg(232 if psplit else 240, 1)
+                    if has_h0:
+                        for jj, a in T.Parallel(BV, K):
+                            St_f[jj, a] = h0[n, h, a, v0 + jj]
                     else:
+                        T.clear(St_f)
+                    for i in T.serial(nchunks):
+                        s = i % R
+                        b = i % 2 if nb == 2 else 0
+                        bos = bos0 + i * C
+                        T.barrier_wait(ready[s], (i // R) % 2)
+                        T.copy(St_f, Stb_f)
+                        T.gemm(Stb_f, w_s[s, :, :], vnt_f, transpose_B=True, clear_accum=True)
+                        for jj, r in T.Parallel(BV, C):
+                            vnt_f[jj, r] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, jj], acc) - vnt_f[jj, r], 0.0)
+                        if l2norm:
+                            T.barrier_wait(norm_ready[s], (i // R) % 2)
+                            for jj, r in T.Parallel(BV, C):
+                                vdt_f[jj, r] = vnt_f[jj, r] * nk_s[s, r] * ex(G_s[s, C - 1] - G_s[s, r])
+                        else:
+                            for jj, r in T.Parallel(BV, C):
+                                vdt_f[jj, r] = vnt_f[jj, r] * ex(G_s[s, C - 1] - G_s[s, r])
+                        for jj, a in T.Parallel(BV, K):
+                            St_f[jj, a] = St_f[jj, a] * ex(G_s[s, C - 1])
+                        T.wgmma_gemm(vdt_f, k_s[s, :, :], St_f)
+                        # while the update runs: Sb and v_new (this chunk's) for the output warpgroup
+                        T.barrier_wait(state_free[b], (i // nb + 1) % 2)
+                        for a, jj in T.Parallel(K, BV):
+                            S_s[b, a, jj] = Stb_f[jj, a]
+                        T.fence_proxy_async()
+                        T.barrier_arrive(state_ready[b])
+                        if save_states:
+                            T.copy(S_s[b, :, :], h_out[c0 + i, h, :, v0:v0 + BV])
+                        T.barrier_wait(vnew_free[b], (i // nb + 1) % 2)
+                        for r, jj in T.Parallel(C, BV):
+                            vn_s[b, r, jj] = vnt_f[jj, r]
+                        T.fence_proxy_async()
+                        T.barrier_arrive(vnew_ready[b])
+                        if save_states:
+                            T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
+                        T.wait_wgmma(0)
+                        T.barrier_arrive(free[s])
+                    if store_ht:
+                        for jj, a in T.Parallel(BV, K):
+                            ht[n, h, a, v0 + jj] = St_f[jj, a]
+                else:
+                    # ---- state chain ----
+                    if psplit:
+                        T.set_max_nreg(232 if big else 168, 1)
+                    elif big:
+                        T.set_max_nreg(240, 1)
+                    if has_h0:
+                        T.copy(h0[n, h, :, v0:v0 + BV], S_f)
+                    else:
+                        T.clear(S_f)
+                    for i in T.serial(nchunks):
+                        s = i % R
+                        b = i % 2 if nb == 2 else 0
+                        bos = bos0 + i * C
+                        T.barrier_wait(ready[s], (i // R) % 2)
+                        T.barrier_wait(state_free[b], (i // nb + 1) % 2)
+                        T.copy(S_f, S_s[b, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(state_ready[b])
+                        if save_states:
+                            T.copy(S_s[b, :, :], h_out[c0 + i, h, :, v0:v0 + BV])
+                        T.gemm(w_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
                         for r, j in T.Parallel(C, BV):
-                            vd_s[r, j] = vn_f[r, j] * ex(G_s[s, C - 1] - G_s[s, r])
-                    T.fence_proxy_async()
-                    for a, b in T.Parallel(K, BV):
-                        S_f[a, b] = S_f[a, b] * ex(G_s[s, C - 1])
-                    T.gemm(k_s[s, :, :], vd_s, S_f, transpose_A=True)
-                    T.barrier_arrive(free[s])
-                if store_ht:
-                    T.copy(S_f, ht[n, h, :, v0:v0 + BV])
+                            vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
+                        T.barrier_wait(vnew_free[b], (i // nb + 1) % 2)
+                        T.copy(vn_f, vn_s[b, :, :])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(vnew_ready[b])
+                        if save_states:
+                            T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
+                        if l2norm:
+                            T.barrier_wait(norm_ready[s], (i // R) % 2)
+                            for r, j in T.Parallel(C, BV):
+                                vd_s[r, j] = vn_f[r, j] * nk_s[s, r] * ex(G_s[s, C - 1] - G_s[s, r])
+                        else:
+                            for r, j in T.Parallel(C, BV):
+                                vd_s[r, j] = vn_f[r, j] * ex(G_s[s, C - 1] - G_s[s, r])
+                        T.fence_proxy_async()
+                        for a, b in T.Parallel(K, BV):
+                            S_f[a, b] = S_f[a, b] * ex(G_s[s, C - 1])
+                        T.gemm(k_s[s, :, :], vd_s, S_f, transpose_A=True)
+                        T.barrier_arrive(free[s])
+                    if store_ht:
+                        T.copy(S_f, ht[n, h, :, v0:v0 + BV])
             elif tx < 256:
                 # ---- output ----
                 if big and not psplit:
@@ -263,7 +329,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.barrier_arrive(free[s])
             else:
                 # ---- producer: one warp issues every TMA load of a slot ----
-                if big or psplit:
+                if big or psplit or tchain:
                     T.set_max_nreg(24 if psplit else 40, 0)
                 if tx < prod0 + 32:
                     for i in T.serial(nchunks):
