@@ -44,6 +44,7 @@ case "$STEP" in
   tchain)
     # the register-only state chain of the tilelang forward (BV = 64) against the current kernels
     B=FLASHQLA_TILELANG_BV; O=FLASHQLA_TILELANG_WS_OPTS
+    TAIL=6 run_step "tchain GPU tests" 150 $PYT tests/test_backend_tilelang.py -k tchain
     TAIL=40 run_step "tilelang tchain sweep" 200 python benchmarks/sweep_variants.py --backend tilelang \
         --mode fwd --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768,16/32:8x1024 --out $OUT/sweep_tchain.json \
         --variants "-;$B=64;$B=64 $O=fastexp,psplit,tchain;$B=64 $O=fastexp,tchain" ;;

@@ -520,6 +520,19 @@ def test_gpu_forward_matches_oracle(case):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("opts", ["fastexp,psplit,tchain", "tchain"])
+@pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
+def test_gpu_forward_tchain_matches_oracle(case, opts, monkeypatch):
+    # the register-only state chain (BV = 64), forward and the saved states of a training forward
+    monkeypatch.setenv("FLASHQLA_TILELANG_BV", "64")
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", opts)
+    _gpu_case(case, torch.bfloat16)
+    if case.name in ("dense_h0_ht", "varlen_len1_tail", "varlen_l2norm"):
+        _gpu_case(case, torch.bfloat16, grads=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_l2norm",
                                                                          "gva_4_16")], ids=lambda c: c.name)
 def test_gpu_forward_fp16(case):
