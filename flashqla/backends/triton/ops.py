@@ -96,9 +96,9 @@ def _sm_count(device) -> int:
 # FLASHQLA_TRITON_TUNE="state.bv=32,output.warps=4,dqk.stages=3" (kernel.key=int, comma separated).
 _DEFAULTS = {
     "fwd": dict(fuse=-1),                        # -1: fuse_forward_output decides
-    "fused": dict(warps=4, stages=2, bv=32),     # the state kernel with FUSE_OUTPUT
+    "fused": dict(warps=4, stages=2, bv=32, t=0),    # the state kernel with FUSE_OUTPUT; t: see chunk_state_t
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
-    "state": dict(warps=0, stages=2, bv=0),      # warps 0: 4 at bv <= 32, else 8
+    "state": dict(warps=0, stages=2, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; t=1: transposed state
     "output": dict(warps=0, stages=2, bv=0),     # bv 0: V; warps 0: 8 at K*bv >= 128*128, else 4
     "bstate": dict(warps=4, stages=2, bv=32),
     "dqk": dict(warps=8, stages=2, bv=64),
@@ -126,7 +126,8 @@ def tune(kernel: str) -> dict:
                     cfg[field] = int(val)
             except (ValueError, KeyError) as exc:
                 raise ValueError(f"FLASHQLA_TRITON_TUNE: cannot parse {item!r} (kernel.key=int with kernel in "
-                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, prep.maxnreg)") from exc
+                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, prep.maxnreg, state.t, "
+                                 "fused.t)") from exc
         _tune_cache[key] = cfg
     return _tune_cache[key]
 
@@ -195,6 +196,7 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
     """Serial state pass.  ``fuse_output``: also computes o (returned in place of h) and stores neither
     the chunk states nor v_new; otherwise returns (h, v_new, final state)."""
     from .chunk_state import chunk_state_fwd_kernel
+    from .chunk_state_t import chunk_state_fwd_t_kernel
 
     dev = k.device
     if fuse_output:
@@ -213,7 +215,8 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         cfg = dict(tune("state"))
         cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
     dummy = u
-    launch(chunk_state_fwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
+    kernel = chunk_state_fwd_t_kernel if cfg.get("t") else chunk_state_fwd_kernel
+    launch(kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         h if h is not None else dummy, vn if vn is not None else dummy, o if o is not None else dummy,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
