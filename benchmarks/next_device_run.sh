@@ -38,6 +38,7 @@ case "$STEP" in
     TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls ${PROFILE_IMPLS:-triton} \
         --rows 16/32:1x32768,16/32:4x8192 --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
   sweep)
+    TAIL=6 run_step "triton transposed-state GPU tests" 120 $PYT tests/test_backend_triton.py -k transposed
     TAIL=50 run_step "triton sweep fwd" 220 python benchmarks/sweep_variants.py --backend triton --mode fwd \
         --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --out $OUT/sweep_fwd.json --variants \
         "-;FLASHQLA_TRITON_TUNE=fwd.fuse=1;FLASHQLA_TRITON_TUNE=state.bv=64;FLASHQLA_TRITON_TUNE=state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.warps=2;FLASHQLA_TRITON_TUNE=state.stages=3;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=8;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=128,state.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64,fused.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=128,fused.warps=8;FLASHQLA_TRITON_TUNE=prep.warps=8;FLASHQLA_TRITON_TUNE=prep.bv=128" ;;

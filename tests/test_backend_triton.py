@@ -131,6 +131,16 @@ def test_forward_both_paths(monkeypatch, fuse):
     assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
 
 
+@pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64", "fwd.fuse=1,fused.t=1,fused.bv=32"],
+                         ids=["transposed_state", "transposed_fused"])
+def test_forward_transposed_state_kernel(monkeypatch, tune):
+    # chunk_state_t: the same recurrence with the state held as S^T (forward and the backward's recompute)
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune + ",output.bv=64")
+    case = Case("transposed", 1, 2, 64, 128, seqlens=(70, 1, 0, 64), l2norm=True)
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=True)
+    assert res.ok, res.failures
+
+
 @pytest.mark.parametrize("mode", ["separate", "fused"])
 def test_l2_norm_modes_match_oracle(monkeypatch, mode):
     # separate (default): q/k normalised up front, kernels without the option, dq/dk mapped back through
@@ -313,6 +323,16 @@ GPU_CASES = [
 def test_gpu_half_precision_forward_backward(case, dtype):
     # thresholds: flashqla.testing.TOLERANCES (o/ht 5e-3, dq/dk/dv/dh0 1e-2, dg/dbeta 2e-2)
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, dtype, "cuda", grads=True)
+    assert res.ok, res.failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64,state.warps=4",
+                                  "fwd.fuse=1,fused.t=1,fused.bv=64,fused.warps=4"], ids=["state_t", "fused_t"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_transposed_state_forward_backward(case, tune, monkeypatch):
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.bfloat16, "cuda", grads=True)
     assert res.ok, res.failures
 
 
