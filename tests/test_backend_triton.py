@@ -131,7 +131,8 @@ def test_forward_both_paths(monkeypatch, fuse):
     assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
 
 
-@pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64", "fwd.fuse=1,fused.t=1,fused.bv=32"],
+@pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64,bstate.t=1,bstate.bv=64",
+                                  "fwd.fuse=1,fused.t=1,fused.bv=32,bstate.t=1"],
                          ids=["transposed_state", "transposed_fused"])
 def test_forward_transposed_state_kernel(monkeypatch, tune):
     # chunk_state_t: the same recurrence with the state held as S^T (forward and the backward's recompute)
@@ -327,8 +328,9 @@ def test_gpu_half_precision_forward_backward(case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64,state.warps=4",
-                                  "fwd.fuse=1,fused.t=1,fused.bv=64,fused.warps=4"], ids=["state_t", "fused_t"])
+@pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64,state.warps=4,bstate.t=1,bstate.bv=64",
+                                  "fwd.fuse=1,fused.t=1,fused.bv=64,fused.warps=4,bstate.t=1"],
+                         ids=["state_t", "fused_t"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_transposed_state_forward_backward(case, tune, monkeypatch):
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)

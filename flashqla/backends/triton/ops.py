@@ -100,7 +100,7 @@ _DEFAULTS = {
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
     "state": dict(warps=0, stages=2, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; t=1: transposed state
     "output": dict(warps=0, stages=2, bv=0),     # bv 0: V; warps 0: 8 at K*bv >= 128*128, else 4
-    "bstate": dict(warps=4, stages=2, bv=32),
+    "bstate": dict(warps=4, stages=2, bv=32, t=0),  # t=1: transposed state gradient (chunk_bwd_state_t)
     "dqk": dict(warps=8, stages=2, bv=64),
     "wy": dict(warps=8, stages=2, bv=64),
 }
@@ -319,6 +319,7 @@ def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2
 
 def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool):
     from .chunk_bwd_state import chunk_state_bwd_kernel
+    from .chunk_bwd_state_t import chunk_state_bwd_t_kernel
 
     dev = q.device
     dh = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=q.dtype, device=dev)
@@ -326,7 +327,7 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
     cfg = tune("bstate")
     BV = min(cfg["bv"], geo.V)
-    launch(chunk_state_bwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
+    launch(chunk_state_bwd_t_kernel if cfg["t"] else chunk_state_bwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
