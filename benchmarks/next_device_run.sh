@@ -41,19 +41,19 @@ case "$STEP" in
     TAIL=6 run_step "triton transposed-state GPU tests" 120 $PYT tests/test_backend_triton.py -k transposed
     TAIL=50 run_step "triton sweep fwd" 220 python benchmarks/sweep_variants.py --backend triton --mode fwd \
         --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --out $OUT/sweep_fwd.json --variants \
-        "-;FLASHQLA_TRITON_TUNE=fwd.fuse=1;FLASHQLA_TRITON_TUNE=state.bv=64;FLASHQLA_TRITON_TUNE=state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.warps=2;FLASHQLA_TRITON_TUNE=state.stages=3;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=8;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=128,state.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64,fused.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=128,fused.warps=8;FLASHQLA_TRITON_TUNE=prep.warps=8;FLASHQLA_TRITON_TUNE=prep.bv=128" ;;
+        "default;FLASHQLA_TRITON_TUNE=fwd.fuse=1;FLASHQLA_TRITON_TUNE=state.bv=64;FLASHQLA_TRITON_TUNE=state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.warps=2;FLASHQLA_TRITON_TUNE=state.stages=3;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=8;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=128,state.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64,fused.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=128,fused.warps=8;FLASHQLA_TRITON_TUNE=prep.warps=8;FLASHQLA_TRITON_TUNE=prep.bv=128" ;;
   sweepbwd)
     X=FLASHQLA_TRITON_TUNE
     TAIL=12 run_step "triton sweep fwdbwd" 150 python benchmarks/sweep_variants.py --backend triton --mode fwdbwd \
         --rows 16/32:1x32768,16/32:4x8192 --out $OUT/sweep_fwdbwd.json --variants \
-        "-;$X=bstate.t=1,bstate.bv=64;$X=bstate.t=1,bstate.bv=64,bstate.warps=8;$X=bstate.t=1,bstate.bv=64,state.t=1,state.bv=64,state.warps=4" ;;
+        "default;$X=bstate.t=1,bstate.bv=64;$X=bstate.t=1,bstate.bv=64,bstate.warps=8;$X=bstate.t=1,bstate.bv=64,state.t=1,state.bv=64,state.warps=4" ;;
   tchain)
     # the register-only state chain of the tilelang forward (BV = 64) against the current kernels
     B=FLASHQLA_TILELANG_BV; O=FLASHQLA_TILELANG_WS_OPTS
     TAIL=6 run_step "tchain GPU tests" 150 $PYT tests/test_backend_tilelang.py -k tchain
     TAIL=40 run_step "tilelang tchain sweep" 200 python benchmarks/sweep_variants.py --backend tilelang \
         --mode fwd --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768,16/32:8x1024 --out $OUT/sweep_tchain.json \
-        --variants "-;$B=64;$B=64 $O=fastexp,psplit,tchain;$B=64 $O=fastexp,tchain" ;;
+        --variants "default;$B=64;$B=64 $O=fastexp,psplit,tchain;$B=64 $O=fastexp,tchain" ;;
   flqwarm)
     TAIL=20 run_step "flashqla rekey check" 40 python benchmarks/check_flashqla_warm.py --rekey --no-calls \
         --dump-keys $OUT/flq_keys

@@ -39,7 +39,7 @@ def set_variant(spec: str) -> None:
         else:
             os.environ[name] = val
     _SAVED_ENV.clear()
-    if spec not in ("", "-"):
+    if spec not in ("", "-", "default"):
         for item in spec.split():
             name, _, val = item.partition("=")
             _SAVED_ENV.setdefault(name, os.environ.get(name))
