@@ -142,6 +142,25 @@ def test_forward_transposed_state_kernel(monkeypatch, tune):
     assert res.ok, res.failures
 
 
+def test_launch_choices_follow_the_h200_sweep(monkeypatch):
+    # the unfused/fused switch and the state kernel's pipeline depth, as measured (ops docstrings)
+    from types import SimpleNamespace
+
+    from flashqla.backends.triton import ops
+    monkeypatch.setattr(ops, "_sm_count", lambda device: 132)
+    monkeypatch.delenv("FLASHQLA_TRITON_TUNE", raising=False)
+    geo = lambda n, hv: SimpleNamespace(N=n, Hv=hv, V=128)  # noqa: E731
+    dev = torch.device("cpu")
+    assert not ops.fuse_forward_output(geo(1, 8), dev)        # 32 programs: latency-bound, unfused
+    assert not ops.fuse_forward_output(geo(1, 32), dev)       # 128
+    assert ops.fuse_forward_output(geo(4, 32), dev)           # 512: fused (was unfused at 4 per SM)
+    assert ops.fuse_forward_output(geo(8, 32), dev)
+    assert ops._state_stages(128, 32, dev) == 3 and ops._state_stages(32, 32, dev) == 3
+    assert ops._state_stages(512, 32, dev) == 2 and ops._state_stages(64, 64, dev) == 2
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.fuse=0")
+    assert not ops.fuse_forward_output(geo(8, 32), dev)
+
+
 @pytest.mark.parametrize("mode", ["separate", "fused"])
 def test_l2_norm_modes_match_oracle(monkeypatch, mode):
     # separate (default): q/k normalised up front, kernels without the option, dq/dk mapped back through

@@ -51,7 +51,7 @@ def _variants(K: int, V: int, ieee: bool):
         c = dict(ops.tune(name))
         bv = c.get("bv") or bv_default or V
         warps = c.get("warps") or (4 if bv <= 32 else 8)
-        return min(bv, V), dict(num_warps=warps, num_stages=1 if ieee else c.get("stages", 2))
+        return min(bv, V), dict(num_warps=warps, num_stages=1 if ieee else (c.get("stages") or 2))
 
     prep_launch = dict(cfg("prep")[1], num_warps=ops.tune("prep")["warps"] or (8 if ieee else 4))
     out = [("prep", chunk_prep.chunk_prep_kernel,
@@ -61,8 +61,11 @@ def _variants(K: int, V: int, ieee: bool):
                 dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True), launch))
     for bv_state in (32, 64):
         bv, launch = cfg("state", bv_state)
-        out.append((f"state (bv={bv})", chunk_state.chunk_state_fwd_kernel,
-                    dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False), launch))
+        # 2 stages, and the 3 that ops._state_stages picks at bv 32 when the programs fit one per SM
+        for stages in sorted({launch["num_stages"], 1 if ieee or bv > 32 else 3}):
+            out.append((f"state (bv={bv}, stages={stages})", chunk_state.chunk_state_fwd_kernel,
+                        dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False),
+                        dict(launch, num_stages=stages)))
     bv, launch = cfg("output", 64 if ieee else V)
     launch["num_warps"] = ops.tune("output")["warps"] or (8 if K * bv >= 128 * 128 else 4)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))

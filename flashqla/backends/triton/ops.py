@@ -98,7 +98,8 @@ _DEFAULTS = {
     "fwd": dict(fuse=-1),                        # -1: fuse_forward_output decides
     "fused": dict(warps=4, stages=2, bv=32, t=0),    # the state kernel with FUSE_OUTPUT; t: see chunk_state_t
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
-    "state": dict(warps=0, stages=2, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; t=1: transposed state
+    "state": dict(warps=0, stages=0, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; stages 0: _state_stages;
+                                                  # t=1: transposed state
     "output": dict(warps=0, stages=2, bv=0),     # bv 0: V; warps 0: 8 at K*bv >= 128*128, else 4
     "bstate": dict(warps=4, stages=2, bv=32, t=0),  # t=1: transposed state gradient (chunk_bwd_state_t)
     "dqk": dict(warps=8, stages=2, bv=64),
@@ -167,6 +168,19 @@ def _state_bv(geo: Geometry, device) -> int:
     return 64
 
 
+def _state_stages(programs: int, BV: int, device) -> int:
+    """Pipeline depth of the unfused serial state kernel: 3 when its programs fit in one per SM (at
+    BV <= 32: 109 KB of shared memory on sm_90, 89 KB on sm_80; at 64 the third stage would not fit
+    the 99 KB of sm_86 / sm_89), else 2.
+
+    H200 sweep (session 5 run 10, ``benchmarks/sweep_variants.py``, 16/32 heads): with one program per SM
+    or fewer the kernel is a latency chain and a third stage hides the next chunk's loads (1x32768, 128
+    programs: 0.955 -> 0.670 ms; 2/8 1x8192, 32 programs: 0.200 -> 0.173 ms); with 512 programs the extra
+    shared memory costs occupancy (4x8192: 0.632 -> 0.890 ms)."""
+    sms = _sm_count(device)
+    return 3 if sms and programs <= sms and BV <= 32 else 2
+
+
 def _prep_cfg(geo: Geometry) -> dict:
     # 4 warps: two programs per SM at ~228 registers (bf16, K = V = 128, sm_90); fp32 inputs (full-fp32
     # FMA dots) spill ~15 KB per thread at 4 warps, ~1 KB at 8
@@ -214,6 +228,7 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         BV = _state_bv(geo, dev)
         cfg = dict(tune("state"))
         cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
+        cfg["stages"] = cfg["stages"] or _state_stages(geo.N * geo.Hv * triton.cdiv(geo.V, BV), BV, dev)
     dummy = u
     kernel = chunk_state_fwd_t_kernel if cfg.get("t") else chunk_state_fwd_kernel
     launch(kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
@@ -227,25 +242,23 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
 
 
 def fuse_forward_output(geo: Geometry, device) -> bool:
-    """Fused state+output forward only when the serial programs come in several waves.
+    """Fused state+output forward once the serial programs outnumber the SMs about twice over.
 
     Fused, every serial step also loads q and computes the output: about 2.7x the work of a bare state
-    step, all of it on the serial chain of one program (4 warps, no warp specialisation), but the chunk
-    states and v_new never go through HBM.  H200 run 4 (16/32 heads, K = V = 128): fused 1.77 ms at one
-    32k sequence (128 programs: one wave) against FLA's state 0.60 + output 0.57 ms, i.e. ~3.5 us per
-    fused step against ~1.2 us per bare one; the h / v_new round trip the fusion saves is ~0.3 ms of
-    HBM time there.  So while the programs fit in about one wave (two per SM) the chain's latency
-    dominates and the unfused path (bare state kernel + parallel output kernel) wins; with many waves
-    (many sequences x heads) the kernel is throughput-bound and saving the traffic wins.  A model, not
-    a measurement: ``FLASHQLA_TRITON_TUNE=fwd.fuse=0|1`` forces either (``fwd.fuse=-1``, the default,
-    decides); ``benchmarks/check_triton_gpu.py --case bench`` times both."""
+    step, all of it on the serial chain of one program, but the chunk states and v_new never go through
+    HBM.  With few programs the chain's latency dominates and the unfused path (bare state kernel +
+    parallel output kernel) wins; with many, the kernel is throughput-bound and saving the traffic wins.
+    H200 sweep (session 5 run 10, 16/32 heads, programs at the fused BV = 32): 2/8 1x8192 (32 programs)
+    unfused 0.316 / fused 0.503 ms; 1x32768 (128) 2.748 / 2.719; 4x8192 (512) 2.430 / 1.959.  Hence the
+    threshold at 2 programs per SM (it was 4, which left 4x8192 unfused).  ``FLASHQLA_TRITON_TUNE=fwd.fuse=0|1``
+    forces either (``fwd.fuse=-1``, the default, decides)."""
     forced = tune("fwd")["fuse"]
     if forced >= 0:
         return bool(forced)
     sms = _sm_count(device)
     if not sms:
         return True
-    return geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= 4 * sms
+    return geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= 2 * sms
 
 
 def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype):
