@@ -38,10 +38,11 @@ case "$STEP" in
     TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls ${PROFILE_IMPLS:-triton} \
         --rows 16/32:1x32768,16/32:4x8192 --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
   sweep)
-    TAIL=6 run_step "triton transposed-state GPU tests" 120 $PYT tests/test_backend_triton.py -k transposed
+    # session 5 defaults against the old ones (state.stages=2, fwd.fuse=0 at 4x8192), then the parallel kernels
+    # (output and prep: 1.8 ms at 16/32 1x32768 against FLA's 1.27 for the same work)
     TAIL=50 run_step "triton sweep fwd" 220 python benchmarks/sweep_variants.py --backend triton --mode fwd \
-        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192 --out $OUT/sweep_fwd.json --variants \
-        "default;FLASHQLA_TRITON_TUNE=fwd.fuse=1;FLASHQLA_TRITON_TUNE=state.bv=64;FLASHQLA_TRITON_TUNE=state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.warps=2;FLASHQLA_TRITON_TUNE=state.stages=3;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=4;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=64,state.warps=8;FLASHQLA_TRITON_TUNE=state.t=1,state.bv=128,state.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=64,fused.warps=8;FLASHQLA_TRITON_TUNE=fwd.fuse=1,fused.t=1,fused.bv=128,fused.warps=8;FLASHQLA_TRITON_TUNE=prep.warps=8;FLASHQLA_TRITON_TUNE=prep.bv=128" ;;
+        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192,4/16:8x1024 --out $OUT/sweep_fwd.json --variants \
+        "default;FLASHQLA_TRITON_TUNE=state.stages=2;FLASHQLA_TRITON_TUNE=fwd.fuse=0;FLASHQLA_TRITON_TUNE=output.bv=64;FLASHQLA_TRITON_TUNE=output.bv=64,output.warps=4;FLASHQLA_TRITON_TUNE=output.warps=4;FLASHQLA_TRITON_TUNE=output.stages=3;FLASHQLA_TRITON_TUNE=output.bv=64,output.warps=4,output.stages=3;FLASHQLA_TRITON_TUNE=prep.bv=128;FLASHQLA_TRITON_TUNE=prep.stages=3;FLASHQLA_TRITON_TUNE=prep.bv=128,prep.stages=1;FLASHQLA_TRITON_TUNE=fused.bv=64,fused.warps=4" ;;
   sweepbwd)
     X=FLASHQLA_TRITON_TUNE
     TAIL=12 run_step "triton sweep fwdbwd" 150 python benchmarks/sweep_variants.py --backend triton --mode fwdbwd \
@@ -58,7 +59,7 @@ case "$STEP" in
     TAIL=20 run_step "flashqla rekey check" 40 python benchmarks/check_flashqla_warm.py --rekey --no-calls \
         --dump-keys $OUT/flq_keys
     TAIL=10 run_step "flashqla device warm-up" 300 python benchmarks/warm_flashqla_cache.py \
-        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads 2/8,4/16,8/32,16/32,16/64
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads 2/8,4/16,8/32,16/32,16/64 ${FLQ_WARM_ARGS:-}
     save_kcache ;;
   fwdbench)
     TAIL=40 run_step "qwen35-fwd preset, both baselines" 480 python -m flashqla bench --preset qwen35-fwd \
@@ -68,6 +69,8 @@ case "$STEP" in
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
         tests/test_reliability.py -k "cutlass" ;;
   memory)
+    # FlashQLA's backward kernels compile on first use, minutes per head configuration: warm them first
+    # (FLQ_WARM_ARGS=--with-backward bash benchmarks/next_device_run.sh flqwarm memory)
     TAIL=30 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd --out $OUT/memfwd
     TAIL=30 run_step "memory fwdbwd" 250 python benchmarks/bench_memory.py --modes fwdbwd --out $OUT/membwd
     save_kcache ;;
