@@ -16,6 +16,7 @@
 #   bash benchmarks/next_device_run.sh profile    per-kernel times of triton, tilelang and FLA, fwd and fwd+bwd (#3, #4)
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
+#   bash benchmarks/next_device_run.sh trace      per-role clock64 timeline of the tilelang ws recurrence (#4)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
@@ -55,6 +56,12 @@ case "$STEP" in
     TAIL=40 run_step "tilelang tchain sweep" 200 python benchmarks/sweep_variants.py --backend tilelang \
         --mode fwd --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768,16/32:8x1024 --out $OUT/sweep_tchain.json \
         --variants "default;$B=64;$B=64 $O=fastexp,psplit,tchain;$B=64 $O=fastexp,tchain" ;;
+  trace)
+    # where the ws recurrence's ~3 us per chunk goes: per-role clock64 timeline of one CTA (#4)
+    TAIL=60 run_step "ws role trace" 150 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768 \
+        --out $OUT/trace.json
+    TAIL=30 run_step "ws role trace bv64" 90 python benchmarks/trace_ws.py --rows 16/32:1x32768 \
+        --env FLASHQLA_TILELANG_BV=64 --out $OUT/trace_bv64.json ;;
   flqwarm)
     TAIL=20 run_step "flashqla rekey check" 40 python benchmarks/check_flashqla_warm.py --rekey --no-calls \
         --dump-keys $OUT/flq_keys
@@ -83,6 +90,6 @@ case "$STEP" in
     done
     save_kcache ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (firstcall | profile | sweep | sweepbwd | tchain | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done

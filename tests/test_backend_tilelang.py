@@ -401,6 +401,8 @@ def _fwd_variants():
     # the register-only state chain (BV = 64), with and without the scores warpgroup
     out.append(("fwd_ws", ("bfloat16", 128, 128, 64, True, True, True, True, 0, 0, True, True, True)))
     out.append(("fwd_ws", ("float16", 128, 128, 64, False, False, True, False, 0, 0, True, False, True)))
+    # the diagnostic role trace (benchmarks/trace_ws.py)
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 32, False, False, True, False, 0, 0, True, True, False, True)))
     return out
 
 
@@ -439,6 +441,10 @@ def test_kernels_lower_for_sm90a(kind, args):
     if kind in ("fwd", "bwd_state", "bwd_dqk") or (kind == "fwd_ws" and (args[3] > 64 or (len(args) > 11 and args[11]))):
         # warp-specialised pipelines: a TMA producer branch and setmaxnreg on the consumer side
         assert "warpgroup_reg_alloc" in src or "setmaxnreg" in src
+    if kind == "fwd_ws":
+        from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import TRACE_EVENTS
+        traced = len(args) > 13 and args[13]
+        assert src.count("clock64()") == (len(TRACE_EVENTS) if traced else 0)
     if kind == "fwd_ws" and len(args) > 12 and args[12]:
         # tchain: both state-chain products take their A operand from registers
         assert src.count("wgmma_rs<") == 2, "tchain: expected two register-operand wgmma in the state chain"
@@ -447,6 +453,20 @@ def test_kernels_lower_for_sm90a(kind, args):
         # (a whole-CTA barrier inside a role would deadlock: only the one after the barrier init)
         assert src.count("__syncthreads()") == 1
         assert src.count(".wait(") >= (7 if kind == "fwd_ws" else 5)
+
+
+def test_trace_buffer_selects_the_traced_kernel(monkeypatch):
+    # benchmarks/trace_ws.py sets ops.TRACE_BUFFER; the ws kernel key then asks for trace=True, and the
+    # buffer is what the launch passes; unset, a placeholder goes in its place
+    from flashqla.backends.tilelang import ops
+    keys = []
+    monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: keys.append(key))
+    ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 32)
+    assert len(keys[-1]) == 12 and ops._no_trace(torch.device("cpu")).shape == (1, 1)
+    buf = torch.zeros(16, 64, dtype=torch.int64)
+    monkeypatch.setattr(ops, "TRACE_BUFFER", buf)
+    ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 32)
+    assert keys[-1][12:] == (False, True) and ops._no_trace(torch.device("cpu")) is buf
 
 
 def test_backend_registered_and_rejects_cpu():
@@ -633,7 +653,8 @@ def test_gpu_backward_gate_minus_1e4_finite():
 # its contract, after checking each call's arguments against the real prim_func signature.
 # ----------------------------------------------------------------------------------------------------
 
-_TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32}
+_TORCH_DT = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32, "int32": torch.int32,
+             "int64": torch.int64}
 
 
 def _check_signature(func, args):
@@ -849,7 +870,12 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
         db_out[bos:bos + nv] = (bk + (dBu * vc).sum(-1) + (dA * KKn).sum(-1))[:, :nv].T
 
 
-_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd,
+def _sim_fwd_ws(key, *args):
+    # the ws kernel's last parameter is its (diagnostic) trace buffer, untouched unless built with trace
+    return _sim_fwd(key, *args[:-1])
+
+
+_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
                "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}

@@ -53,6 +53,19 @@ CHUNK = 64
 L2_EPS = 1e-6
 
 
+# (event, role): what has just happened when the role's first thread stamps it
+TRACE_EVENTS = (
+    ("chain: slot ready", "state"), ("chain: Sb buffer free", "state"), ("chain: v_new = u - w S done", "state"),
+    ("chain: v_new published", "state"), ("chain: S update done", "state"),
+    ("out: slot ready", "output"), ("out: Sb ready", "output"), ("out: q Sb done", "output"),
+    ("out: P ready", "output"), ("out: v_new ready", "output"), ("out: P v_new done", "output"),
+    ("out: o stored", "output"),
+    ("scores: slot ready", "scores"), ("scores: q k^T done", "scores"), ("scores: P published", "scores"),
+    ("producer: slot free", "producer"),
+)
+TRACE_CHUNKS = 64
+
+
 def ws_layout(BV: int) -> tuple:
     """(ring slots, Sb / v_new buffers) that fit shared memory at this V-block (see the docstring)."""
     return {32: (3, 2), 64: (2, 2), 128: (2, 1)}[BV]
@@ -60,7 +73,7 @@ def ws_layout(BV: int) -> tuple:
 
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
-                 tchain: bool = False):
+                 tchain: bool = False, trace: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -75,7 +88,12 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     The accumulator layout of an M x N product is the register layout of an M x K operand, so
     ``bf16(S^T)`` and the decayed ``v_new^T`` feed the next wgmma without going through shared memory,
     and no proxy fence sits on the chain.  Sb and v_new still go to shared memory for the output
-    warpgroup, written while the second wgmma runs.  M = BV must be 64 (one warpgroup's wgmma)."""
+    warpgroup, written while the second wgmma runs.  M = BV must be 64 (one warpgroup's wgmma).
+
+    ``trace`` (diagnostics, ``benchmarks/trace_ws.py``): the first thread of every role of CTA (0, 0, 0)
+    writes ``clock64()`` into ``trace[event, chunk]`` at the points listed in ``TRACE_EVENTS``, for the first
+    ``TRACE_CHUNKS`` chunks; the per-chunk gaps show which role waits on which.  Off, ``trace`` is a
+    placeholder parameter the kernel never touches."""
     import tilelang.language as T
 
     from ._common import make_l2_row_factors_ring, symbolic_sizes
@@ -83,6 +101,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     C = CHUNK
     acc = "float32"
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
+    TR0, TR1 = (len(TRACE_EVENTS), TRACE_CHUNKS) if trace else T.dynamic("TR0, TR1")
     H0N, H0H = (NS, Hv) if has_h0 else T.dynamic("H0N, H0H")
     HTN, HTH = (NS, Hv) if store_ht else T.dynamic("HTN, HTH")
     SVN, SVH = (NC, Hv) if save_states else T.dynamic("SVN, SVH")
@@ -104,6 +123,13 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     prod0 = threads - 128          # first thread of the producer warpgroup
     consumers = threads - 128      # arrivals that free a ring slot
     npb = 2 if psplit else 1       # P buffers
+
+    @T.macro
+    def stamp(trace_out, event, i, tx, tx0, bv, h, n):
+        # one thread of one CTA; everything else skips it
+        if trace:
+            if T.And(T.And(tx == tx0, bv + h + n == 0), i < TRACE_CHUNKS):
+                trace_out[event, i] = T.call_extern("int64", "clock64")
 
     @T.macro
     def build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s):
@@ -133,6 +159,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         vn_out: T.Tensor((SVN, SVH, C, V), dtype),
         scale: T.float32,
         ratio: T.int32,
+        trace_out: T.Tensor((TR0, TR1), "int64"),
     ):
         with T.Kernel(V // BV, Hv, NS, threads=threads) as (bv, h, n):
             q_s = T.alloc_shared((R, C, K), dtype)
@@ -240,7 +267,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         b = i % 2 if nb == 2 else 0
                         bos = bos0 + i * C
                         T.barrier_wait(ready[s], (i // R) % 2)
+                        stamp(trace_out, 0, i, tx, 0, bv, h, n)
                         T.barrier_wait(state_free[b], (i // nb + 1) % 2)
+                        stamp(trace_out, 1, i, tx, 0, bv, h, n)
                         T.copy(S_f, S_s[b, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(state_ready[b])
@@ -249,10 +278,12 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         T.gemm(w_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
                         for r, j in T.Parallel(C, BV):
                             vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
+                        stamp(trace_out, 2, i, tx, 0, bv, h, n)
                         T.barrier_wait(vnew_free[b], (i // nb + 1) % 2)
                         T.copy(vn_f, vn_s[b, :, :])
                         T.fence_proxy_async()
                         T.barrier_arrive(vnew_ready[b])
+                        stamp(trace_out, 3, i, tx, 0, bv, h, n)
                         if save_states:
                             T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
                         if l2norm:
@@ -266,6 +297,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         for a, b in T.Parallel(K, BV):
                             S_f[a, b] = S_f[a, b] * ex(G_s[s, C - 1])
                         T.gemm(k_s[s, :, :], vd_s, S_f, transpose_A=True)
+                        stamp(trace_out, 4, i, tx, 0, bv, h, n)
                         T.barrier_arrive(free[s])
                     if store_ht:
                         T.copy(S_f, ht[n, h, :, v0:v0 + BV])
@@ -279,6 +311,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     pb = i % 2 if psplit else 0
                     bos = bos0 + i * C
                     T.barrier_wait(ready[s], (i // R) % 2)
+                    stamp(trace_out, 5, i, tx, 128, bv, h, n)
                     if l2norm:
                         if psplit:
                             T.barrier_wait(norm_ready[s], (i // R) % 2)
@@ -288,7 +321,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             T.barrier_arrive(norm_ready[s])
                     # q Sb first: releasing Sb early keeps the state warpgroup off this one's work
                     T.barrier_wait(state_ready[b], (i // nb) % 2)
+                    stamp(trace_out, 6, i, tx, 128, bv, h, n)
                     T.gemm(q_s[s, :, :], S_s[b, :, :], o_f, clear_accum=True)
+                    stamp(trace_out, 7, i, tx, 128, bv, h, n)
                     T.barrier_arrive(state_free[b])
                     if l2norm:
                         for r, j in T.Parallel(C, BV):
@@ -304,28 +339,35 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.barrier_arrive(free[s])
                     if psplit:
                         T.barrier_wait(p_ready[pb], (i // 2) % 2)
+                    stamp(trace_out, 8, i, tx, 128, bv, h, n)
                     T.barrier_wait(vnew_ready[b], (i // nb) % 2)
+                    stamp(trace_out, 9, i, tx, 128, bv, h, n)
                     T.gemm(P_s[pb, :, :], vn_s[b, :, :], o_f)
+                    stamp(trace_out, 10, i, tx, 128, bv, h, n)
                     T.barrier_arrive(vnew_free[b])
                     if psplit:
                         T.barrier_arrive(p_free[pb])
                     for r, j in T.Parallel(C, BV):
                         if bos + r < eos:
                             o[bos + r, h, v0 + j] = o_f[r, j] * scale
+                    stamp(trace_out, 11, i, tx, 128, bv, h, n)
             elif psplit and tx < 384:
                 # ---- scores (psplit): row factors and P, up to two chunks ahead of the output ----
                 for i in T.serial(nchunks):
                     s = i % R
                     pb = i % 2
                     T.barrier_wait(ready[s], (i // R) % 2)
+                    stamp(trace_out, 12, i, tx, 256, bv, h, n)
                     if l2norm:
                         l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
                         l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
                         T.barrier_arrive(norm_ready[s])
                     T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
+                    stamp(trace_out, 13, i, tx, 256, bv, h, n)
                     T.barrier_wait(p_free[pb], (i // 2 + 1) % 2)
                     build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s)
                     T.barrier_arrive(p_ready[pb])
+                    stamp(trace_out, 14, i, tx, 256, bv, h, n)
                     T.barrier_arrive(free[s])
             else:
                 # ---- producer: one warp issues every TMA load of a slot ----
@@ -336,6 +378,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         s = i % R
                         bos = bos0 + i * C
                         T.barrier_wait(free[s], (i // R + 1) % 2)
+                        stamp(trace_out, 15, i, tx, prod0, bv, h, n)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s[s, :, :], barrier=ready[s])
                         T.tma_copy(k[bos:bos + C, hq, :], k_s[s, :, :], barrier=ready[s])
                         T.tma_copy(w[c0 + i, h, :, :], w_s[s, :, :], barrier=ready[s])

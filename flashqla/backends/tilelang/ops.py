@@ -97,6 +97,17 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
                        bool(save_states)))
 
 
+# Set by benchmarks/trace_ws.py only: while it is a tensor, ws forwards are built with ``trace=True`` and
+# stamp their role timeline into it (see build_fwd_ws).
+TRACE_BUFFER: Optional[torch.Tensor] = None
+
+
+def _no_trace(device) -> torch.Tensor:
+    """The ws forward's trace parameter: the trace buffer while tracing, else a placeholder the kernel
+    (built with ``trace=False``) never touches."""
+    return TRACE_BUFFER if TRACE_BUFFER is not None else dummy((1, 1), torch.int64, device)
+
+
 def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV):
     ring, nbuf = fwd_ws_layout(BV)
     fast_exp, psplit, tchain = fwd_ws_options()
@@ -104,6 +115,8 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV):
            fast_exp, psplit)
     if tchain and BV == 64:     # the register-only state chain exists at BV = 64 only (see build_fwd_ws)
         key += (True,)
+    if TRACE_BUFFER is not None:
+        key = key[:12] + (len(key) > 12, True)
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, key)
 
 
@@ -279,10 +292,10 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         # one under FLASHQLA_TILELANG_BV)
         for bv in ((fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
                    else FWD_WS_BVS):
-            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args)
+            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _no_trace(dev))
     else:
         bv = fwd_ws_bv(NS, Hv, V, dev)
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args)
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _no_trace(dev))
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,

@@ -1,0 +1,86 @@
+"""Role timeline of the tilelang warp-specialised forward recurrence, from in-kernel clock64 stamps.
+
+The recurrence runs four roles per CTA (state chain, output, scores, TMA producer; see
+``backends/tilelang/chunk_fwd_ws_sm90.py``).  Built with ``trace=True``, the first thread of each role in CTA
+(0, 0, 0) stamps ``clock64()`` at the points of ``TRACE_EVENTS`` for the first ``TRACE_CHUNKS`` chunks.  This
+script runs one traced forward per row and prints, per event, the median over chunks 8..63 of its cycle
+offset from the chain's "slot ready" stamp of the same chunk, and the median chunk period: which role
+waits for which, and how long each step takes, in SM cycles (the H200 runs ~1.98 GHz under load).
+
+usage (device machine, after `source .gpu/setup.sh`):
+    python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192 [--env FLASHQLA_TILELANG_BV=64] --out $OUT/trace.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from profile_kernels import parse_seqlens  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="16/32:1x32768,16/32:4x8192")
+    ap.add_argument("--env", default="", help="NAME=VALUE settings (space separated) applied before the calls")
+    ap.add_argument("--first", type=int, default=8, help="first chunk of the steady-state window")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    for item in args.env.split():
+        name, _, val = item.partition("=")
+        os.environ[name] = val
+
+    import flashqla
+    from flashqla.backends.tilelang import ops
+    from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import TRACE_CHUNKS, TRACE_EVENTS
+    from flashqla.cli.cases import make_inputs
+
+    out = []
+    for row in args.rows.split(","):
+        heads, sl = row.split(":")
+        Hqk, Hv = (int(x) for x in heads.split("/"))
+        x = make_inputs(parse_seqlens(sl), Hqk, Hv, device=torch.device("cuda"))
+
+        def call():
+            with torch.no_grad():
+                flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
+                                                cu_seqlens=x["cu_seqlens"], backend="tilelang")
+
+        buf = torch.zeros(len(TRACE_EVENTS), TRACE_CHUNKS, dtype=torch.int64, device="cuda")
+        ops.TRACE_BUFFER = buf
+        try:
+            call()                      # builds the traced kernel, warms caches
+            buf.zero_()
+            call()
+            torch.cuda.synchronize()
+        finally:
+            ops.TRACE_BUFFER = None
+        t = buf.cpu()
+        chunks = range(args.first, TRACE_CHUNKS - 1)
+        base = t[0]
+        period = statistics.median(int(base[i + 1] - base[i]) for i in chunks) if base.any() else float("nan")
+        rec = {"row": row, "env": args.env, "period_cycles": period, "events": []}
+        print(f"\n## {row} {args.env}: chunk period {period:.0f} cycles (median, chunks {args.first}..{TRACE_CHUNKS - 1})")
+        for e, (name, role) in enumerate(TRACE_EVENTS):
+            if not t[e].any():
+                continue                # a role this variant does not have (no scores warpgroup without psplit)
+            offs = [int(t[e][i] - base[i]) for i in chunks]
+            med = statistics.median(offs)
+            rec["events"].append({"event": name, "role": role, "offset_median": med,
+                                  "offset_min": min(offs), "offset_max": max(offs)})
+            print(f"  {name:<32} {med:>8.0f}  (min {min(offs):>7}, max {max(offs):>7})")
+        out.append(rec)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
