@@ -62,7 +62,7 @@ def _variants(K: int, V: int, ieee: bool):
     for bv_state in (32, 64):
         bv, launch = cfg("state", bv_state)
         # 2 stages, and the 3 that ops._state_stages picks at bv 32 when the programs fit one per SM
-        for stages in sorted({launch["num_stages"], 1 if ieee or bv > 32 else 3}):
+        for stages in sorted({launch["num_stages"]} | ({3} if bv <= 32 and not ieee else set())):
             out.append((f"state (bv={bv}, stages={stages})", chunk_state.chunk_state_fwd_kernel,
                         dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False),
                         dict(launch, num_stages=stages)))

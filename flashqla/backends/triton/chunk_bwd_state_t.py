@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .chunk_state_t import load_state_t, load_t, store_state_t, store_t
-from .common import BT, L2_EPS, gdiff, l2n, load_gate, load_gate_last, load_rows, mm, seq_bounds
+from .common import BT, L2_EPS, gdiff, l2n, load_gate, load_gate_last, load_rows, mm, serial_program
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -29,16 +29,10 @@ def chunk_state_bwd_t_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_pt
                              K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                              USE_L2: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
                              IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
-    n = pid // Hv
-    h = pid % Hv
-    hk = h // (Hv // Hqk)
+    v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K, V, BV,
+                                                                IS_VARLEN)
     DT: tl.constexpr = w_ptr.dtype.element_ty
-    bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
     r = tl.arange(0, BT)
-    sbase = (n.to(tl.int64) * Hv + h) * K * V
-    GS = Hv.to(tl.int64) * TT
 
     if HAS_DHT:
         dSt = load_state_t(dht_ptr, sbase, K, V, v0, BV).to(tl.float32)

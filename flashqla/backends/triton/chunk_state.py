@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_last, load_rows, load_state, mm,
-                     mma, seq_bounds, store_cols, store_state)
+                     mma, serial_program, store_cols, store_state)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -39,16 +39,10 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                            USE_L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                            STORE_H: tl.constexpr, FUSE_OUTPUT: tl.constexpr, IEEE: tl.constexpr):
-    pid = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
-    n = pid // Hv
-    h = pid % Hv
-    hk = h // (Hv // Hqk)
+    v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K, V, BV,
+                                                                IS_VARLEN)
     DT: tl.constexpr = w_ptr.dtype.element_ty
-    bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
     r = tl.arange(0, BT)
-    sbase = (n.to(tl.int64) * Hv + h) * K * V
-    GS = Hv.to(tl.int64) * TT
 
     if HAS_H0:
         S = load_state(h0_ptr, sbase, K, V, v0, BV).to(tl.float32)

@@ -93,6 +93,23 @@ def seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN: tl.constexpr, BT: tl.const
 
 
 @triton.jit
+def serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
+                   IS_VARLEN: tl.constexpr):
+    """Coordinates of a program of a serial state kernel (grid ``(N * Hv, V // BV)``): ``(v0, h, hk, bos, eos,
+    nt, cbase, sbase, GS)`` = its first state column, value head, query/key head, the sequence's token range,
+    chunk count and first chunk id (``seq_bounds``), the element offset of its [K, V] state (int64) and the
+    plane stride of the gate buffer."""
+    pid = tl.program_id(0)
+    v0 = tl.program_id(1) * BV
+    n = pid // Hv
+    h = pid % Hv
+    hk = h // (Hv // Hqk)
+    bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
+    sbase = (n.to(tl.int64) * Hv + h) * K * V
+    return v0, h, hk, bos, eos, nt, cbase, sbase, Hv.to(tl.int64) * TT
+
+
+@triton.jit
 def tok_rows(t0, r, TT):
     """Global token index of chunk rows ``r`` (int64), clamped into ``[0, TT)``.
 
