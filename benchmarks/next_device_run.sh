@@ -72,6 +72,11 @@ case "$STEP" in
   fwdbench)
     TAIL=40 run_step "qwen35-fwd preset, both baselines" 480 python -m flashqla bench --preset qwen35-fwd \
         --no-progress --backends tilelang,triton --baselines fla,flashqla --out $OUT/fwd ;;
+  cutlassaot)
+    # carry [".gpu_cute"]: the cutlass first call of a fresh process (it compiles: no disk cache in CuTe DSL 4.3.5),
+    # then the TVM-FFI AOT probe (compile, export, link, load, run against the JIT kernels) (#5, #7)
+    TAIL=3 run_step "cutlass first call 8-32" 120 python benchmarks/first_call.py --backend cutlass --heads 8/32
+    TAIL=20 run_step "cutlass AOT probe" 200 python benchmarks/check_cutlass_aot.py --out /tmp/flq_aot ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
@@ -91,6 +96,6 @@ case "$STEP" in
     done
     save_kcache ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
