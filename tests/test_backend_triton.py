@@ -135,7 +135,7 @@ def test_forward_both_paths(monkeypatch, fuse):
                                   "fwd.fuse=1,fused.t=1,fused.bv=32,bstate.t=1"],
                          ids=["transposed_state", "transposed_fused"])
 def test_forward_transposed_state_kernel(monkeypatch, tune):
-    # chunk_state_t: the same recurrence with the state held as S^T (forward and the backward's recompute)
+    # TRANSPOSED: the same recurrences with the state held as S^T (forward, recompute and state gradient)
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune + ",output.bv=64")
     case = Case("transposed", 1, 2, 64, 128, seqlens=(70, 1, 0, 64), l2norm=True)
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=True)

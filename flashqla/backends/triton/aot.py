@@ -58,20 +58,22 @@ def _variants(K: int, V: int, ieee: bool):
             dict(feat, STORE_T=True, BW=min(ops.tune("prep")["bv"], K, V)), prep_launch)]
     bv, launch = cfg("fused")
     out.append(("state+output (fused)", chunk_state.chunk_state_fwd_kernel,
-                dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True), launch))
+                dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True, TRANSPOSED=False),
+                launch))
     for bv_state in (32, 64):
         bv, launch = cfg("state", bv_state)
         # 2 stages, and the 3 that ops._state_stages picks at bv 32 when the programs fit one per SM
         for stages in sorted({launch["num_stages"]} | ({3} if bv <= 32 and not ieee else set())):
             out.append((f"state (bv={bv}, stages={stages})", chunk_state.chunk_state_fwd_kernel,
-                        dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False),
+                        dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False,
+                             TRANSPOSED=False),
                         dict(launch, num_stages=stages)))
     bv, launch = cfg("output", 64 if ieee else V)
     launch["num_warps"] = ops.tune("output")["warps"] or (8 if K * bv >= 128 * 128 else 4)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
     bv, launch = cfg("bstate")
     out.append(("bwd state", chunk_bwd_state.chunk_state_bwd_kernel,
-                dict(feat, BV=bv, HAS_DHT=True, STORE_DH0=True), launch))
+                dict(feat, BV=bv, HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False), launch))
     bv, launch = cfg("dqk")
     out.append(("bwd dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
     bv, launch = cfg("wy")

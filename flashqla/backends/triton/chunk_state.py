@@ -22,6 +22,18 @@ Two uses:
 ``G_last`` is the cumulative gate at the chunk's last real token (padded rows carry it too).  Every
 exponent is <= 0 (the causal mask is applied before the exp): strong decay gives zeros, never inf.
 Zero-length sequences run no iteration: the final state is the initial state (or zeros).
+
+``TRANSPOSED`` (``FLASHQLA_TRITON_TUNE=state.t=1`` / ``fused.t=1``; off by default): the same recurrence with
+the state held as ``S^T [BV, K]``.  In ``S`` form both products of a step take the state-side operand as the
+tensor-core *B* operand (``w S``, ``k^T (f v_new)``), which a Hopper wgmma reads only from shared memory;
+transposed, both take it as the *A* operand, which may stay in registers::
+
+    v_new^T = u^T - bf16(S^T) w^T                        S^T = exp(G_last) S^T + (v_new^T diag(f)) k
+    o^T     = scale * ( bf16(S^T) q^T diag(exp(G)) + v_new^T Pm^T ),  Pm^T[j, r] = (k_j . q_r) exp(G_r - G_j), j <= r
+
+(M = BV, a multiple of 64 for wgmma).  H200, session 5 run 10: no gain at 1-2 programs per SM (16/32 1x32768:
+state 1.226 ms at BV 64 against 0.955 plain at BV 32); with the output fused, BV 128 and 8 warps, 1.820 ms
+against 1.959 for the plain fused kernel at 4x8192.
 """
 
 from __future__ import annotations
@@ -29,8 +41,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_last, load_rows, load_state, mm,
-                     mma, serial_program, store_cols, store_state)
+from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_last, load_rows, load_state,
+                     load_state_t, load_t, mm, mma, serial_program, store_cols, store_state, store_state_t, store_t)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -38,43 +50,80 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                            coff_ptr, scale, T, NT, TT, Hqk, Hv,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                            USE_L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
-                           STORE_H: tl.constexpr, FUSE_OUTPUT: tl.constexpr, IEEE: tl.constexpr):
+                           STORE_H: tl.constexpr, FUSE_OUTPUT: tl.constexpr, IEEE: tl.constexpr,
+                           TRANSPOSED: tl.constexpr):
     v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K, V, BV,
                                                                 IS_VARLEN)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     r = tl.arange(0, BT)
 
-    if HAS_H0:
-        S = load_state(h0_ptr, sbase, K, V, v0, BV).to(tl.float32)
+    if TRANSPOSED:
+        if HAS_H0:
+            S = load_state_t(h0_ptr, sbase, K, V, v0, BV).to(tl.float32)
+        else:
+            S = tl.zeros([BV, K], dtype=tl.float32)
     else:
-        S = tl.zeros([K, BV], dtype=tl.float32)
+        if HAS_H0:
+            S = load_state(h0_ptr, sbase, K, V, v0, BV).to(tl.float32)
+        else:
+            S = tl.zeros([K, BV], dtype=tl.float32)
 
     for i in range(0, nt):
         t0 = bos + i * BT
         L = tl.minimum(eos - t0, BT).to(tl.int32)
         valid = r < L
-        if STORE_H:
-            store_state(h_ptr, S, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
-        w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
-        u = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
-        Sc = S.to(DT)
-        vn = u - mm(w, Sc, IEEE, DT)
-        if STORE_H:
-            store_cols(vn_ptr, vn, t0, L, h, Hv, V, BT, v0, BV, TT)
-        k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
-        gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
-        lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
-        if FUSE_OUTPUT:
-            q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
-            m = (r[:, None] >= r[None, :]) & valid[:, None]
-            a = mm(q, tl.trans(k), IEEE, DT)
-            a = tl.where(m, a * tl.exp(tl.where(m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]),
-                                                 0.0)), 0.0)
-            o = mma(a, vn, mm(q, Sc, IEEE, DT) * tl.exp(gh + gl)[:, None], IEEE, DT)
-            store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
-        fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
-        # (diag(fac) k)^T v_new = k^T (diag(fac) v_new): scale the smaller tile
-        S = mma(tl.trans(k), vn * fac[:, None], S * tl.exp(lh + ll), IEEE, DT)
+        if TRANSPOSED:
+            Sc = S.to(DT)
+            if STORE_H:
+                store_state_t(h_ptr, Sc, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
+            wt = load_t(w_ptr, t0, L, h, Hv, K, BT, 0, K, TT)                   # [K, 64]
+            ut = load_t(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)                 # [BV, 64]
+            vnt = ut.to(tl.float32) - mm(Sc, wt, IEEE, DT)                      # [BV, 64]
+            if STORE_H:
+                store_t(vn_ptr, vnt, t0, L, h, Hv, V, BT, v0, BV, TT)
+            k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)   # [64, K]
+            gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
+            lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
+            if FUSE_OUTPUT:
+                if USE_L2:      # the row norms need the rows
+                    qt = tl.trans(l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), True, L2_EPS).to(DT))
+                else:
+                    qt = load_t(q_ptr, t0, L, hk, Hqk, K, BT, 0, K, TT)                    # [K, 64]
+                # Pm^T[j, r] = (k_j . q_r) exp(G_r - G_j) for j <= r (rows r past the end are never stored)
+                mt = (r[:, None] <= r[None, :]) & valid[None, :]
+                at = mm(k, qt, IEEE, DT)
+                at = tl.where(mt, at * tl.exp(tl.where(mt, gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None]),
+                                                       0.0)), 0.0)
+                ot = mma(vnt, at, mm(Sc, qt, IEEE, DT) * tl.exp(gh + gl)[None, :], IEEE, DT)
+                store_t(o_ptr, ot * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
+            fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
+            S = mma(vnt * fac[None, :], k, S * tl.exp(lh + ll), IEEE, DT)
+        else:
+            if STORE_H:
+                store_state(h_ptr, S, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
+            w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
+            u = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
+            Sc = S.to(DT)
+            vn = u - mm(w, Sc, IEEE, DT)
+            if STORE_H:
+                store_cols(vn_ptr, vn, t0, L, h, Hv, V, BT, v0, BV, TT)
+            k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
+            gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
+            lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
+            if FUSE_OUTPUT:
+                q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
+                m = (r[:, None] >= r[None, :]) & valid[:, None]
+                a = mm(q, tl.trans(k), IEEE, DT)
+                a = tl.where(m, a * tl.exp(tl.where(m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]),
+                                                     0.0)), 0.0)
+                o = mma(a, vn, mm(q, Sc, IEEE, DT) * tl.exp(gh + gl)[:, None], IEEE, DT)
+                store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
+            fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
+            # (diag(fac) k)^T v_new = k^T (diag(fac) v_new): scale the smaller tile
+            S = mma(tl.trans(k), vn * fac[:, None], S * tl.exp(lh + ll), IEEE, DT)
 
     if STORE_HT:
-        store_state(ht_ptr, S, sbase, K, V, v0, BV)
+        if TRANSPOSED:
+            store_state_t(ht_ptr, S, sbase, K, V, v0, BV)
+        else:
+            store_state(ht_ptr, S, sbase, K, V, v0, BV)

@@ -230,3 +230,37 @@ def store_state(ptr, x, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.const
     dk = tl.arange(0, K)
     dv = v0 + tl.arange(0, BV)
     tl.store(ptr + base + dk[:, None] * V + dv[None, :], x.to(ptr.dtype.element_ty))
+
+
+# Transposed tiles, for the kernels that hold the state as S^T [BV, K] (TRANSPOSED: see chunk_state)
+@triton.jit
+def load_t(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr, TT):
+    """Tile [BC, R] (storage dtype): columns ``c0 .. c0+BC`` of the chunk's R rows, transposed."""
+    r = tl.arange(0, R)
+    d = c0 + tl.arange(0, BC)
+    offs = (tok_rows(t0, r, TT)[None, :] * H + head) * D + d[:, None]
+    return tl.load(ptr + offs, mask=(r < L)[None, :], other=0.0)
+
+
+@triton.jit
+def store_t(ptr, xt, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr, TT):
+    """Store a [BC, R] tile transposed into columns ``c0 .. c0+BC`` of the chunk's rows (rows < L)."""
+    r = tl.arange(0, R)
+    d = c0 + tl.arange(0, BC)
+    offs = (tok_rows(t0, r, TT)[None, :] * H + head) * D + d[:, None]
+    tl.store(ptr + offs, xt.to(ptr.dtype.element_ty), mask=(r < L)[None, :])
+
+
+@triton.jit
+def load_state_t(ptr, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr):
+    """Tile [BV, K] = columns ``v0 ..`` of a [.., K, V] state, transposed."""
+    dk = tl.arange(0, K)
+    dv = v0 + tl.arange(0, BV)
+    return tl.load(ptr + base + dk[None, :] * V + dv[:, None])
+
+
+@triton.jit
+def store_state_t(ptr, xt, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.constexpr):
+    dk = tl.arange(0, K)
+    dv = v0 + tl.arange(0, BV)
+    tl.store(ptr + base + dk[None, :] * V + dv[:, None], xt.to(ptr.dtype.element_ty))

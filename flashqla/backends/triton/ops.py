@@ -96,12 +96,12 @@ def _sm_count(device) -> int:
 # FLASHQLA_TRITON_TUNE="state.bv=32,output.warps=4,dqk.stages=3" (kernel.key=int, comma separated).
 _DEFAULTS = {
     "fwd": dict(fuse=-1),                        # -1: fuse_forward_output decides
-    "fused": dict(warps=4, stages=2, bv=32, t=0),    # the state kernel with FUSE_OUTPUT; t: see chunk_state_t
+    "fused": dict(warps=4, stages=2, bv=32, t=0),    # the state kernel with FUSE_OUTPUT; t: TRANSPOSED (chunk_state)
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
     "state": dict(warps=0, stages=0, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; stages 0: _state_stages;
                                                   # t=1: transposed state
     "output": dict(warps=0, stages=2, bv=0),     # bv 0: V; warps 0: 8 at K*bv >= 128*128, else 4
-    "bstate": dict(warps=4, stages=2, bv=32, t=0),  # t=1: transposed state gradient (chunk_bwd_state_t)
+    "bstate": dict(warps=4, stages=2, bv=32, t=0),  # t=1: transposed state gradient (chunk_bwd_state)
     "dqk": dict(warps=8, stages=2, bv=64),
     "wy": dict(warps=8, stages=2, bv=64),
 }
@@ -210,7 +210,6 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
     """Serial state pass.  ``fuse_output``: also computes o (returned in place of h) and stores neither
     the chunk states nor v_new; otherwise returns (h, v_new, final state)."""
     from .chunk_state import chunk_state_fwd_kernel
-    from .chunk_state_t import chunk_state_fwd_t_kernel
 
     dev = k.device
     if fuse_output:
@@ -230,14 +229,13 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
         cfg["stages"] = cfg["stages"] or _state_stages(geo.N * geo.Hv * triton.cdiv(geo.V, BV), BV, dev)
     dummy = u
-    kernel = chunk_state_fwd_t_kernel if cfg.get("t") else chunk_state_fwd_kernel
-    launch(kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
+    launch(chunk_state_fwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         h if h is not None else dummy, vn if vn is not None else dummy, o if o is not None else dummy,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, STORE_H=not fuse_output, FUSE_OUTPUT=fuse_output, IEEE=geo.ieee,
-        **_launch(cfg, geo))
+        TRANSPOSED=bool(cfg.get("t")), **_launch(cfg, geo))
     return (o if fuse_output else h), vn, ht
 
 
@@ -332,7 +330,6 @@ def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2
 
 def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool):
     from .chunk_bwd_state import chunk_state_bwd_kernel
-    from .chunk_bwd_state_t import chunk_state_bwd_t_kernel
 
     dev = q.device
     dh = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=q.dtype, device=dev)
@@ -340,11 +337,11 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
     cfg = tune("bstate")
     BV = min(cfg["bv"], geo.V)
-    launch(chunk_state_bwd_t_kernel if cfg["t"] else chunk_state_bwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
+    launch(chunk_state_bwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, IEEE=geo.ieee, **_launch(cfg, geo))
+        STORE_DH0=dh0 is not None, IEEE=geo.ieee, TRANSPOSED=bool(cfg["t"]), **_launch(cfg, geo))
     return dh, dvn, dh0
 
 
