@@ -17,6 +17,8 @@
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
 #   bash benchmarks/next_device_run.sh trace      per-role clock64 timeline of the tilelang ws recurrence (#4)
+#   bash benchmarks/next_device_run.sh gpusuite   the tilelang / triton / shared / gating GPU tests (run it first after
+#                                                 a kernel change)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
@@ -27,6 +29,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 PYT="python -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short"
 for STEP in $STEPS; do
 case "$STEP" in
+  gpusuite)
+    # first after a kernel change: the GPU tests of the tilelang and triton backends, the shared suite, gating
+    TAIL=12 run_step "GPU suite" 300 $PYT tests/test_backend_tilelang.py tests/test_backend_triton.py \
+        tests/test_correctness.py tests/test_gating.py ;;
   firstcall)
     # one process per line; the cold one gets caches of its own so the carried kcache does not help it
     TAIL=3 run_step "first call cold cache 8-32" 150 env TILELANG_CACHE_DIR=/tmp/cold/tilelang \
@@ -96,6 +102,6 @@ case "$STEP" in
     done
     save_kcache ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
