@@ -102,7 +102,7 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
 TRACE_BUFFER: Optional[torch.Tensor] = None
 
 
-def _no_trace(device) -> torch.Tensor:
+def _trace_arg(device) -> torch.Tensor:
     """The ws forward's trace parameter: the trace buffer while tracing, else a placeholder the kernel
     (built with ``trace=False``) never touches."""
     return TRACE_BUFFER if TRACE_BUFFER is not None else dummy((1, 1), torch.int64, device)
@@ -292,10 +292,10 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         # one under FLASHQLA_TILELANG_BV)
         for bv in ((fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
                    else FWD_WS_BVS):
-            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _no_trace(dev))
+            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _trace_arg(dev))
     else:
         bv = fwd_ws_bv(NS, Hv, V, dev)
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _no_trace(dev))
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _trace_arg(dev))
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
