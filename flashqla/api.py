@@ -223,12 +223,9 @@ def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[
         raise ValueError("dht given but the forward did not output the final state")
     with torch.no_grad():
         dht = _swap_state(dht, ctx.state_layout)
-        grads = ctx.backend.backward(ctx.spec, ctx.saved, ctx.aux, do.contiguous(),
-                                     None if dht is None else dht.contiguous())
-        grads = tuple(grads)
-        if ctx.state_layout != "KV" and len(grads) > 5 and grads[5] is not None:
-            grads = grads[:5] + (_swap_state(grads[5], ctx.state_layout),) + grads[6:]
-    return _cast_grads(grads, ctx.input_dtypes)
+        dq, dk, dv, dg, dbeta, dh0 = ctx.backend.backward(ctx.spec, ctx.saved, ctx.aux, do.contiguous(),
+                                                           None if dht is None else dht.contiguous())
+    return _cast_grads((dq, dk, dv, dg, dbeta, _swap_state(dh0, ctx.state_layout)), ctx.input_dtypes)
 
 
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

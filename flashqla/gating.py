@@ -20,7 +20,6 @@ of element ``i`` is ``i % Hv`` (``a`` and ``b`` are made contiguous).
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -62,14 +61,13 @@ def _check(A_log, a, dt_bias, b, beta_dtype):
 def _use_triton(x: torch.Tensor, impl: str) -> bool:
     if impl == "torch":
         return False
-    interp = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
     try:
-        import triton  # noqa: F401
+        from .backends.triton.ops import interpreting
     except ImportError:
         if impl == "triton":
             raise ValueError("gdn_gating: impl='triton' but triton is not importable") from None
         return False
-    ok = x.is_cuda or interp
+    ok = x.is_cuda or interpreting()
     if impl == "triton" and not ok:
         raise ValueError("gdn_gating: impl='triton' needs CUDA tensors (or TRITON_INTERPRET=1 on the CPU)")
     return ok and x.dtype != torch.float64
@@ -105,25 +103,18 @@ def _get_kernel():
 
 def _forward_triton(A_log, a, dt_bias, b, beta_dtype, threshold):
     import triton
+
+    from .backends.triton.ops import _device_guard
     a_c, b_c = a.contiguous(), b.contiguous()
     g = torch.empty(a.shape, dtype=torch.float32, device=a.device)
     beta = torch.empty(a.shape, dtype=beta_dtype or b.dtype, device=a.device)
     n = a_c.numel()
     if n:
         BLOCK = 1024
-        ctx = torch.cuda.device(a.device) if a.is_cuda else _null()
-        with ctx:
+        with _device_guard(a):
             _get_kernel()[(triton.cdiv(n, BLOCK),)](A_log.contiguous(), a_c, dt_bias.contiguous(), b_c, g, beta,
                                                      n, a.shape[-1], float(threshold), BLOCK=BLOCK, num_warps=4)
     return g, beta
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 class _GDNGating(torch.autograd.Function):
