@@ -34,6 +34,19 @@ def parse_seqlens(s: str) -> list:
     return out
 
 
+def row_inputs(row: str, device) -> dict:
+    """Inputs of a ``Hqk/Hv:seqlens`` row (``flashqla.cli.cases.make_inputs``) with their varlen metadata
+    (``meta``) and a random output gradient (``do``), as ``bench.make_call`` takes them."""
+    import flashqla
+    from flashqla.cli.cases import make_inputs
+    heads, sl = row.split(":")
+    Hqk, Hv = (int(x) for x in heads.split("/"))
+    x = make_inputs(parse_seqlens(sl), Hqk, Hv, device=device)
+    x["meta"] = flashqla.prepare_varlen(x["cu_seqlens"])
+    x["do"] = torch.randn_like(x["v"])
+    return x
+
+
 def load_impl(name: str):
     from flashqla.cli import bench
     if name in bench.EXTERNAL_BASELINES:
@@ -72,18 +85,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from flashqla.cli.bench import make_call
-    from flashqla.cli.cases import make_inputs
-    import flashqla
 
-    dev = torch.device("cuda")
     results = []
     for row in args.rows.split(","):
-        heads, sl = row.split(":")
-        Hqk, Hv = (int(x) for x in heads.split("/"))
-        seqlens = parse_seqlens(sl)
-        x = make_inputs(seqlens, Hqk, Hv, device=dev)
-        x["meta"] = flashqla.prepare_varlen(x["cu_seqlens"])
-        x["do"] = torch.randn(1, sum(seqlens), Hv, 128, device=dev, dtype=torch.bfloat16)
+        x = row_inputs(row, torch.device("cuda"))
         for mode in args.modes.split(","):
             for name in args.impls.split(","):
                 try:

@@ -25,7 +25,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_kernels import parse_seqlens, profile_one  # noqa: E402
+from profile_kernels import profile_one, row_inputs  # noqa: E402
 
 
 _SAVED_ENV: dict = {}
@@ -61,19 +61,12 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
 
-    import flashqla
     from flashqla.cli.bench import _flashqla_op, agreement, make_call
-    from flashqla.cli.cases import make_inputs
 
     op = _flashqla_op(args.backend)
     results = []
     for row in args.rows.split(","):
-        heads, sl = row.split(":")
-        Hqk, Hv = (int(x) for x in heads.split("/"))
-        seqlens = parse_seqlens(sl)
-        x = make_inputs(seqlens, Hqk, Hv, device=torch.device("cuda"))
-        x["meta"] = flashqla.prepare_varlen(x["cu_seqlens"])
-        x["do"] = torch.randn(1, sum(seqlens), Hv, 128, device="cuda", dtype=torch.bfloat16)
+        x = row_inputs(row, torch.device("cuda"))
         base = None
         for spec in args.variants.split(";"):
             spec = spec.strip()

@@ -22,7 +22,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from profile_kernels import parse_seqlens  # noqa: E402
+from profile_kernels import row_inputs  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,13 +39,10 @@ def main(argv=None) -> int:
     import flashqla
     from flashqla.backends.tilelang import ops
     from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import TRACE_CHUNKS, TRACE_EVENTS
-    from flashqla.cli.cases import make_inputs
 
     out = []
     for row in args.rows.split(","):
-        heads, sl = row.split(":")
-        Hqk, Hv = (int(x) for x in heads.split("/"))
-        x = make_inputs(parse_seqlens(sl), Hqk, Hv, device=torch.device("cuda"))
+        x = row_inputs(row, torch.device("cuda"))
 
         def call():
             with torch.no_grad():
