@@ -417,9 +417,6 @@ class _Idx:
         else:
             x.index_copy_(0, self.t, src)
 
-    def is_all(self, rows: int) -> bool:
-        return self.sl is not None and self.sl.start == 0 and self.n == rows
-
 
 # ---------------------------------------------------------------------------------------------------------
 # The transition matrices M

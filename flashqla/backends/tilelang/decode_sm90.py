@@ -81,7 +81,6 @@ def _signature(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, state_vk, has_i
 def _build_vk(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, BV, l2norm, has_indices):
     import tilelang.language as T
 
-
     ty = _signature(io_dtype, g_dtype, beta_dtype, state_dtype, K, V, STATE_VK, has_indices)
     B, Tn, Hv, P = ty.B, ty.Tn, ty.Hv, ty.P
     KPL = K // 32
