@@ -69,7 +69,6 @@ def _variants(K: int, V: int, ieee: bool):
                              TRANSPOSED=False),
                         dict(launch, num_stages=stages)))
     bv, launch = cfg("output", 64 if ieee else V)
-    launch["num_warps"] = ops.tune("output")["warps"] or (8 if K * bv >= 128 * 128 else 4)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
     bv, launch = cfg("bstate")
     out.append(("bwd state", chunk_bwd_state.chunk_state_bwd_kernel,

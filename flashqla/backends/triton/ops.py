@@ -100,7 +100,8 @@ _DEFAULTS = {
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
     "state": dict(warps=0, stages=0, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; stages 0: _state_stages;
                                                   # t=1: transposed state
-    "output": dict(warps=0, stages=2, bv=0),     # bv 0: V; warps 0: 8 at K*bv >= 128*128, else 4
+    "output": dict(warps=4, stages=2, bv=0),     # bv 0: V; 4 warps: H200 sweep s6 (16/32 1x32768 0.903 -> 0.528 ms
+                                                 # against 8 warps; 2/8 1x8192 0.058 -> 0.035)
     "bstate": dict(warps=4, stages=2, bv=32, t=0),  # t=1: transposed state gradient (chunk_bwd_state)
     "dqk": dict(warps=8, stages=2, bv=64),
     "wy": dict(warps=8, stages=2, bv=64),
@@ -265,7 +266,6 @@ def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype)
     o = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=out_dtype, device=q.device)
     cfg = dict(tune("output"))
     BV = min(cfg["bv"] or (64 if geo.ieee else geo.V), geo.V)
-    cfg["warps"] = cfg["warps"] or (8 if geo.K * BV >= 128 * 128 else 4)
     launch(chunk_output_kernel, (geo.chunks, geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, G, h, vn, o, geo.cu, geo.cidx, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
