@@ -403,6 +403,12 @@ def _fwd_variants():
     out.append(("fwd_ws", ("float16", 128, 128, 64, False, False, True, False, 0, 0, True, False, True)))
     # the diagnostic role trace (benchmarks/trace_ws.py)
     out.append(("fwd_ws", ("bfloat16", 128, 128, 32, False, False, True, False, 0, 0, True, True, False, True)))
+    # the fused inference forward: stage 1 writes Tb only, the recurrence forms v_new from v (every V-block)
+    out.append(("intra", ("bfloat16", "bfloat16", 128, 128, False, False, True)))
+    out.append(("intra", ("float16", "float32", 128, 128, True, False, True)))
+    for dt, bv, l2, h0, ht in [("bfloat16", 32, False, True, True), ("bfloat16", 64, True, False, True),
+                               ("bfloat16", 128, False, False, False), ("float16", 128, True, True, True)]:
+        out.append(("fwd_ws", (dt, 128, 128, bv, l2, h0, ht, False, 0, 0, True, True, False, False, True)))
     return out
 
 
@@ -445,6 +451,12 @@ def test_kernels_lower_for_sm90a(kind, args):
         from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import TRACE_EVENTS
         traced = len(args) > 13 and args[13]
         assert src.count("clock64()") == (len(TRACE_EVENTS) if traced else 0)
+    if kind == "fwd_ws" and len(args) > 14 and args[14]:
+        # fused: the state chain runs k Sb, Tb Y and the update; the output and scores warpgroups as before
+        assert src.count("wgmma_ss<") == 6, "fused: expected six shared-operand wgmma"
+    if kind == "intra" and len(args) > 6 and args[6]:
+        # Tb only: one k k^T product, no w / u products
+        assert src.count("wgmma_ss<") == 1
     if kind == "fwd_ws" and len(args) > 12 and args[12]:
         # tchain: both state-chain products take their A operand from registers
         assert src.count("wgmma_rs<") == 2, "tchain: expected two register-operand wgmma in the state chain"
@@ -536,6 +548,22 @@ _GPU_FWD_CASES = [
 @pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
 def test_gpu_forward_matches_oracle(case):
     _gpu_case(case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("bv", ["", "32", "64", "128"])
+@pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
+def test_gpu_forward_fused_matches_oracle(case, bv, monkeypatch):
+    # the fused inference forward (Tb-only stage 1, v_new formed in the recurrence) at every V-block;
+    # run_case's forward needs no gradient, so it takes the fused path
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", "fused")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
+    if bv and case.name not in ("dense_h0_ht", "varlen_len1_tail", "varlen_l2norm", "strong_decay"):
+        pytest.skip("every case runs at the auto V-block; four at each forced one")
+    from flashqla.backends.tilelang import _compile
+    _gpu_case(case, torch.bfloat16)
+    assert any(name == "fwd_intra_tb_sm90" for name, _ in _compile.cached_kernels())
 
 
 @pytest.mark.gpu
@@ -760,8 +788,32 @@ def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
             X_out[c] = X
 
 
+def _sim_intra_tb(key, k, g, beta, cu, cidx, Tb_out, G_out, ratio):
+    # build_intra(tb_only=True): Tb = X diag(beta) in the input dtype, and G (the X of _sim_intra)
+    dt, _, K, V, l2norm, save_x, tb_only = key
+    assert tb_only
+    NT, Hv = g.shape[0], g.shape[1]
+    idx = torch.arange(C)
+    strict = idx[:, None] > idx[None, :]
+    for c in range(cidx.shape[0]):
+        bos, eos, valid = _chunk_rows(cu, cidx[c])
+        kc = _heads(_rows(k, bos, NT), ratio)
+        gc = torch.where(valid[:, None], _rows(g[:, :, None], bos, NT)[..., 0], 0.).T
+        bc = torch.where(valid[:, None], _rows(beta[:, :, None], bos, NT)[..., 0], 0.).T
+        nk = _norms(kc, l2norm)
+        G = gc.cumsum(-1)
+        A = torch.where(strict, (kc @ kc.transpose(-1, -2)) * nk[:, :, None] * nk[:, None, :] * bc[:, :, None]
+                        * torch.exp(G[:, :, None] - G[:, None, :]), 0.)
+        X = torch.linalg.solve_triangular(torch.eye(C) + A, torch.eye(C).expand(Hv, C, C), upper=False,
+                                          unitriangular=True)
+        Tb_out[c] = (X * bc[:, None, :]).to(Tb_out.dtype)
+        G_out[c] = G
+
+
 def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio):
     dt, K, V, BV, l2norm, has_h0, store_ht, save = key[:8]   # (the ws kernel adds its ring layout)
+    # the ws kernel's 15th key entry: fused (w holds Tb, u holds the packed v rows)
+    fused = len(key) > 14 and key[14]
     NT, Hv = o.shape[0], o.shape[1]
     idx = torch.arange(C)
     incl = idx[:, None] >= idx[None, :]
@@ -775,7 +827,12 @@ def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, rati
             nq, nk = _norms(qc, l2norm), _norms(kc, l2norm)
             Gc = G[c]
             Sb = S.to(o.dtype).float()
-            vn = torch.where(valid[None, :, None], u[c].float() - w[c].float() @ Sb, 0.)
+            if fused:
+                vc = _rows(u, bos, NT).transpose(0, 1)
+                Y = torch.where(valid[None, :, None], vc - (torch.exp(Gc) * nk)[:, :, None] * (kc @ Sb), 0.)
+                vn = w[c].float() @ Y.to(o.dtype).float()
+            else:
+                vn = torch.where(valid[None, :, None], u[c].float() - w[c].float() @ Sb, 0.)
             vnb = vn.to(o.dtype).float()
             if save:
                 h_out[c] = Sb.to(h_out.dtype)
@@ -902,7 +959,7 @@ def _sim_fwd_ws(key, *args):
     return _sim_fwd(key, *args[:-1])
 
 
-_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
+_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
                "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}
@@ -936,13 +993,47 @@ _HOST_CASES = [
 ]
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts"])
+@pytest.mark.parametrize("fwd", ["fused", "ws"])
+@pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
+def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
+    # an inference forward (nothing saved): "fused" runs the Tb-only stage 1 and the fused recurrence
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", fwd)
+    from flashqla.dispatch import FwdInputs, get_backend
+    from flashqla.dispatch.device import fake_device
+    from flashqla.validation import validate
+
+    be = get_backend("tilelang")
+    inp = make_inputs(case, torch.bfloat16)
+    ref = oracle(case, inp, grads=False)
+    with fake_device("cuda", (9, 0)):
+        spec, scale, meta = validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], case.scale,
+                                     inp["initial_state"], case.ht, case.l2norm, inp["cu_seqlens"],
+                                     needs_grad=False)
+    x = FwdInputs(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], scale=scale,
+                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], varlen=meta,
+                  output_final_state=case.ht, use_qk_l2norm=case.l2norm)
+    from flashqla.testing import poisoned_outputs
+    with poisoned_outputs("cpu"):
+        o, ht, saved, aux = be.forward(spec, x)
+    assert saved == ()
+    first = "fwd_intra_tb_sm90" if fwd == "fused" else "fwd_intra_sm90"
+    assert simulated_kernels == [first, "fwd_recurrent_ws_sm90"]
+    tol = TOLERANCES["bfloat16"]
+    assert rel_l2(o, ref["o"]) <= tol["o"], rel_l2(o, ref["o"])
+    if case.ht:
+        assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
+
+
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
+    # (a training forward under "fused" keeps the unfused kernels: the backward needs w)
     if variant == "ws-noopts":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
         variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
+    if variant == "fused":
+        variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
     # "serial" pairs with the first per-chunk backward kernels, "ws" with the default (v2) ones
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v1" if variant == "serial" else "v2")

@@ -73,7 +73,7 @@ def ws_layout(BV: int) -> tuple:
 
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
-                 tchain: bool = False, trace: bool = False):
+                 tchain: bool = False, trace: bool = False, fused: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -93,7 +93,19 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     ``trace`` (diagnostics, ``benchmarks/trace_ws.py``): the first thread of every role of CTA (0, 0, 0)
     writes ``clock64()`` into ``trace[event, chunk]`` at the points listed in ``TRACE_EVENTS``, for the first
     ``TRACE_CHUNKS`` chunks; the per-chunk gaps show which role waits on which.  Off, ``trace`` is a
-    placeholder parameter the kernel never touches."""
+    placeholder parameter the kernel never touches.
+
+    ``fused`` (the inference forward: stage 1 is ``build_intra(tb_only=True)``, which writes only the 64 x 64
+    ``Tb = X diag(beta)`` per chunk instead of w and u): the parameter ``w`` holds ``Tb [NC, Hv, 64, 64]``
+    and ``u`` holds ``v [NT, Hv, V]`` itself (packed rows, like q and k), and the state chain forms v_new
+    from them, since ``u - w S = Tb (v - diag(exp(G) nk) k S)``::
+
+        Y     = v - exp(G) nk (k Sb)                 rows past the sequence end forced to 0
+        v_new = Tb bf16(Y)                           a third, 64 x BV x 64 wgmma on the chain
+
+    The intra pass then reads k only and writes 8 KB per chunk and head instead of 32-64 KB, and the
+    recurrence reads the same bytes as before (v for u, an 8 KB Tb for the 16 KB w); ``save_states``
+    works as before, but the backward needs w, so training forwards keep the unfused pair."""
     import tilelang.language as T
 
     from ._common import make_l2_row_factors_ring, symbolic_sizes
@@ -107,6 +119,11 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     SVN, SVH = (NC, Hv) if save_states else T.dynamic("SVN, SVH")
     assert V % BV == 0
     assert not tchain or BV == 64, "tchain: the transposed state is one warpgroup's wgmma accumulator, M = BV = 64"
+    assert not (tchain and fused), "tchain runs the unfused chain only"
+    # fused: w holds Tb (64 x 64 per chunk), u holds the packed v rows (see ``fused``)
+    W_SHAPE = (NC, Hv, C, C) if fused else (NC, Hv, C, K)
+    U_SHAPE = (NT, Hv, V) if fused else (NC, Hv, C, V)
+    WK = C if fused else K
     big = BV > 64
     R0, nb0 = ws_layout(BV)
     R = ring or R0          # ring slots of q, k, w, u, G
@@ -147,8 +164,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     def gdn_fwd_recurrent_ws(
         q: T.Tensor((NT, Hqk, K), dtype),
         k: T.Tensor((NT, Hqk, K), dtype),
-        w: T.Tensor((NC, Hv, C, K), dtype),
-        u: T.Tensor((NC, Hv, C, V), dtype),
+        w: T.Tensor(W_SHAPE, dtype),
+        u: T.Tensor(U_SHAPE, dtype),
         G: T.Tensor((NC, Hv, C), acc),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_offsets: T.Tensor((NS + 1,), "int32"),
@@ -164,7 +181,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         with T.Kernel(V // BV, Hv, NS, threads=threads) as (bv, h, n):
             q_s = T.alloc_shared((R, C, K), dtype)
             k_s = T.alloc_shared((R, C, K), dtype)
-            w_s = T.alloc_shared((R, C, K), dtype)
+            w_s = T.alloc_shared((R, C, WK), dtype)
             u_s = T.alloc_shared((R, C, BV), dtype)
             G_s = T.alloc_shared((R, C), acc)
             S_s = T.alloc_shared((nb, K, BV), dtype)
@@ -275,9 +292,30 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         T.barrier_arrive(state_ready[b])
                         if save_states:
                             T.copy(S_s[b, :, :], h_out[c0 + i, h, :, v0:v0 + BV])
-                        T.gemm(w_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
-                        for r, j in T.Parallel(C, BV):
-                            vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
+                        if fused:
+                            # Y = v - exp(G) nk (k Sb) -> vd_s (free: the last chunk's update has read it), then
+                            # v_new = Tb Y.  Y is formed in place, then stored by a loop of its own: a loop
+                            # that reads shared tiles and stores to one gets a warpgroup barrier per unrolled
+                            # iteration at BV = 128 (and T.copy's stmatrix path spills there)
+                            T.gemm(k_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
+                            if l2norm:
+                                T.barrier_wait(norm_ready[s], (i // R) % 2)
+                                for r, j in T.Parallel(C, BV):
+                                    vn_f[r, j] = T.if_then_else(
+                                        bos + r < eos,
+                                        T.cast(u_s[s, r, j], acc) - ex(G_s[s, r]) * nk_s[s, r] * vn_f[r, j], 0.0)
+                            else:
+                                for r, j in T.Parallel(C, BV):
+                                    vn_f[r, j] = T.if_then_else(
+                                        bos + r < eos, T.cast(u_s[s, r, j], acc) - ex(G_s[s, r]) * vn_f[r, j], 0.0)
+                            for r, j in T.Parallel(C, BV):
+                                vd_s[r, j] = vn_f[r, j]
+                            T.fence_proxy_async()
+                            T.gemm(w_s[s, :, :], vd_s, vn_f, clear_accum=True)
+                        else:
+                            T.gemm(w_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
+                            for r, j in T.Parallel(C, BV):
+                                vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
                         stamp(trace_out, 2, i, tx, 0, bv, h, n)
                         T.barrier_wait(vnew_free[b], (i // nb + 1) % 2)
                         T.copy(vn_f, vn_s[b, :, :])
@@ -287,7 +325,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         if save_states:
                             T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
                         if l2norm:
-                            T.barrier_wait(norm_ready[s], (i // R) % 2)
+                            if not fused:       # (the fused chain waited for the row factors already)
+                                T.barrier_wait(norm_ready[s], (i // R) % 2)
                             for r, j in T.Parallel(C, BV):
                                 vd_s[r, j] = vn_f[r, j] * nk_s[s, r] * ex(G_s[s, C - 1] - G_s[s, r])
                         else:
@@ -382,7 +421,10 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         T.tma_copy(q[bos:bos + C, hq, :], q_s[s, :, :], barrier=ready[s])
                         T.tma_copy(k[bos:bos + C, hq, :], k_s[s, :, :], barrier=ready[s])
                         T.tma_copy(w[c0 + i, h, :, :], w_s[s, :, :], barrier=ready[s])
-                        T.tma_copy(u[c0 + i, h, :, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
+                        if fused:
+                            T.tma_copy(u[bos:bos + C, h, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
+                        else:
+                            T.tma_copy(u[c0 + i, h, :, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
                         T.tma_copy(G[c0 + i, h, :], G_s[s, :], barrier=ready[s])
                         T.barrier_arrive(ready[s])
 

@@ -63,7 +63,11 @@ PAD = 72
 
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
-                threads: int = 128):
+                tb_only: bool = False, threads: int = 128):
+    """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
+    writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
+    ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
+    ``(k, g, beta, cu_seqlens, chunk_indices, Tb_out, G_out, ratio)``; ``V`` and ``save_x`` are unused."""
     import tilelang.language as T
 
     from ._common import symbolic_sizes
@@ -76,6 +80,122 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     # passed, with its own symbolic sizes.
     XN = NC if save_x else T.dynamic("XN")
     XH = Hv if save_x else T.dynamic("XH")
+
+    @T.macro
+    def gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h):
+        # steps 2-4 (the k tile's TMA load is in flight; the caller waits for it before calling)
+        T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+        if l2norm:
+            for r, j in T.Parallel(C, C):
+                if r == j:
+                    n_s[r] = T.rsqrt(kk_f[r, j] + L2_EPS)
+            for r, j in T.Parallel(C, C):
+                A_s[r, j] = T.if_then_else(
+                    r > j, kk_f[r, j] * b_s[r] * n_s[r] * n_s[j] * T.exp(g_s[r] - g_s[j]), 0.0)
+        else:
+            for r in T.Parallel(C):
+                n_s[r] = 1.0
+            for r, j in T.Parallel(C, C):
+                A_s[r, j] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * T.exp(g_s[r] - g_s[j]), 0.0)
+        for r in T.Parallel(C):
+            cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
+        T.sync_threads()
+
+    @T.macro
+    def load_gates(g_s, b_s, X_s, g, beta, bos, eos, h):
+        for r in T.Parallel(C):
+            g_s[r] = T.if_then_else(bos + r < eos, g[bos + r, h], 0.0)
+            b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, h], acc), 0.0)
+        T.clear(X_s)
+        T.cumsum(g_s, dim=0)
+
+    @T.macro
+    def invert(A_s, X_s):
+        # step 5, X = (I + A)^-1 (see the module docstring); X_s was cleared up front
+        tx = T.get_thread_binding()
+        warp = tx // 32
+        lane = tx % 32
+
+        # ---- P1: D_b = (I + A_bb)^-1, thread (b, col) = (tx // 16, tx % 16), tx < 64
+        if tx < 64:
+            d0 = (tx // 16) * 16
+            cc = tx % 16
+            x = T.alloc_local((16,), acc)
+            for m in T.unroll(16):
+                x[m] = T.if_then_else(m == cc, 1.0, 0.0)
+            for m in T.unroll(16):
+                for r in T.unroll(m + 1, 16):
+                    x[r] = x[r] - A_s[d0 + r, d0 + m] * x[m]
+            for r in T.unroll(16):
+                X_s[d0 + r, d0 + cc] = x[r]
+        T.sync_threads()
+
+        # ---- P2: the 32x32 diagonal halves.  Half p = tx // 64 (base row/col 32 p); in it,
+        # column cc = tx % 16 and rows ri + 4 i (i = 0..3) of the 16x16 block, ri = (tx % 64) // 16.
+        p0 = (tx // 64) * 32
+        ri = (tx % 64) // 16
+        c2 = tx % 16
+        y2 = T.alloc_local((4,), acc)
+        # P2a: Y = A_{lower} D_upper  -> upper-triangle scratch A_s[p0 + 0:16, p0 + 16:32]
+        for i in T.unroll(4):
+            y2[i] = 0.0
+        for m in T.unroll(16):
+            for i in T.unroll(4):
+                y2[i] = y2[i] + A_s[p0 + 16 + ri + 4 * i, p0 + m] * X_s[p0 + m, p0 + c2]
+        for i in T.unroll(4):
+            A_s[p0 + ri + 4 * i, p0 + 16 + c2] = y2[i]
+        T.sync_threads()
+        # P2b: X_{lower-left} = -D_lower Y  -> X_s[p0 + 16:32, p0 + 0:16]
+        for i in T.unroll(4):
+            y2[i] = 0.0
+        for m in T.unroll(16):
+            for i in T.unroll(4):
+                y2[i] = y2[i] - X_s[p0 + 16 + ri + 4 * i, p0 + 16 + m] * A_s[p0 + m, p0 + 16 + c2]
+        for i in T.unroll(4):
+            X_s[p0 + 16 + ri + 4 * i, p0 + c2] = y2[i]
+        T.sync_threads()
+
+        # ---- P3a: Y = A[32:64, 0:32] X[0:32, 0:32]  -> scratch A_s[0:32, 32:64].
+        # Thread: rows r3 + 8 i (i = 0..3), r3 = tx // 16; columns c3 and 16 + c3, c3 = tx % 16.
+        # Column 16 + c3 only meets rows 16..31 of X_(0) (its rows 0..15 are zero there).
+        r3 = tx // 16
+        c3 = tx % 16
+        ya = T.alloc_local((4,), acc)
+        yb = T.alloc_local((4,), acc)
+        for i in T.unroll(4):
+            ya[i] = 0.0
+            yb[i] = 0.0
+        for m in T.unroll(16):
+            for i in T.unroll(4):
+                ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
+        for m in T.unroll(16, 32):
+            for i in T.unroll(4):
+                ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
+                yb[i] = yb[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, 16 + c3]
+        for i in T.unroll(4):
+            A_s[r3 + 8 * i, 32 + c3] = ya[i]
+            A_s[r3 + 8 * i, 48 + c3] = yb[i]
+        T.sync_threads()
+
+        # ---- P3b: X[32:64, 0:32] = -X[32:64, 32:64] Y  (Y in A_s[0:32, 32:64]).
+        # Thread: column lane; rows warp + 4 i of the upper 16 (X_(1) rows there only meet Y's
+        # rows 0..15) and 16 + warp + 4 i of the lower 16.
+        za = T.alloc_local((4,), acc)
+        zb = T.alloc_local((4,), acc)
+        for i in T.unroll(4):
+            za[i] = 0.0
+            zb[i] = 0.0
+        for m in T.unroll(16):
+            for i in T.unroll(4):
+                za[i] = za[i] - X_s[32 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+                zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+        for m in T.unroll(16, 32):
+            for i in T.unroll(4):
+                zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+        for i in T.unroll(4):
+            X_s[32 + warp + 4 * i, lane] = za[i]
+            X_s[48 + warp + 4 * i, lane] = zb[i]
+        T.sync_threads()
 
     @T.prim_func
     def gdn_fwd_intra(
@@ -117,114 +237,10 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
             T.tma_copy(v[bos:bos + C, h, :], v_s, barrier=bar)
             T.mbarrier_arrive(bar)
-            for r in T.Parallel(C):
-                g_s[r] = T.if_then_else(bos + r < eos, g[bos + r, h], 0.0)
-                b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, h], acc), 0.0)
-            T.clear(X_s)
-            T.cumsum(g_s, dim=0)
+            load_gates(g_s, b_s, X_s, g, beta, bos, eos, h)
             T.mbarrier_wait_parity(bar, 0)
-
-            T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-            if l2norm:
-                for r, j in T.Parallel(C, C):
-                    if r == j:
-                        n_s[r] = T.rsqrt(kk_f[r, j] + L2_EPS)
-                for r, j in T.Parallel(C, C):
-                    A_s[r, j] = T.if_then_else(
-                        r > j, kk_f[r, j] * b_s[r] * n_s[r] * n_s[j] * T.exp(g_s[r] - g_s[j]), 0.0)
-            else:
-                for r in T.Parallel(C):
-                    n_s[r] = 1.0
-                for r, j in T.Parallel(C, C):
-                    A_s[r, j] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * T.exp(g_s[r] - g_s[j]), 0.0)
-            for r in T.Parallel(C):
-                cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
-            T.sync_threads()
-
-            tx = T.get_thread_binding()
-            warp = tx // 32
-            lane = tx % 32
-
-            # ---- P1: D_b = (I + A_bb)^-1, thread (b, col) = (tx // 16, tx % 16), tx < 64
-            if tx < 64:
-                d0 = (tx // 16) * 16
-                cc = tx % 16
-                x = T.alloc_local((16,), acc)
-                for m in T.unroll(16):
-                    x[m] = T.if_then_else(m == cc, 1.0, 0.0)
-                for m in T.unroll(16):
-                    for r in T.unroll(m + 1, 16):
-                        x[r] = x[r] - A_s[d0 + r, d0 + m] * x[m]
-                for r in T.unroll(16):
-                    X_s[d0 + r, d0 + cc] = x[r]
-            T.sync_threads()
-
-            # ---- P2: the 32x32 diagonal halves.  Half p = tx // 64 (base row/col 32 p); in it,
-            # column cc = tx % 16 and rows ri + 4 i (i = 0..3) of the 16x16 block, ri = (tx % 64) // 16.
-            p0 = (tx // 64) * 32
-            ri = (tx % 64) // 16
-            c2 = tx % 16
-            y2 = T.alloc_local((4,), acc)
-            # P2a: Y = A_{lower} D_upper  -> upper-triangle scratch A_s[p0 + 0:16, p0 + 16:32]
-            for i in T.unroll(4):
-                y2[i] = 0.0
-            for m in T.unroll(16):
-                for i in T.unroll(4):
-                    y2[i] = y2[i] + A_s[p0 + 16 + ri + 4 * i, p0 + m] * X_s[p0 + m, p0 + c2]
-            for i in T.unroll(4):
-                A_s[p0 + ri + 4 * i, p0 + 16 + c2] = y2[i]
-            T.sync_threads()
-            # P2b: X_{lower-left} = -D_lower Y  -> X_s[p0 + 16:32, p0 + 0:16]
-            for i in T.unroll(4):
-                y2[i] = 0.0
-            for m in T.unroll(16):
-                for i in T.unroll(4):
-                    y2[i] = y2[i] - X_s[p0 + 16 + ri + 4 * i, p0 + 16 + m] * A_s[p0 + m, p0 + 16 + c2]
-            for i in T.unroll(4):
-                X_s[p0 + 16 + ri + 4 * i, p0 + c2] = y2[i]
-            T.sync_threads()
-
-            # ---- P3a: Y = A[32:64, 0:32] X[0:32, 0:32]  -> scratch A_s[0:32, 32:64].
-            # Thread: rows r3 + 8 i (i = 0..3), r3 = tx // 16; columns c3 and 16 + c3, c3 = tx % 16.
-            # Column 16 + c3 only meets rows 16..31 of X_(0) (its rows 0..15 are zero there).
-            r3 = tx // 16
-            c3 = tx % 16
-            ya = T.alloc_local((4,), acc)
-            yb = T.alloc_local((4,), acc)
-            for i in T.unroll(4):
-                ya[i] = 0.0
-                yb[i] = 0.0
-            for m in T.unroll(16):
-                for i in T.unroll(4):
-                    ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
-            for m in T.unroll(16, 32):
-                for i in T.unroll(4):
-                    ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
-                    yb[i] = yb[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, 16 + c3]
-            for i in T.unroll(4):
-                A_s[r3 + 8 * i, 32 + c3] = ya[i]
-                A_s[r3 + 8 * i, 48 + c3] = yb[i]
-            T.sync_threads()
-
-            # ---- P3b: X[32:64, 0:32] = -X[32:64, 32:64] Y  (Y in A_s[0:32, 32:64]).
-            # Thread: column lane; rows warp + 4 i of the upper 16 (X_(1) rows there only meet Y's
-            # rows 0..15) and 16 + warp + 4 i of the lower 16.
-            za = T.alloc_local((4,), acc)
-            zb = T.alloc_local((4,), acc)
-            for i in T.unroll(4):
-                za[i] = 0.0
-                zb[i] = 0.0
-            for m in T.unroll(16):
-                for i in T.unroll(4):
-                    za[i] = za[i] - X_s[32 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
-                    zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
-            for m in T.unroll(16, 32):
-                for i in T.unroll(4):
-                    zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
-            for i in T.unroll(4):
-                X_s[32 + warp + 4 * i, lane] = za[i]
-                X_s[48 + warp + 4 * i, lane] = zb[i]
-            T.sync_threads()
+            gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h)
+            invert(A_s, X_s)
 
             if save_x:
                 for r, j in T.Parallel(C, C):
@@ -241,4 +257,46 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             T.copy(v_s, u_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
-    return gdn_fwd_intra
+    @T.prim_func
+    def gdn_fwd_intra_tb(
+        k: T.Tensor((NT, Hqk, K), dtype),
+        g: T.Tensor((NT, Hv), acc),
+        beta: T.Tensor((NT, Hv), beta_dtype),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_indices: T.Tensor((NC, 2), "int32"),
+        Tb_out: T.Tensor((NC, Hv, C, C), dtype),
+        G_out: T.Tensor((NC, Hv, C), acc),
+        ratio: T.int32,
+    ):
+        with T.Kernel(NC, Hv, threads=threads) as (c, h):
+            k_s = T.alloc_shared((C, K), dtype)
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            n_s = T.alloc_shared((C,), acc)
+            cw_s = T.alloc_shared((C,), acc)
+            A_s = T.alloc_shared((C, PAD), acc)
+            X_s = T.alloc_shared((C, PAD), acc)
+            Tb_s = T.alloc_shared((C, C), dtype)
+            kk_f = T.alloc_fragment((C, C), acc)
+            bar = T.alloc_barrier(threads)
+
+            seq = chunk_indices[c, 0]
+            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
+            eos = cu_seqlens[seq + 1]
+            hq = h // ratio
+
+            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
+            T.mbarrier_arrive(bar)
+            load_gates(g_s, b_s, X_s, g, beta, bos, eos, h)
+            T.mbarrier_wait_parity(bar, 0)
+            gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h)
+            invert(A_s, X_s)
+
+            # beta is zero on rows past the sequence end, so Tb's columns there are zero, and so are its
+            # rows (X's rows there are unit rows): the fused recurrence's v_new rows past the end are 0
+            for r, j in T.Parallel(C, C):
+                Tb_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
+            T.copy(Tb_s, Tb_out[c, h, :, :])
+            T.copy(g_s, G_out[c, h, :])
+
+    return gdn_fwd_intra_tb if tb_only else gdn_fwd_intra

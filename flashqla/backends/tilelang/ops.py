@@ -91,6 +91,12 @@ def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
                       (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm), bool(save_x)))
 
 
+def intra_tb_kernel(dtype, beta_dtype, K, l2norm):
+    """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``)."""
+    return get_kernel("fwd_intra_tb_sm90", build_intra,
+                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), False, True))
+
+
 def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
     return get_kernel("fwd_recurrent_sm90", build_fwd,
                       (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht),
@@ -108,16 +114,17 @@ def _trace_arg(device) -> torch.Tensor:
     return TRACE_BUFFER if TRACE_BUFFER is not None else dummy((1, 1), torch.int64, device)
 
 
-def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV):
+def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False):
     ring, nbuf = fwd_ws_layout(BV)
     fast_exp, psplit, tchain = fwd_ws_options()
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht), bool(save_states), ring, nbuf,
            fast_exp, psplit)
-    if tchain and BV == 64:     # the register-only state chain exists at BV = 64 only (see build_fwd_ws)
-        key += (True,)
-    if TRACE_BUFFER is not None:
-        key = key[:12] + (len(key) > 12, True)
-    return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, key)
+    # (tchain, trace, fused): the register-only state chain exists at BV = 64 and unfused only (see
+    # build_fwd_ws); trailing False flags are left out, so the default kernels keep their keys
+    extra = [bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused)]
+    while extra and not extra[-1]:
+        extra.pop()
+    return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, key + tuple(extra))
 
 
 _WS_OPTS = ("fastexp", "psplit", "tchain")
@@ -160,9 +167,11 @@ def _env_choice(name: str, choices: tuple, default: str) -> str:
 
 
 def fwd_variant() -> str:
-    """``ws`` (warp-specialised recurrence, default) or ``serial`` (one warpgroup does everything);
+    """``ws`` (warp-specialised recurrence, default), ``serial`` (one warpgroup does everything) or
+    ``fused`` (inference forwards only: stage 1 writes the 64 x 64 ``Tb`` per chunk instead of w and u, and
+    the ws recurrence forms v_new from v; forwards that save for a backward stay ``ws``);
     ``FLASHQLA_TILELANG_FWD`` overrides."""
-    return _env_choice("FLASHQLA_TILELANG_FWD", ("ws", "serial"), "ws")
+    return _env_choice("FLASHQLA_TILELANG_FWD", ("ws", "serial", "fused"), "ws")
 
 
 def fwd_ws_bv(num_seqs: int, Hv: int, V: int, device) -> int:
@@ -265,13 +274,22 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         beta = beta.to(torch.float32)
     bf = beta.reshape(NT, Hv).contiguous()
 
-    w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
-    u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
+    variant = fwd_variant()
+    fused = variant == "fused" and not save
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
-    X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev) if save else \
-        dummy((1, 1, CHUNK, CHUNK), torch.float32, dev)
-    intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
-        kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
+    if fused:
+        # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
+        w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        u = vf
+        X = None
+        intra_tb_kernel(dt, bf.dtype, K, l2norm)(kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, G, ratio)
+    else:
+        w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
+        u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
+        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev) if save else \
+            dummy((1, 1, CHUNK, CHUNK), torch.float32, dev)
+        intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
+            kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
 
     o = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     has_h0 = h0 is not None
@@ -285,17 +303,17 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         hs = dummy((1, 1, K, V), dt, dev)
         vn = dummy((1, 1, CHUNK, V), dt, dev)
     fwd_args = (qf, kf, w, u, G, meta.cu_seqlens, meta.chunk_offsets, h0f, o, ht, hs, vn, float(scale), ratio)
-    if fwd_variant() == "serial":
+    if variant == "serial":
         fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(*fwd_args)
     elif dev.type == "meta":
         # key enumeration (precompile): every V-block the call-time choice can make (only the forced
         # one under FLASHQLA_TILELANG_BV)
         for bv in ((fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
                    else FWD_WS_BVS):
-            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _trace_arg(dev))
+            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(*fwd_args, _trace_arg(dev))
     else:
         bv = fwd_ws_bv(NS, Hv, V, dev)
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv)(*fwd_args, _trace_arg(dev))
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(*fwd_args, _trace_arg(dev))
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
