@@ -17,6 +17,7 @@
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
 #   bash benchmarks/next_device_run.sh trace      per-role clock64 timeline of the tilelang ws recurrence (#4)
+#   bash benchmarks/next_device_run.sh fused      the fused tilelang inference forward: GPU tests, sweep, trace (#4)
 #   bash benchmarks/next_device_run.sh gpusuite   the tilelang / triton / shared / gating GPU tests (run it first after
 #                                                 a kernel change)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
@@ -63,6 +64,14 @@ case "$STEP" in
     TAIL=40 run_step "tilelang tchain sweep" 200 python benchmarks/sweep_variants.py --backend tilelang \
         --mode fwd --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768,16/32:8x1024 --out $OUT/sweep_tchain.json \
         --variants "default;$B=64;$B=64 $O=fastexp,psplit,tchain;$B=64 $O=fastexp,tchain" ;;
+  fused)
+    # the fused inference forward (Tb-only stage 1; v_new formed in the recurrence) against the unfused pair (#4)
+    TAIL=8 run_step "fused GPU tests" 240 $PYT tests/test_backend_tilelang.py -k "fused or trace_stamps"
+    TAIL=40 run_step "tilelang fused sweep" 200 python benchmarks/sweep_variants.py --backend tilelang --mode fwd \
+        --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768,16/64:1x32768,16/64:4x8192,8/32:8x1024 \
+        --out $OUT/sweep_fused.json --variants "default;FLASHQLA_TILELANG_FWD=fused"
+    TAIL=60 run_step "fused role trace" 120 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192 \
+        --env FLASHQLA_TILELANG_FWD=fused --out $OUT/trace_fused.json ;;
   trace)
     # where the ws recurrence's ~3 us per chunk goes: per-role clock64 timeline of one CTA (#4)
     TAIL=60 run_step "ws role trace" 150 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768 \
@@ -102,6 +111,6 @@ case "$STEP" in
     done
     save_kcache ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | fused | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
