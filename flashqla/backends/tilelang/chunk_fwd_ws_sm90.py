@@ -197,6 +197,12 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 vnt_f = T.alloc_fragment((BV, C), acc)
                 vdt_f = T.alloc_fragment((BV, C), dtype)
             S_f = T.alloc_fragment((K, BV), acc)
+            # per-row decay factors in registers (the flash-attention row-scale pattern): each thread holds
+            # its two accumulator rows' values, so a chunk takes 2 ex2 per thread and factor instead of one
+            # per element, and the loops that apply them read no shared memory (no barrier inside them)
+            rowf_f = T.alloc_fragment((C,), acc)
+            orow_f = T.alloc_fragment((C,), acc)
+            glast = T.alloc_local((1,), acc)
             vn_f = T.alloc_fragment((C, BV), acc)
             P_f = T.alloc_fragment((C, C), acc)
             o_f = T.alloc_fragment((C, BV), acc)
@@ -300,14 +306,14 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             T.gemm(k_s[s, :, :], S_s[b, :, :], vn_f, clear_accum=True)
                             if l2norm:
                                 T.barrier_wait(norm_ready[s], (i // R) % 2)
-                                for r, j in T.Parallel(C, BV):
-                                    vn_f[r, j] = T.if_then_else(
-                                        bos + r < eos,
-                                        T.cast(u_s[s, r, j], acc) - ex(G_s[s, r]) * nk_s[s, r] * vn_f[r, j], 0.0)
+                                for r in T.Parallel(C):
+                                    rowf_f[r] = ex(G_s[s, r]) * nk_s[s, r]
                             else:
-                                for r, j in T.Parallel(C, BV):
-                                    vn_f[r, j] = T.if_then_else(
-                                        bos + r < eos, T.cast(u_s[s, r, j], acc) - ex(G_s[s, r]) * vn_f[r, j], 0.0)
+                                for r in T.Parallel(C):
+                                    rowf_f[r] = ex(G_s[s, r])
+                            for r, j in T.Parallel(C, BV):
+                                vn_f[r, j] = T.if_then_else(
+                                    bos + r < eos, T.cast(u_s[s, r, j], acc) - rowf_f[r] * vn_f[r, j], 0.0)
                             for r, j in T.Parallel(C, BV):
                                 vd_s[r, j] = vn_f[r, j]
                             T.fence_proxy_async()
@@ -327,14 +333,17 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         if l2norm:
                             if not fused:       # (the fused chain waited for the row factors already)
                                 T.barrier_wait(norm_ready[s], (i // R) % 2)
-                            for r, j in T.Parallel(C, BV):
-                                vd_s[r, j] = vn_f[r, j] * nk_s[s, r] * ex(G_s[s, C - 1] - G_s[s, r])
+                            for r in T.Parallel(C):
+                                rowf_f[r] = nk_s[s, r] * ex(G_s[s, C - 1] - G_s[s, r])
                         else:
-                            for r, j in T.Parallel(C, BV):
-                                vd_s[r, j] = vn_f[r, j] * ex(G_s[s, C - 1] - G_s[s, r])
+                            for r in T.Parallel(C):
+                                rowf_f[r] = ex(G_s[s, C - 1] - G_s[s, r])
+                        for r, j in T.Parallel(C, BV):
+                            vd_s[r, j] = vn_f[r, j] * rowf_f[r]
                         T.fence_proxy_async()
+                        glast[0] = ex(G_s[s, C - 1])
                         for a, b in T.Parallel(K, BV):
-                            S_f[a, b] = S_f[a, b] * ex(G_s[s, C - 1])
+                            S_f[a, b] = S_f[a, b] * glast[0]
                         T.gemm(k_s[s, :, :], vd_s, S_f, transpose_A=True)
                         stamp(trace_out, 4, i, tx, 0, bv, h, n)
                         T.barrier_arrive(free[s])
@@ -365,11 +374,13 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     stamp(trace_out, 7, i, tx, 128, bv, h, n)
                     T.barrier_arrive(state_free[b])
                     if l2norm:
-                        for r, j in T.Parallel(C, BV):
-                            o_f[r, j] = o_f[r, j] * nq_s[s, r] * ex(G_s[s, r])
+                        for r in T.Parallel(C):
+                            orow_f[r] = nq_s[s, r] * ex(G_s[s, r])
                     else:
-                        for r, j in T.Parallel(C, BV):
-                            o_f[r, j] = o_f[r, j] * ex(G_s[s, r])
+                        for r in T.Parallel(C):
+                            orow_f[r] = ex(G_s[s, r])
+                    for r, j in T.Parallel(C, BV):
+                        o_f[r, j] = o_f[r, j] * orow_f[r]
                     if not psplit:
                         T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
                         build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s)
