@@ -63,13 +63,15 @@ def test_list_shows_every_variant(tmp_path, capsys):
     with _compile.record_keys() as rec:
         for dt in (torch.bfloat16, torch.float16):
             for bdt in (torch.bfloat16, torch.float16, torch.float32):
-                for a, b in itertools.product((False, True), repeat=2):
-                    ops.intra_kernel(dt, bdt, 128, 128, a, b)
+                for a in (False, True):
+                    ops.intra_kernel(dt, bdt, 128, 128, a, True)     # training forwards (X saved)
+                    ops.intra_tb_kernel(dt, bdt, 128, a)             # inference forwards (fused)
                     ops.bwd_wy_kernel(dt, bdt, 128, 128, a)
-            # the default recurrences: warp-specialised, every V-block the call-time rule can pick
+            # the default recurrences: warp-specialised, every V-block the call-time rule can pick; fused
+            # when nothing is saved for a backward
             for fl in itertools.product((False, True), repeat=4):
                 for bv in ops.FWD_WS_BVS:
-                    ops.fwd_ws_kernel(dt, 128, 128, *fl, bv)
+                    ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=not fl[3])
             for fl in itertools.product((False, True), repeat=3):
                 for bv in ops.BWD_WS_BVS:
                     ops.bwd_state_ws_kernel(dt, 128, 128, *fl, bv)
@@ -77,7 +79,7 @@ def test_list_shows_every_variant(tmp_path, capsys):
                 ops.bwd_dqk_kernel(dt, 128, 128, a)
     want = {(n, repr(k)) for n, _, k in rec}
     assert keys == want
-    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
+    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_intra_tb_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
                                     "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"}
 
 
@@ -86,7 +88,7 @@ def test_list_selection():
     r = _run(["--list", *CHEAP], CHEAP_ENV)
     assert r.returncode == 0, r.stderr
     assert "2 variants" in r.stdout
-    assert "fwd_intra_sm90" in r.stdout and "fwd_recurrent_ws_sm90" in r.stdout
+    assert "fwd_intra_tb_sm90" in r.stdout and "fwd_recurrent_ws_sm90" in r.stdout   # inference: fused
     r = _run(["--list", *CHEAP])
     assert r.returncode == 0, r.stderr
     assert f"{1 + 3} variants" in r.stdout   # every V-block of the ws forward when none is forced

@@ -167,11 +167,13 @@ def _env_choice(name: str, choices: tuple, default: str) -> str:
 
 
 def fwd_variant() -> str:
-    """``ws`` (warp-specialised recurrence, default), ``serial`` (one warpgroup does everything) or
-    ``fused`` (inference forwards only: stage 1 writes the 64 x 64 ``Tb`` per chunk instead of w and u, and
-    the ws recurrence forms v_new from v; forwards that save for a backward stay ``ws``);
+    """``fused`` (default), ``ws`` or ``serial`` (one warpgroup does everything).  ``fused`` applies to
+    inference forwards: stage 1 writes the 64 x 64 ``Tb`` per chunk instead of w and u, and the ws recurrence
+    forms v_new from v; a forward that saves for a backward runs ``ws`` (the backward needs w).  H200 run s6
+    run 4 (``results/h200_2026-12-03_s6run4_tilelang_fused_sweep.json``): fused 0.787 against ws 0.956 ms at
+    16/32 4x8192, 1.751 against 1.937 at 16/32 1x32768, faster on all six rows measured.
     ``FLASHQLA_TILELANG_FWD`` overrides."""
-    return _env_choice("FLASHQLA_TILELANG_FWD", ("ws", "serial", "fused"), "ws")
+    return _env_choice("FLASHQLA_TILELANG_FWD", ("fused", "ws", "serial"), "fused")
 
 
 def fwd_ws_bv(num_seqs: int, Hv: int, V: int, device) -> int:
