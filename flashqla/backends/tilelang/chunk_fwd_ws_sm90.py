@@ -149,15 +149,20 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 trace_out[event, i] = T.call_extern("int64", "clock64")
 
     @T.macro
-    def build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s):
-        # P = (q k^T) nq_r nk_j exp(G_r - G_j) for j <= r, else 0, into P buffer pb (16-bit)
+    def build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s, gr_f, gc_f):
+        # P = (q k^T) nq_r nk_j exp(G_r - G_j) for j <= r, else 0, into P buffer pb (16-bit).  The row and
+        # column gates go to registers first (gr_f, gc_f: a thread's own rows / columns of P_f), and the
+        # row factors are applied to P_f in place, so the loop that stores P_s reads no shared memory
+        # (no warpgroup barrier per unrolled iteration)
+        for r in T.Parallel(C):
+            gr_f[r] = G_s[s, r]
+        for j in T.Parallel(C):
+            gc_f[j] = G_s[s, j]
         if l2norm:
             for r, j in T.Parallel(C, C):
-                P_s[pb, r, j] = T.if_then_else(
-                    j <= r, P_f[r, j] * nq_s[s, r] * nk_s[s, j] * ex(G_s[s, r] - G_s[s, j]), 0.0)
-        else:
-            for r, j in T.Parallel(C, C):
-                P_s[pb, r, j] = T.if_then_else(j <= r, P_f[r, j] * ex(G_s[s, r] - G_s[s, j]), 0.0)
+                P_f[r, j] = P_f[r, j] * nq_s[s, r] * nk_s[s, j]
+        for r, j in T.Parallel(C, C):
+            P_s[pb, r, j] = T.if_then_else(j <= r, P_f[r, j] * ex(gr_f[r] - gc_f[j]), 0.0)
         T.fence_proxy_async()
 
     @T.prim_func
@@ -205,6 +210,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             glast = T.alloc_local((1,), acc)
             vn_f = T.alloc_fragment((C, BV), acc)
             P_f = T.alloc_fragment((C, C), acc)
+            gr_f = T.alloc_fragment((C,), acc)
+            gc_f = T.alloc_fragment((C,), acc)
             o_f = T.alloc_fragment((C, BV), acc)
             sq_f = T.alloc_fragment((C, K), acc)
             ss_f = T.alloc_fragment((C,), acc)
@@ -383,7 +390,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         o_f[r, j] = o_f[r, j] * orow_f[r]
                     if not psplit:
                         T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
-                        build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s)
+                        build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s, gr_f, gc_f)
                     # done with the ring slot (q, k, G, row factors): hand it back before waiting for v_new,
                     # so the producer can refill it while the state chain is still on this chunk
                     T.barrier_arrive(free[s])
@@ -415,7 +422,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
                     stamp(trace_out, 13, i, tx, 256, bv, h, n)
                     T.barrier_wait(p_free[pb], (i // 2 + 1) % 2)
-                    build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s)
+                    build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s, gr_f, gc_f)
                     T.barrier_arrive(p_ready[pb])
                     stamp(trace_out, 14, i, tx, 256, bv, h, n)
                     T.barrier_arrive(free[s])
