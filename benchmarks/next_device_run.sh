@@ -72,6 +72,10 @@ case "$STEP" in
         --out $OUT/sweep_fused.json --variants "default;FLASHQLA_TILELANG_FWD=fused"
     TAIL=60 run_step "fused role trace" 120 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192 \
         --env FLASHQLA_TILELANG_FWD=fused --out $OUT/trace_fused.json ;;
+  fusedquick)
+    # the fused forward's oracle tests at the auto V-block only (before a benchmark of changed kernels)
+    TAIL=6 run_step "fused GPU tests (auto BV)" 150 $PYT tests/test_backend_tilelang.py \
+        -k "fused_matches and not 32 and not 64 and not 128" ;;
   trace)
     # where the ws recurrence's ~3 us per chunk goes: per-role clock64 timeline of one CTA (#4)
     TAIL=60 run_step "ws role trace" 150 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768 \
@@ -111,6 +115,6 @@ case "$STEP" in
     done
     save_kcache ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | fused | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | fused | fusedquick | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
