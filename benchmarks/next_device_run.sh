@@ -32,7 +32,7 @@ for STEP in $STEPS; do
 case "$STEP" in
   gpusuite)
     # first after a kernel change: the GPU tests of the tilelang and triton backends, the shared suite, gating
-    TAIL=12 run_step "GPU suite" 300 $PYT tests/test_backend_tilelang.py tests/test_backend_triton.py \
+    TAIL=12 run_step "GPU suite" 420 $PYT tests/test_backend_tilelang.py tests/test_backend_triton.py \
         tests/test_correctness.py tests/test_gating.py ;;
   firstcall)
     # one process per line; the cold one gets caches of its own so the carried kcache does not help it
