@@ -3,9 +3,12 @@
 Forward = two kernels (see their module docstrings):
 
 * ``chunk_intra_sm90`` — per (chunk, value head): gate cumsum, ``A = beta (k k^T) exp(G_i - G_j)``,
-  the unit-lower inverse, ``w`` and ``u``;
-* ``chunk_fwd_sm90`` — per (sequence, value head, V block): the serial state recurrence with the
-  chunk output computed in the same pass, so chunk states touch HBM only when a backward needs them.
+  the unit-lower inverse X, then ``w`` and ``u`` (training forwards), or only ``Tb = X diag(beta)``, 64 x 64
+  per chunk (inference forwards, ``tb_only``);
+* ``chunk_fwd_ws_sm90`` (default; ``chunk_fwd_sm90`` is the one-warpgroup form) — per (sequence, value head,
+  V block): the serial state recurrence with the chunk output computed in the same pass, so chunk states
+  touch HBM only when a backward needs them.  Its ``fused`` form (inference) reads v and Tb and forms
+  ``v_new = Tb (v - exp(G) k S)`` on the chain instead of reading w and u.
 
 Compile keys hold the head dims, dtypes and flags only; token counts, batch, sequences and head counts
 are symbolic, so new shapes never recompile (``_compile.compile_count()`` counts builds).  Compiled

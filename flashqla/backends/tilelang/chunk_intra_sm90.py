@@ -42,6 +42,9 @@ of 72 words: the A rows two neighbouring half-warps broadcast, and the fragment 
 in different banks.  A ``__syncthreads`` separates the phases (every phase writes only what no thread
 reads in the same phase).
 
+``tb_only`` (the fused inference forward): no v tile, no w / u; step 6 becomes ``Tb = X diag(beta)`` in the
+input dtype, ``[NC, Hv, 64, 64]``, and G.  The fused recurrence forms v_new from v, k and Tb itself.
+
 Outputs, chunk-major so that stage 2 reads whole tiles with TMA and the padded tail rows of a last
 chunk are well defined (zero in w and u, ``G = G_last`` in G): ``w [NC, Hv, 64, K]``, ``u [NC, Hv, 64,
 V]`` in the input dtype, ``G [NC, Hv, 64]`` fp32 and, when the backward needs it, ``X [NC, Hv, 64,
