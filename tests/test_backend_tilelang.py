@@ -403,6 +403,9 @@ def _fwd_variants():
     out.append(("fwd_ws", ("float16", 128, 128, 64, False, False, True, False, 0, 0, True, False, True)))
     # the diagnostic role trace (benchmarks/trace_ws.py)
     out.append(("fwd_ws", ("bfloat16", 128, 128, 32, False, False, True, False, 0, 0, True, True, False, True)))
+    # the output staged in shared memory and written with TMA (ostage), fused and not
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 32, True, False, True, False, 0, 0, True, True, False, False, True, True)))
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 128, False, True, True, True, 0, 0, True, True, False, False, False, True)))
     # the fused inference forward: stage 1 writes Tb only, the recurrence forms v_new from v (every V-block)
     out.append(("intra", ("bfloat16", "bfloat16", 128, 128, False, False, True)))
     out.append(("intra", ("float16", "float32", 128, 128, True, False, True)))
@@ -451,6 +454,8 @@ def test_kernels_lower_for_sm90a(kind, args):
         from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import TRACE_EVENTS
         traced = len(args) > 13 and args[13]
         assert src.count("clock64()") == (len(TRACE_EVENTS) if traced else 0)
+    if kind == "fwd_ws" and len(args) > 15 and args[15]:
+        assert "tma_store" in src, "ostage: the output tile should leave through a TMA store"
     if kind == "fwd_ws" and len(args) > 14 and args[14]:
         # fused: the state chain runs k Sb, Tb Y and the update; the output and scores warpgroups as before
         assert src.count("wgmma_ss<") == 6, "fused: expected six shared-operand wgmma"
@@ -564,6 +569,19 @@ def test_gpu_forward_fused_matches_oracle(case, bv, monkeypatch):
     from flashqla.backends.tilelang import _compile
     _gpu_case(case, torch.bfloat16)
     assert any(name == "fwd_intra_tb_sm90" for name, _ in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("bv", ["32", "128"])
+@pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_len1_tail",
+                                                                         "varlen_l2norm")], ids=lambda c: c.name)
+def test_gpu_forward_ostage_matches_oracle(case, bv, monkeypatch):
+    # the TMA-stored output (ostage), inference (fused) and training forwards, full and partial chunks
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
+    _gpu_case(case, torch.bfloat16)
+    _gpu_case(case, torch.bfloat16, grads=True)
 
 
 @pytest.mark.gpu

@@ -73,7 +73,7 @@ def ws_layout(BV: int) -> tuple:
 
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
-                 tchain: bool = False, trace: bool = False, fused: bool = False):
+                 tchain: bool = False, trace: bool = False, fused: bool = False, ostage: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -105,7 +105,13 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
 
     The intra pass then reads k only and writes 8 KB per chunk and head instead of 32-64 KB, and the
     recurrence reads the same bytes as before (v for u, an 8 KB Tb for the 16 KB w); ``save_states``
-    works as before, but the backward needs w, so training forwards keep the unfused pair."""
+    works as before, but the backward needs w, so training forwards keep the unfused pair.
+
+    ``ostage`` (experimental, off until measured): the output warpgroup stages a full chunk's o in shared
+    memory (64 x BV, 16-bit) and one thread writes it with a TMA store, instead of 64 * BV / 128 scattered
+    predicated stores per thread (run s6/4's trace at BV = 128: ~2200 cycles from ``P v_new`` to ``o
+    stored``, on the cycle the state chain waits for).  A chunk that ends past its sequence keeps the
+    predicated stores (a TMA store would write the next sequence's rows)."""
     import tilelang.language as T
 
     from ._common import make_l2_row_factors_ring, symbolic_sizes
@@ -193,6 +199,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             vn_s = T.alloc_shared((nb, C, BV), dtype)
             vd_s = T.alloc_shared((C, BV), dtype)
             P_s = T.alloc_shared((npb, C, C), dtype)
+            if ostage:
+                o_s = T.alloc_shared((C, BV), dtype)
             nq_s = T.alloc_shared((R, C), acc)
             nk_s = T.alloc_shared((R, C), acc)
 
@@ -404,9 +412,20 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.barrier_arrive(vnew_free[b])
                     if psplit:
                         T.barrier_arrive(p_free[pb])
-                    for r, j in T.Parallel(C, BV):
-                        if bos + r < eos:
-                            o[bos + r, h, v0 + j] = o_f[r, j] * scale
+                    if ostage:
+                        if bos + C <= eos:
+                            for r, j in T.Parallel(C, BV):
+                                o_s[r, j] = o_f[r, j] * scale
+                            T.fence_proxy_async()
+                            T.copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
+                        else:
+                            for r, j in T.Parallel(C, BV):
+                                if bos + r < eos:
+                                    o[bos + r, h, v0 + j] = o_f[r, j] * scale
+                    else:
+                        for r, j in T.Parallel(C, BV):
+                            if bos + r < eos:
+                                o[bos + r, h, v0 + j] = o_f[r, j] * scale
                     stamp(trace_out, 11, i, tx, 128, bv, h, n)
             elif psplit and tx < 384:
                 # ---- scores (psplit): row factors and P, up to two chunks ahead of the output ----

@@ -116,31 +116,31 @@ def _trace_arg(device) -> torch.Tensor:
 
 def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False):
     ring, nbuf = fwd_ws_layout(BV)
-    fast_exp, psplit, tchain = fwd_ws_options()
+    fast_exp, psplit, tchain, ostage = fwd_ws_options()
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht), bool(save_states), ring, nbuf,
            fast_exp, psplit)
-    # (tchain, trace, fused): the register-only state chain exists at BV = 64 and unfused only (see
+    # (tchain, trace, fused, ostage): the register-only state chain exists at BV = 64 and unfused only (see
     # build_fwd_ws); trailing False flags are left out, so the default kernels keep their keys
-    extra = [bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused)]
+    extra = [bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused), bool(ostage)]
     while extra and not extra[-1]:
         extra.pop()
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, key + tuple(extra))
 
 
-_WS_OPTS = ("fastexp", "psplit", "tchain")
+_WS_OPTS = ("fastexp", "psplit", "tchain", "ostage")
 # H200, 16/32 (results/h200_2026-12-03_s3run1_README.md): both on cut the recurrence 1.653 -> 1.442 ms at
 # 1x32768 and 0.648 -> 0.617 ms at 4x8192; either alone gained less.
 _WS_OPTS_DEFAULT = "fastexp,psplit"
 
 
 def fwd_ws_options() -> tuple:
-    """(fast_exp, psplit, tchain) of the warp-specialised forward (see ``build_fwd_ws``): the first two on
-    by default; ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none) overrides."""
+    """(fast_exp, psplit, tchain, ostage) of the warp-specialised forward (see ``build_fwd_ws``): the first two
+    on by default (``ostage``, the TMA-stored output, is not measured yet); ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none) overrides."""
     raw = os.environ.get("FLASHQLA_TILELANG_WS_OPTS", _WS_OPTS_DEFAULT)
     opts = {x.strip().lower() for x in raw.split(",") if x.strip()} - {"none"}
     if opts - set(_WS_OPTS):
         raise ValueError(f"FLASHQLA_TILELANG_WS_OPTS: unknown {sorted(opts - set(_WS_OPTS))}; known: {_WS_OPTS}")
-    return "fastexp" in opts, "psplit" in opts, "tchain" in opts
+    return "fastexp" in opts, "psplit" in opts, "tchain" in opts, "ostage" in opts
 
 
 def fwd_ws_layout(BV: int) -> tuple:
