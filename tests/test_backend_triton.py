@@ -295,14 +295,112 @@ def _bounds_checked_interpreter():
 
 
 @pytest.mark.skipif(CUDA, reason="interpreter check (CPU)")
+@pytest.mark.parametrize("grads", [True, False], ids=["fwd_bwd", "inference_tb"])
 @pytest.mark.parametrize("fuse", [0, 1], ids=["three_kernel", "fused_output"])
-def test_no_out_of_bounds_access_in_interpreter(monkeypatch, fuse):
+def test_no_out_of_bounds_access_in_interpreter(monkeypatch, fuse, grads):
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse}")
     case = Case("bounds", 1, 2, 64, 64, seqlens=(0, 1, 65, 0, 2), l2norm=True)
     with _bounds_checked_interpreter() as violations:
-        res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=True)
+        res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=grads)
     assert not violations, f"out-of-bounds accesses (kernel, kind, lanes): {sorted(set(violations))}"
     assert res.ok, res.failures
+
+
+# --- the inference forward in Tb form (ops.use_tb_forward) --------------------------------------------
+
+TB_CASE = Case("tb", 1, 4, 64, 128, seqlens=(0, 1, 130, 0, 63), l2norm=True)   # GVA 1:4, h0 and ht
+
+
+@contextlib.contextmanager
+def _counting_preps(monkeypatch):
+    """Counts the calls of ops.prep (w, u) and ops.prep_tb (Tb only) made inside."""
+    from flashqla.backends.triton import ops
+    calls = {"prep": 0, "prep_tb": 0}
+
+    def counted(name):
+        real = getattr(ops, name)
+
+        def wrapper(*a, **kw):
+            calls[name] += 1
+            return real(*a, **kw)
+        return wrapper
+
+    for name in calls:
+        monkeypatch.setattr(ops, name, counted(name))
+    yield calls
+
+
+@pytest.mark.parametrize("tune,l2", [("fwd.fuse=1", "separate"), ("fwd.fuse=1", "fused"),
+                                     ("fwd.fuse=0,state.bv=32,output.bv=64", "separate"),
+                                     ("fwd.fuse=1,fused.t=1", "fused"),
+                                     ("fwd.fuse=0,state.t=1,state.bv=64", "separate")],
+                         ids=["fused_output", "fused_output_l2_in_kernel", "three_kernel", "fused_output_transposed",
+                              "three_kernel_transposed"])
+def test_tb_forward_matches_oracle(monkeypatch, tune, l2):
+    # varlen with length-0 / length-1 sequences and a 63-token tail, GVA, h0 / ht, L2 norm; every state
+    # kernel form (output fused or not, state transposed or not) and both places of the L2 norm
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+    monkeypatch.setenv("FLASHQLA_TRITON_L2", l2)
+    with _counting_preps(monkeypatch) as calls:
+        res = run_case(flashqla.chunk_gated_delta_rule, TB_CASE, BACKEND, torch.float32, DEV, grads=False)
+    assert calls == {"prep": 0, "prep_tb": 1}
+    assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
+
+
+@pytest.mark.parametrize("fuse", [1, 0], ids=["fused_output", "three_kernel"])
+def test_tb_forward_strong_decay_without_h0(monkeypatch, fuse):
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse}")
+    case = Case("tb_strong", 1, 2, 64, 64, seqlens=(130, 7), gate="strong", h0=False)
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=False)
+    assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
+
+
+@pytest.mark.parametrize("fuse", [1, 0], ids=["fused_output", "three_kernel"])
+def test_tb_forward_isolates_sequences(monkeypatch, fuse):
+    # NaN in every input of the middle sequence: the sequences before (its chunk tail is padding that
+    # lies over the NaN tokens) and after must come out exact, as if that sequence held zeros
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse}")
+    case = Case("tb_nan", 1, 2, 64, 64, seqlens=(70, 20, 33))
+    x = make_inputs(case, torch.float32, DEV)
+    bad = slice(70, 90)
+    for n in ("q", "k", "v", "g", "beta"):
+        x[n][:, bad] = 0.0
+    ref = oracle(case, x, grads=False)
+    for n in ("q", "k", "v", "g", "beta"):
+        x[n][:, bad] = float("nan")
+    with poisoned_outputs(DEV):
+        o, ht = flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"],
+                                                initial_state=x["initial_state"], output_final_state=True,
+                                                cu_seqlens=x["cu_seqlens"], backend=BACKEND)
+    keep = torch.ones(case.tokens, dtype=torch.bool)
+    keep[bad] = False
+    assert rel_l2(o[:, keep], ref["o"][:, keep]) <= FWD_TOL
+    assert rel_l2(ht[[0, 2]], ref["ht"][[0, 2]]) <= FWD_TOL
+
+
+def test_training_forward_keeps_the_wu_path(monkeypatch):
+    # the Tb form only when no backward follows (its o would differ in the last bits from the w/u
+    # recompute the backward runs); fwd.tb=0 turns it off
+    monkeypatch.delenv("FLASHQLA_TRITON_TUNE", raising=False)
+    case = Case("tb_switch", 1, 2, 64, 64, seqlens=(9, 5))
+    x = make_inputs(case, torch.float32, DEV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"], backend=BACKEND)
+    with _counting_preps(monkeypatch) as calls:
+        leaves = [t.detach().clone().requires_grad_() for t in args]
+        o, _ = flashqla.chunk_gated_delta_rule(*leaves, **kw)
+        assert calls == {"prep": 1, "prep_tb": 0}
+        o.sum().backward()                                   # the backward's recompute: one more prep
+        assert calls == {"prep": 2, "prep_tb": 0}
+        flashqla.chunk_gated_delta_rule_fwd(*args, **kw, for_backward=True)
+        assert calls == {"prep": 3, "prep_tb": 0}
+        flashqla.chunk_gated_delta_rule_fwd(*args, **kw, for_backward=False)
+        with torch.no_grad():
+            flashqla.chunk_gated_delta_rule(*leaves, **kw)
+        assert calls == {"prep": 3, "prep_tb": 2}
+        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.tb=0")
+        flashqla.chunk_gated_delta_rule(*args, **kw)
+        assert calls == {"prep": 4, "prep_tb": 2}
 
 
 # --- compile-only (no GPU): the real compiler, not the interpreter ----------------------------------
@@ -343,6 +441,17 @@ GPU_CASES = [
 def test_gpu_half_precision_forward_backward(case, dtype):
     # thresholds: flashqla.testing.TOLERANCES (o/ht 5e-3, dq/dk/dv/dh0 1e-2, dg/dbeta 2e-2)
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, dtype, "cuda", grads=True)
+    assert res.ok, res.failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tune", ["fwd.fuse=1", "fwd.fuse=0"], ids=["fused_output", "three_kernel"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_half_precision_tb_forward(case, dtype, tune, monkeypatch):
+    # the inference forward (no grads: ops.use_tb_forward), to the forward tolerances of the w/u path
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, dtype, "cuda", grads=False)
     assert res.ok, res.failures
 
 

@@ -3,6 +3,7 @@
 Kernels (one file per stage, each opens with its grid / roles / memory budget):
 
 * ``chunk_prep.py``       fused intra-chunk prep: gate cumsum, A, (I + A)^-1, w, u  (chunks x Hv)
+                          (inference: only Tb = (I + A)^-1 diag(beta), see ops.use_tb_forward)
 * ``chunk_state.py``      serial state recurrence, state in fp32 registers, with the
                           chunk output fused in when there are enough programs        (N*Hv x V-blocks)
 * ``chunk_output.py``     chunk outputs, for the unfused forward                      (chunks x Hv)
@@ -109,7 +110,7 @@ class TritonBackend(Backend):
         from . import ops
 
         o, ht = ops.forward(x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.varlen,
-                            x.output_final_state, x.use_qk_l2norm)
+                            x.output_final_state, x.use_qk_l2norm, inference=not spec.needs_grad)
         if spec.needs_grad:
             saved = (x.q, x.k, x.v, x.g, x.beta, x.initial_state)
         else:

@@ -54,20 +54,27 @@ def _variants(K: int, V: int, ieee: bool):
         return min(bv, V), dict(num_warps=warps, num_stages=1 if ieee else (c.get("stages") or 2))
 
     prep_launch = dict(cfg("prep")[1], num_warps=ops.tune("prep")["warps"] or (8 if ieee else 4))
-    out = [("prep", chunk_prep.chunk_prep_kernel,
-            dict(feat, STORE_T=True, BW=min(ops.tune("prep")["bv"], K, V)), prep_launch)]
+    prep_bw = min(ops.tune("prep")["bv"], K, V)
+    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True, BW=prep_bw), prep_launch),
+           ("prep (Tb only)", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=True),
+            prep_launch)]
     bv, launch = cfg("fused")
-    out.append(("state+output (fused)", chunk_state.chunk_state_fwd_kernel,
-                dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True, TRANSPOSED=False),
-                launch))
+    # FROM_TB: the inference forward's recurrence (ops.use_tb_forward), fused and unfused
+    for tb in (False, True):
+        out.append(("state+output (fused" + (", Tb)" if tb else ")"), chunk_state.chunk_state_fwd_kernel,
+                    dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True, TRANSPOSED=False,
+                         FROM_TB=tb),
+                    launch))
     for bv_state in (32, 64):
         bv, launch = cfg("state", bv_state)
         # 2 stages, and the 3 that ops._state_stages picks at bv 32 when the programs fit one per SM
         for stages in sorted({launch["num_stages"]} | ({3} if bv <= 32 and not ieee else set())):
-            out.append((f"state (bv={bv}, stages={stages})", chunk_state.chunk_state_fwd_kernel,
-                        dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False,
-                             TRANSPOSED=False),
-                        dict(launch, num_stages=stages)))
+            for tb in (False, True):
+                out.append((f"state ({'Tb, ' if tb else ''}bv={bv}, stages={stages})",
+                            chunk_state.chunk_state_fwd_kernel,
+                            dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False,
+                                 TRANSPOSED=False, FROM_TB=tb),
+                            dict(launch, num_stages=stages)))
     bv, launch = cfg("output", 64 if ieee else V)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
     bv, launch = cfg("bstate")
@@ -106,6 +113,8 @@ def compile_all(arch: int, dtype: str = "bfloat16", K: int = 128, V: int = 128) 
     rows = []
     for label, kern, consts, launch in _variants(K, V, dtype == "float32"):
         fn = kern  # the JITFunction itself: ASTSource wants it
+        # a constexpr left at its default is still a constexpr (else _signature would make it an i32 argument)
+        consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
         sig, attrs = _signature(fn, consts, dt)
         row = dict(label=label, launch=launch)
         try:
@@ -130,11 +139,12 @@ def main(argv=None) -> int:
         for row in compile_all(arch, args.dtype, args.head_dim, args.head_dim):
             if not row["ok"]:
                 bad += 1
-                print(f"sm_{arch} {row['label']:<22} FAILED {row['error']}")
+                print(f"sm_{arch} {row['label']:<30} FAILED {row['error']}")
                 continue
             over = row["smem"] > limit
             bad += over
-            print(f"sm_{arch} {row['label']:<22} warps={row['launch']['num_warps']} stages={row['launch']['num_stages']}"
+            print(f"sm_{arch} {row['label']:<30} warps={row['launch']['num_warps']} "
+                  f"stages={row['launch']['num_stages']}"
                   f"  regs={row['regs']:>3} stack={row['stack']:>5} B  smem={row['smem'] // 1024:>3} KB"
                   + ("  OVER the shared-memory limit" if over else ""))
     return 1 if bad else 0

@@ -39,6 +39,11 @@ strong and zero gates: relative error of Tinv <= 7e-4, the same order as the pre
 tf32 scheme, well under the bf16 rounding that Tinv gets before the w/u dots).  Writes
 ``w [B,T,Hv,K]``, ``u [B,T,Hv,V]`` (input dtype), G, and for the backward (``STORE_T``) the inverse
 ``[total_chunks, Hv, 64, 64]`` in the input dtype (fp32 for fp32 inputs).
+
+``TB_ONLY`` (the inference forward, ``ops.use_tb_forward``): G and ``Tb = Tinv diag(beta)``
+``[total_chunks, Hv, 64, 64]`` (input dtype, into ``Tm_ptr``) only; v is not read and w, u are not
+written.  The state kernel then forms ``u - w S = Tb (v - diag(exp(G)) k^ S)`` itself (``FROM_TB``):
+8 KB of writes per chunk and head in bf16 instead of 16-32 KB, and no v read here.
 """
 
 from __future__ import annotations
@@ -78,7 +83,7 @@ def ut_inverse(A, IEEE: tl.constexpr):
 def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr, cu_ptr, cidx_ptr,
                       T, NT, TT, Hqk, Hv,
                       K: tl.constexpr, V: tl.constexpr, IS_VARLEN: tl.constexpr, USE_L2: tl.constexpr,
-                      STORE_T: tl.constexpr, IEEE: tl.constexpr, BW: tl.constexpr):
+                      STORE_T: tl.constexpr, IEEE: tl.constexpr, BW: tl.constexpr, TB_ONLY: tl.constexpr = False):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // (Hv // Hqk)
@@ -116,17 +121,23 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
     A = tl.where(strict, beta[:, None] * A * tl.exp(tl.where(strict, d, 0.0)), 0.0)
     Ti = ut_inverse(A, IEEE)
-    if STORE_T:
+    if TB_ONLY:
+        # beta is 0 on rows past the end, so Tb's columns there are 0, and so are its rows (the inverse's
+        # rows there are unit rows): v_new = Tb Y is 0 past the end whatever Y holds there
         blk = pid.to(tl.int64) * Hv + h
-        tl.store(Tm_ptr + blk * 4096 + ri * 64 + ci, Ti.to(Tm_ptr.dtype.element_ty))
+        tl.store(Tm_ptr + blk * 4096 + ri * 64 + ci, (Ti * beta[None, :]).to(Tm_ptr.dtype.element_ty))
+    else:
+        if STORE_T:
+            blk = pid.to(tl.int64) * Hv + h
+            tl.store(Tm_ptr + blk * 4096 + ri * 64 + ci, Ti.to(Tm_ptr.dtype.element_ty))
 
-    # w = Tinv diag(beta exp(G) rk) k,  u = Tinv diag(beta) v: the row scales go on Tinv's columns (a
-    # [64, 64] tile) and raw k / v column blocks are the other dot operand, straight from memory
-    Tw = (Ti * cw[None, :]).to(DT)
-    for c in tl.static_range(0, K, BW):
-        store_cols(w_ptr, mm(Tw, load_cols(k_ptr, t0, L, hk, Hqk, K, BT, c, BW, TT), IEEE, DT),
-                   t0, L, h, Hv, K, BT, c, BW, TT)
-    Tu = (Ti * beta[None, :]).to(DT)
-    for c in tl.static_range(0, V, BW):
-        store_cols(u_ptr, mm(Tu, load_cols(v_ptr, t0, L, h, Hv, V, BT, c, BW, TT), IEEE, DT),
-                   t0, L, h, Hv, V, BT, c, BW, TT)
+        # w = Tinv diag(beta exp(G) rk) k,  u = Tinv diag(beta) v: the row scales go on Tinv's columns (a
+        # [64, 64] tile) and raw k / v column blocks are the other dot operand, straight from memory
+        Tw = (Ti * cw[None, :]).to(DT)
+        for c in tl.static_range(0, K, BW):
+            store_cols(w_ptr, mm(Tw, load_cols(k_ptr, t0, L, hk, Hqk, K, BT, c, BW, TT), IEEE, DT),
+                       t0, L, h, Hv, K, BT, c, BW, TT)
+        Tu = (Ti * beta[None, :]).to(DT)
+        for c in tl.static_range(0, V, BW):
+            store_cols(u_ptr, mm(Tu, load_cols(v_ptr, t0, L, h, Hv, V, BT, c, BW, TT), IEEE, DT),
+                       t0, L, h, Hv, V, BT, c, BW, TT)

@@ -10,6 +10,16 @@ Per chunk, with ``S`` the state at the chunk's start::
     o     = scale * ( exp(G) * (q S) + ((q k^T) * exp(G_r - G_j), j <= r) v_new )   [FUSE_OUTPUT]
     S     = exp(G_last) S + k^T (exp(G_last - G) * v_new)
 
+``FROM_TB`` (inference forward, ``ops.use_tb_forward``): ``w_ptr`` holds ``Tb = (I + A)^-1 diag(beta)``
+``[chunks, Hv, 64, 64]`` from the Tb-only prep and ``u_ptr`` is v itself, and the first line becomes::
+
+    Y     = v - exp(G) * (k S)          rows past the sequence end forced to 0, rounded to the input dtype
+    v_new = Tb Y                        (= u - w S: w = Tb diag(exp(G)) k, u = Tb v)
+
+one more 64 x BV x 64 dot on the serial chain, against the prep not writing w and u (nor this kernel
+reading w).  Tb's rows past the end are 0, so v_new is 0 there as before; the mask on Y keeps a NaN
+from ever meeting those zeros.  Everything after v_new is unchanged.
+
 Two uses:
 
 * ``FUSE_OUTPUT`` (forward): o is produced here and neither the chunk states nor v_new ever reach
@@ -42,7 +52,8 @@ import triton
 import triton.language as tl
 
 from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_last, load_rows, load_state,
-                     load_state_t, load_t, mm, mma, serial_program, store_cols, store_state, store_state_t, store_t)
+                     load_state_t, load_t, load_tb, mm, mma, serial_program, store_cols, store_state, store_state_t,
+                     store_t)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -51,7 +62,7 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                            USE_L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                            STORE_H: tl.constexpr, FUSE_OUTPUT: tl.constexpr, IEEE: tl.constexpr,
-                           TRANSPOSED: tl.constexpr):
+                           TRANSPOSED: tl.constexpr, FROM_TB: tl.constexpr = False):
     v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K, V, BV,
                                                                 IS_VARLEN)
     DT: tl.constexpr = w_ptr.dtype.element_ty
@@ -76,13 +87,21 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
             Sc = S.to(DT)
             if STORE_H:
                 store_state_t(h_ptr, Sc, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
-            wt = load_t(w_ptr, t0, L, h, Hv, K, BT, 0, K, TT)                   # [K, 64]
-            ut = load_t(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)                 # [BV, 64]
-            vnt = ut.to(tl.float32) - mm(Sc, wt, IEEE, DT)                      # [BV, 64]
+            if FROM_TB:
+                k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)   # [64, K]
+                gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
+                yt = load_t(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)            # [BV, 64]
+                yt = tl.where(valid[None, :], yt - mm(Sc, tl.trans(k), IEEE, DT) * tl.exp(gh + gl)[None, :], 0.0)
+                vnt = mm(yt, load_tb(w_ptr, cbase + i, h, Hv, True), IEEE, DT)
+            else:
+                wt = load_t(w_ptr, t0, L, h, Hv, K, BT, 0, K, TT)                   # [K, 64]
+                ut = load_t(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)                 # [BV, 64]
+                vnt = ut.to(tl.float32) - mm(Sc, wt, IEEE, DT)                      # [BV, 64]
             if STORE_H:
                 store_t(vn_ptr, vnt, t0, L, h, Hv, V, BT, v0, BV, TT)
-            k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)   # [64, K]
-            gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
+            if not FROM_TB:
+                k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)   # [64, K]
+                gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
             lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
             if FUSE_OUTPUT:
                 if USE_L2:      # the row norms need the rows
@@ -101,14 +120,23 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
         else:
             if STORE_H:
                 store_state(h_ptr, S, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
-            w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
-            u = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
-            Sc = S.to(DT)
-            vn = u - mm(w, Sc, IEEE, DT)
+            if FROM_TB:
+                k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
+                gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
+                Sc = S.to(DT)
+                y = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
+                y = tl.where(valid[:, None], y - mm(k, Sc, IEEE, DT) * tl.exp(gh + gl)[:, None], 0.0)
+                vn = mm(load_tb(w_ptr, cbase + i, h, Hv, False), y, IEEE, DT)
+            else:
+                w = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
+                u = load_cols(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
+                Sc = S.to(DT)
+                vn = u - mm(w, Sc, IEEE, DT)
             if STORE_H:
                 store_cols(vn_ptr, vn, t0, L, h, Hv, V, BT, v0, BV, TT)
-            k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
-            gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
+            if not FROM_TB:
+                k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
+                gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
             lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
             if FUSE_OUTPUT:
                 q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)

@@ -232,6 +232,18 @@ def store_state(ptr, x, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.const
     tl.store(ptr + base + dk[:, None] * V + dv[None, :], x.to(ptr.dtype.element_ty))
 
 
+@triton.jit
+def load_tb(ptr, chunk, h, Hv, TRANS: tl.constexpr):
+    """The [64, 64] tile of chunk ``chunk`` (int64) and value head ``h`` of a ``[chunks, Hv, 64, 64]`` buffer
+    (``Tb`` of the Tb-only prep), transposed when ``TRANS``."""
+    r = tl.arange(0, BT)
+    base = ptr + (chunk * Hv + h) * (BT * BT)
+    if TRANS:
+        return tl.load(base + r[None, :] * BT + r[:, None])
+    else:
+        return tl.load(base + r[:, None] * BT + r[None, :])
+
+
 # Transposed tiles, for the kernels that hold the state as S^T [BV, K] (TRANSPOSED: see chunk_state)
 @triton.jit
 def load_t(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr, TT):

@@ -3,6 +3,7 @@
 Forward (2 or 3 launches)::
 
     chunk_prep_kernel      (chunks, Hv)          -> w, u, G                     [+ Tinv for the backward]
+                                                 or Tb, G  (TB_ONLY: inference, see use_tb_forward)
     chunk_state_fwd_kernel (N*Hv, V/BV)          -> o, final state              (fused: enough programs)
       or                                         -> h (chunk states), v_new, final state
     chunk_output_kernel    (chunks, Hv, V/BVo)   -> o                           (unfused path only)
@@ -95,7 +96,7 @@ def _sm_count(device) -> int:
 # V-block; 0 means "choose" (see _state_bv).  Override for tuning, without editing code, with
 # FLASHQLA_TRITON_TUNE="state.bv=32,output.warps=4,dqk.stages=3" (kernel.key=int, comma separated).
 _DEFAULTS = {
-    "fwd": dict(fuse=-1),                        # -1: fuse_forward_output decides
+    "fwd": dict(fuse=-1, tb=1),                  # fuse -1: fuse_forward_output decides; tb: see use_tb_forward
     "fused": dict(warps=4, stages=2, bv=32, t=0),    # the state kernel with FUSE_OUTPUT; t: TRANSPOSED (chunk_state)
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
     "state": dict(warps=0, stages=0, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; stages 0: _state_stages;
@@ -128,8 +129,8 @@ def tune(kernel: str) -> dict:
                     cfg[field] = int(val)
             except (ValueError, KeyError) as exc:
                 raise ValueError(f"FLASHQLA_TRITON_TUNE: cannot parse {item!r} (kernel.key=int with kernel in "
-                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, prep.maxnreg, state.t, "
-                                 "fused.t)") from exc
+                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, fwd.tb, prep.maxnreg, "
+                                 "state.t, fused.t)") from exc
         _tune_cache[key] = cfg
     return _tune_cache[key]
 
@@ -206,10 +207,39 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
     return w, u, G, Tm
 
 
+def prep_tb(geo: Geometry, k, g, beta, use_l2: bool):
+    """The prep of the inference forward: ``(Tb, G)`` with ``Tb = Tinv diag(beta)`` ``[chunks, Hv, 64, 64]``
+    in k's dtype, instead of w and u (see ``use_tb_forward``)."""
+    from .chunk_prep import chunk_prep_kernel
+
+    dev = k.device
+    G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)   # (hi, lo) planes
+    Tb = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=dev)
+    # v, w and u are neither read nor written: k stands in for them (w's dtype is the kernel's DT)
+    launch(chunk_prep_kernel, (geo.chunks, geo.Hv),
+        k, k, g, beta, k, k, G, Tb, geo.cu, geo.cidx,
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=False, IEEE=geo.ieee,
+        BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=True, **_launch(_prep_cfg(geo), geo))
+    return Tb, G
+
+
+def use_tb_forward(inference: bool) -> bool:
+    """Whether a forward runs the Tb form of the recurrence: prep writes only ``Tb = Tinv diag(beta)`` and G
+    (8 KB per chunk and head in bf16 instead of w and u, 32 KB at K = V = 128: prep took 0.88 ms of a 2.08 ms
+    forward on the H200 at 16/32 heads x 32k tokens), and the state kernel forms
+    ``v_new = u - w S = Tb (v - diag(exp(G)) k S)`` itself, one more 64 x BV x 64 dot per chunk on its
+    serial chain.  Only for forwards no backward follows: the backward recomputes w and u (it needs them),
+    and the training forward keeps the same path so its o is the one the backward's recompute sees.
+    ``FLASHQLA_TRITON_TUNE=fwd.tb=0`` turns it off (``fwd.tb=1``, the default, on)."""
+    return inference and bool(tune("fwd")["tb"])
+
+
 def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2: bool, scale: float = 1.0,
-              fuse_output: bool = False):
+              fuse_output: bool = False, from_tb: bool = False):
     """Serial state pass.  ``fuse_output``: also computes o (returned in place of h) and stores neither
-    the chunk states nor v_new; otherwise returns (h, v_new, final state)."""
+    the chunk states nor v_new; otherwise returns (h, v_new, final state).  ``from_tb``: ``w`` is Tb and
+    ``u`` is v (``prep_tb``, ``use_tb_forward``)."""
     from .chunk_state import chunk_state_fwd_kernel
 
     dev = k.device
@@ -236,7 +266,7 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, STORE_H=not fuse_output, FUSE_OUTPUT=fuse_output, IEEE=geo.ieee,
-        TRANSPOSED=bool(cfg.get("t")), **_launch(cfg, geo))
+        TRANSPOSED=bool(cfg.get("t")), FROM_TB=from_tb, **_launch(cfg, geo))
     return (o if fuse_output else h), vn, ht
 
 
@@ -308,22 +338,28 @@ def _l2_backward(x, dy):
     return r * dyf - xf * (r * r * r) * (xf * dyf).sum(-1, keepdim=True)
 
 
-def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool):
-    """Returns ``(o, final_state or None)``."""
+def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool, inference: bool = False):
+    """Returns ``(o, final_state or None)``.  ``inference``: no backward follows (``use_tb_forward``)."""
     with _device_guard(q):
         if use_l2 and l2_mode() == "separate":
             return _forward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0, meta,
-                            output_final_state, False)
-        return _forward(q, k, v, g, beta, scale, h0, meta, output_final_state, use_l2)
+                            output_final_state, False, inference)
+        return _forward(q, k, v, g, beta, scale, h0, meta, output_final_state, use_l2, inference)
 
 
-def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool):
+def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool, inference: bool = False):
     geo = Geometry(q, v, meta)
-    w, u, G, _ = prep(geo, k, v, g, beta, use_l2, store_t=False)
+    from_tb = use_tb_forward(inference)
+    if from_tb:
+        w, G = prep_tb(geo, k, g, beta, use_l2)
+        u = v
+    else:
+        w, u, G, _ = prep(geo, k, v, g, beta, use_l2, store_t=False)
     if fuse_forward_output(geo, q.device):
-        o, _, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, scale, fuse_output=True)
+        o, _, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, scale, fuse_output=True,
+                             from_tb=from_tb)
         return o, ht
-    h, vn, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2)
+    h, vn, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, from_tb=from_tb)
     o = output(geo, q, k, G, h, vn, scale, use_l2, v.dtype)
     return o, ht
 
