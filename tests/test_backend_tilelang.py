@@ -782,23 +782,30 @@ def _heads(x, ratio):
     return x.repeat_interleave(ratio, 1).transpose(0, 1)
 
 
-def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
-    dt, _, K, V, l2norm, save_x = key
-    NT, Hv = v.shape[0], v.shape[1]
+def _sim_chunk_inverse(k, g, beta, cu, cidx_row, ratio, l2norm):
+    """Stage 1's per-chunk quantities (steps 1-5 of chunk_intra_sm90): rows, k tile, beta, row factors,
+    G and X = (I + A)^-1, per value head."""
+    NT, Hv = g.shape[0], g.shape[1]
     idx = torch.arange(C)
     strict = idx[:, None] > idx[None, :]
+    bos, eos, valid = _chunk_rows(cu, cidx_row)
+    kc = _heads(_rows(k, bos, NT), ratio)
+    gc = torch.where(valid[:, None], _rows(g[:, :, None], bos, NT)[..., 0], 0.).T
+    bc = torch.where(valid[:, None], _rows(beta[:, :, None], bos, NT)[..., 0], 0.).T
+    nk = _norms(kc, l2norm)
+    G = gc.cumsum(-1)
+    A = torch.where(strict, (kc @ kc.transpose(-1, -2)) * nk[:, :, None] * nk[:, None, :] * bc[:, :, None]
+                    * torch.exp(G[:, :, None] - G[:, None, :]), 0.)
+    X = torch.linalg.solve_triangular(torch.eye(C) + A, torch.eye(C).expand(Hv, C, C), upper=False,
+                                      unitriangular=True)
+    return bos, kc, bc, nk, G, X
+
+
+def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
+    dt, _, K, V, l2norm, save_x = key
     for c in range(cidx.shape[0]):
-        bos, eos, valid = _chunk_rows(cu, cidx[c])
-        kc = _heads(_rows(k, bos, NT), ratio)
-        vc = _rows(v, bos, NT).transpose(0, 1)
-        gc = torch.where(valid[:, None], _rows(g[:, :, None], bos, NT)[..., 0], 0.).T
-        bc = torch.where(valid[:, None], _rows(beta[:, :, None], bos, NT)[..., 0], 0.).T
-        nk = _norms(kc, l2norm)
-        G = gc.cumsum(-1)
-        A = torch.where(strict, (kc @ kc.transpose(-1, -2)) * nk[:, :, None] * nk[:, None, :] * bc[:, :, None]
-                        * torch.exp(G[:, :, None] - G[:, None, :]), 0.)
-        X = torch.linalg.solve_triangular(torch.eye(C) + A, torch.eye(C).expand(Hv, C, C), upper=False,
-                                          unitriangular=True)
+        bos, kc, bc, nk, G, X = _sim_chunk_inverse(k, g, beta, cu, cidx[c], ratio, l2norm)
+        vc = _rows(v, bos, v.shape[0]).transpose(0, 1)
         w_out[c] = ((X * (bc * torch.exp(G) * nk)[:, None, :]).to(w_out.dtype).float() @ kc).to(w_out.dtype)
         u_out[c] = ((X * bc[:, None, :]).to(u_out.dtype).float() @ vc).to(u_out.dtype)
         G_out[c] = G
@@ -807,23 +814,11 @@ def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
 
 
 def _sim_intra_tb(key, k, g, beta, cu, cidx, Tb_out, G_out, ratio):
-    # build_intra(tb_only=True): Tb = X diag(beta) in the input dtype, and G (the X of _sim_intra)
+    # build_intra(tb_only=True): Tb = X diag(beta) in the input dtype, and G
     dt, _, K, V, l2norm, save_x, tb_only = key
     assert tb_only
-    NT, Hv = g.shape[0], g.shape[1]
-    idx = torch.arange(C)
-    strict = idx[:, None] > idx[None, :]
     for c in range(cidx.shape[0]):
-        bos, eos, valid = _chunk_rows(cu, cidx[c])
-        kc = _heads(_rows(k, bos, NT), ratio)
-        gc = torch.where(valid[:, None], _rows(g[:, :, None], bos, NT)[..., 0], 0.).T
-        bc = torch.where(valid[:, None], _rows(beta[:, :, None], bos, NT)[..., 0], 0.).T
-        nk = _norms(kc, l2norm)
-        G = gc.cumsum(-1)
-        A = torch.where(strict, (kc @ kc.transpose(-1, -2)) * nk[:, :, None] * nk[:, None, :] * bc[:, :, None]
-                        * torch.exp(G[:, :, None] - G[:, None, :]), 0.)
-        X = torch.linalg.solve_triangular(torch.eye(C) + A, torch.eye(C).expand(Hv, C, C), upper=False,
-                                          unitriangular=True)
+        _, _, bc, _, G, X = _sim_chunk_inverse(k, g, beta, cu, cidx[c], ratio, l2norm)
         Tb_out[c] = (X * bc[:, None, :]).to(Tb_out.dtype)
         G_out[c] = G
 
@@ -1011,25 +1006,32 @@ _HOST_CASES = [
 ]
 
 
-@pytest.mark.parametrize("fwd", ["fused", "ws"])
-@pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
-def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
-    # an inference forward (nothing saved): "fused" runs the Tb-only stage 1 and the fused recurrence
-    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", fwd)
+def host_backend_inputs(case, needs_grad: bool):
+    """(tilelang backend, inputs, float64 oracle, call spec, FwdInputs) of a host-path case, validated as on
+    an sm_90 device (the kernels themselves are simulated: ``simulated_kernels``)."""
     from flashqla.dispatch import FwdInputs, get_backend
     from flashqla.dispatch.device import fake_device
     from flashqla.validation import validate
 
     be = get_backend("tilelang")
     inp = make_inputs(case, torch.bfloat16)
-    ref = oracle(case, inp, grads=False)
+    ref = oracle(case, inp, grads=needs_grad)
     with fake_device("cuda", (9, 0)):
         spec, scale, meta = validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], case.scale,
                                      inp["initial_state"], case.ht, case.l2norm, inp["cu_seqlens"],
-                                     needs_grad=False)
+                                     needs_grad=needs_grad)
     x = FwdInputs(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], scale=scale,
                   initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], varlen=meta,
                   output_final_state=case.ht, use_qk_l2norm=case.l2norm)
+    return be, inp, ref, spec, x
+
+
+@pytest.mark.parametrize("fwd", ["fused", "ws"])
+@pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
+def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
+    # an inference forward (nothing saved): "fused" runs the Tb-only stage 1 and the fused recurrence
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", fwd)
+    be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=False)
     from flashqla.testing import poisoned_outputs
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)
@@ -1055,23 +1057,9 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
     # "serial" pairs with the first per-chunk backward kernels, "ws" with the default (v2) ones
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v1" if variant == "serial" else "v2")
-    from flashqla.dispatch import FwdInputs, get_backend
-    from flashqla.dispatch.device import fake_device
-    from flashqla.validation import validate
-
-    be = get_backend("tilelang")
-    dtype = torch.bfloat16
-    inp = make_inputs(case, dtype)
-    ref = oracle(case, inp, grads=True)
-    with fake_device("cuda", (9, 0)):
-        spec, scale, meta = validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], case.scale,
-                                     inp["initial_state"], case.ht, case.l2norm, inp["cu_seqlens"],
-                                     needs_grad=True)
+    be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=True)
     ok, why = be.supports(spec)
     assert ok, why
-    x = FwdInputs(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], scale=scale,
-                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], varlen=meta,
-                  output_final_state=case.ht, use_qk_l2norm=case.l2norm)
     from flashqla.testing import poisoned_outputs
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)

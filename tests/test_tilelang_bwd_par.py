@@ -78,22 +78,10 @@ def test_host_path_v2_with_simulated_kernels(monkeypatch):
     monkeypatch.setattr(ops, "get_kernel", fake_get_kernel)
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v2")
     assert ops.bwd_par_variant() == "v2"
-    from flashqla.dispatch import FwdInputs, get_backend
-    from flashqla.dispatch.device import fake_device
-    from flashqla.testing import oracle, rel_l2, make_inputs, poisoned_outputs, TOLERANCES
-    from flashqla.validation import validate
+    from flashqla.testing import rel_l2, poisoned_outputs, TOLERANCES
 
     case = tb._HOST_CASES[0]
-    be = get_backend("tilelang")
-    inp = make_inputs(case, torch.bfloat16)
-    ref = oracle(case, inp, grads=True)
-    with fake_device("cuda", (9, 0)):
-        spec, scale, meta = validate(inp["q"], inp["k"], inp["v"], inp["g"], inp["beta"], case.scale,
-                                     inp["initial_state"], case.ht, case.l2norm, inp["cu_seqlens"],
-                                     needs_grad=True)
-    x = FwdInputs(q=inp["q"], k=inp["k"], v=inp["v"], g=inp["g"], beta=inp["beta"], scale=scale,
-                  initial_state=inp["initial_state"], cu_seqlens=inp["cu_seqlens"], varlen=meta,
-                  output_final_state=case.ht, use_qk_l2norm=case.l2norm)
+    be, inp, ref, spec, x = tb.host_backend_inputs(case, needs_grad=True)
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)

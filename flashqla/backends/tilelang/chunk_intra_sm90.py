@@ -200,6 +200,25 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             X_s[48 + warp + 4 * i, lane] = zb[i]
         T.sync_threads()
 
+    def make_prologue(with_v: bool):
+        # steps 1-5 for one chunk (k, and v when w / u follow): loads, gates, A and X = (I + A)^-1
+        @T.macro
+        def prologue(k, v, g, beta, k_s, v_s, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq):
+            # Both TMA loads in flight at once (one mbarrier, every thread arrives once), overlapped
+            # with the small gate / beta loads, the cumsum and the clearing of X.
+            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
+            if with_v:
+                T.tma_copy(v[bos:bos + C, h, :], v_s, barrier=bar)
+            T.mbarrier_arrive(bar)
+            load_gates(g_s, b_s, X_s, g, beta, bos, eos, h)
+            T.mbarrier_wait_parity(bar, 0)
+            gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h)
+            invert(A_s, X_s)
+        return prologue
+
+    prologue_wu = make_prologue(True)
+    prologue_tb = make_prologue(False)
+
     @T.prim_func
     def gdn_fwd_intra(
         k: T.Tensor((NT, Hqk, K), dtype),
@@ -235,15 +254,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             eos = cu_seqlens[seq + 1]
             hq = h // ratio
 
-            # Both TMA loads in flight at once (one mbarrier, every thread arrives once), overlapped
-            # with the small gate / beta loads, the cumsum and the clearing of X.
-            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
-            T.tma_copy(v[bos:bos + C, h, :], v_s, barrier=bar)
-            T.mbarrier_arrive(bar)
-            load_gates(g_s, b_s, X_s, g, beta, bos, eos, h)
-            T.mbarrier_wait_parity(bar, 0)
-            gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h)
-            invert(A_s, X_s)
+            prologue_wu(k, v, g, beta, k_s, v_s, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
 
             if save_x:
                 for r, j in T.Parallel(C, C):
@@ -288,12 +299,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             eos = cu_seqlens[seq + 1]
             hq = h // ratio
 
-            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
-            T.mbarrier_arrive(bar)
-            load_gates(g_s, b_s, X_s, g, beta, bos, eos, h)
-            T.mbarrier_wait_parity(bar, 0)
-            gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h)
-            invert(A_s, X_s)
+            prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
 
             # beta is zero on rows past the sequence end, so Tb's columns there are zero, and so are its
             # rows (X's rows there are unit rows): the fused recurrence's v_new rows past the end are 0
