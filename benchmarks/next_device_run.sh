@@ -46,11 +46,12 @@ case "$STEP" in
     TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls ${PROFILE_IMPLS:-triton} \
         --rows 16/32:1x32768,16/32:4x8192 --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
   sweep)
-    # session 5 defaults against the old ones (state.stages=2, fwd.fuse=0 at 4x8192), then the parallel kernels
-    # (output and prep: 1.8 ms at 16/32 1x32768 against FLA's 1.27 for the same work)
-    TAIL=50 run_step "triton sweep fwd" 220 python benchmarks/sweep_variants.py --backend triton --mode fwd \
-        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192,4/16:8x1024 --out $OUT/sweep_fwd.json --variants \
-        "default;FLASHQLA_TRITON_TUNE=state.stages=2;FLASHQLA_TRITON_TUNE=fwd.fuse=0;FLASHQLA_TRITON_TUNE=output.bv=64;FLASHQLA_TRITON_TUNE=output.bv=64,output.warps=4;FLASHQLA_TRITON_TUNE=output.warps=4;FLASHQLA_TRITON_TUNE=output.stages=3;FLASHQLA_TRITON_TUNE=output.bv=64,output.warps=4,output.stages=3;FLASHQLA_TRITON_TUNE=prep.bv=128;FLASHQLA_TRITON_TUNE=prep.stages=3;FLASHQLA_TRITON_TUNE=prep.bv=128,prep.stages=1;FLASHQLA_TRITON_TUNE=fused.bv=64,fused.warps=4" ;;
+    # triton forward: the Tb form of the inference forward (fwd.tb=1, session 6, not measured yet) against the
+    # w/u path, with and without the fused output (#3)
+    X=FLASHQLA_TRITON_TUNE
+    TAIL=40 run_step "triton sweep fwd" 220 python benchmarks/sweep_variants.py --backend triton --mode fwd \
+        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192,4/16:8x1024,16/64:4x8192 --out $OUT/sweep_fwd.json --variants \
+        "default;$X=fwd.tb=1;$X=fwd.tb=1,fwd.fuse=0;$X=fwd.tb=1,fwd.fuse=1;$X=fwd.tb=1,state.stages=2" ;;
   sweepbwd)
     # the backward kernels (16/32 1x32768 fwd+bwd: wy 2.45, state bwd 1.69, dqk 1.52 ms; FLA's whole call 8.2)
     X=FLASHQLA_TRITON_TUNE

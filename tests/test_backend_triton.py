@@ -298,7 +298,7 @@ def _bounds_checked_interpreter():
 @pytest.mark.parametrize("grads", [True, False], ids=["fwd_bwd", "inference_tb"])
 @pytest.mark.parametrize("fuse", [0, 1], ids=["three_kernel", "fused_output"])
 def test_no_out_of_bounds_access_in_interpreter(monkeypatch, fuse, grads):
-    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse}")
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse}" + ("" if grads else ",fwd.tb=1"))
     case = Case("bounds", 1, 2, 64, 64, seqlens=(0, 1, 65, 0, 2), l2norm=True)
     with _bounds_checked_interpreter() as violations:
         res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=grads)
@@ -339,7 +339,7 @@ def _counting_preps(monkeypatch):
 def test_tb_forward_matches_oracle(monkeypatch, tune, l2):
     # varlen with length-0 / length-1 sequences and a 63-token tail, GVA, h0 / ht, L2 norm; every state
     # kernel form (output fused or not, state transposed or not) and both places of the L2 norm
-    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune + ",fwd.tb=1")
     monkeypatch.setenv("FLASHQLA_TRITON_L2", l2)
     with _counting_preps(monkeypatch) as calls:
         res = run_case(flashqla.chunk_gated_delta_rule, TB_CASE, BACKEND, torch.float32, DEV, grads=False)
@@ -349,7 +349,7 @@ def test_tb_forward_matches_oracle(monkeypatch, tune, l2):
 
 @pytest.mark.parametrize("fuse", [1, 0], ids=["fused_output", "three_kernel"])
 def test_tb_forward_strong_decay_without_h0(monkeypatch, fuse):
-    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse}")
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse},fwd.tb=1")
     case = Case("tb_strong", 1, 2, 64, 64, seqlens=(130, 7), gate="strong", h0=False)
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=False)
     assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
@@ -359,7 +359,7 @@ def test_tb_forward_strong_decay_without_h0(monkeypatch, fuse):
 def test_tb_forward_isolates_sequences(monkeypatch, fuse):
     # NaN in every input of the middle sequence: the sequences before (its chunk tail is padding that
     # lies over the NaN tokens) and after must come out exact, as if that sequence held zeros
-    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse}")
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.fuse={fuse},fwd.tb=1")
     case = Case("tb_nan", 1, 2, 64, 64, seqlens=(70, 20, 33))
     x = make_inputs(case, torch.float32, DEV)
     bad = slice(70, 90)
@@ -380,8 +380,8 @@ def test_tb_forward_isolates_sequences(monkeypatch, fuse):
 
 def test_training_forward_keeps_the_wu_path(monkeypatch):
     # the Tb form only when no backward follows (its o would differ in the last bits from the w/u
-    # recompute the backward runs); fwd.tb=0 turns it off
-    monkeypatch.delenv("FLASHQLA_TRITON_TUNE", raising=False)
+    # recompute the backward runs), with fwd.tb=1; fwd.tb=0 (the default) turns it off
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.tb=1")
     case = Case("tb_switch", 1, 2, 64, 64, seqlens=(9, 5))
     x = make_inputs(case, torch.float32, DEV)
     args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
@@ -450,7 +450,7 @@ def test_gpu_half_precision_forward_backward(case, dtype):
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_half_precision_tb_forward(case, dtype, tune, monkeypatch):
     # the inference forward (no grads: ops.use_tb_forward), to the forward tolerances of the w/u path
-    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune + ",fwd.tb=1")
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, dtype, "cuda", grads=False)
     assert res.ok, res.failures
 
