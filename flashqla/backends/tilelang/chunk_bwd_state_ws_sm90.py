@@ -80,6 +80,10 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
 
             dS_f = T.alloc_fragment((K, BV), acc)
             a1_f = T.alloc_fragment((C, BV), acc)
+            # the chain's per-row decay factor and e^(G_last): computed once per row / chunk (see the forward's
+            # rowf_f), not once per element
+            rowf_f = T.alloc_fragment((C,), acc)
+            glast = T.alloc_local((1,), acc)
             Pt_f = T.alloc_fragment((C, C), acc)
             a2_f = T.alloc_fragment((C, BV), acc)
             sq_f = T.alloc_fragment((C, K), acc)
@@ -117,21 +121,21 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
                     T.gemm(k_s[s, :, :], dS_s, a1_f, clear_accum=True)
                     T.barrier_wait(aux_ready, i % 2)
                     if l2norm:
-                        for r, j in T.Parallel(C, BV):
-                            a1_f[r, j] = T.if_then_else(
-                                bos + r < eos,
-                                a2_s[r, j] + a1_f[r, j] * nk_s[s, r] * T.exp(G_s[s, C - 1] - G_s[s, r]), 0.0)
+                        for r in T.Parallel(C):
+                            rowf_f[r] = nk_s[s, r] * T.exp(G_s[s, C - 1] - G_s[s, r])
                     else:
-                        for r, j in T.Parallel(C, BV):
-                            a1_f[r, j] = T.if_then_else(
-                                bos + r < eos, a2_s[r, j] + a1_f[r, j] * T.exp(G_s[s, C - 1] - G_s[s, r]), 0.0)
+                        for r in T.Parallel(C):
+                            rowf_f[r] = T.exp(G_s[s, C - 1] - G_s[s, r])
+                    for r, j in T.Parallel(C, BV):
+                        a1_f[r, j] = T.if_then_else(bos + r < eos, a2_s[r, j] + a1_f[r, j] * rowf_f[r], 0.0)
                     T.copy(a1_f, dvn_s)
                     for r, j in T.Parallel(C, BV):
                         ndvn_s[r, j] = -a1_f[r, j]
                     T.fence_proxy_async()
                     T.copy(dvn_s, dvn_out[c0 + ci, h, :, v0:v0 + BV])
+                    glast[0] = T.exp(G_s[s, C - 1])
                     for a, b in T.Parallel(K, BV):
-                        dS_f[a, b] = dS_f[a, b] * T.exp(G_s[s, C - 1])
+                        dS_f[a, b] = dS_f[a, b] * glast[0]
                     T.gemm(q_s[s, :, :], dos_s, dS_f, transpose_A=True)
                     T.gemm(w_s[s, :, :], ndvn_s, dS_f, transpose_A=True)
                     T.barrier_arrive(aux_free)
