@@ -67,17 +67,17 @@ case "$STEP" in
         --variants "default;$B=64;$B=64 $O=fastexp,psplit,tchain;$B=64 $O=fastexp,tchain" ;;
   fused)
     # the fused inference forward (Tb-only stage 1; v_new formed in the recurrence) against the unfused pair (#4)
-    TAIL=8 run_step "fused GPU tests" 240 $PYT tests/test_backend_tilelang.py -k "fused or trace_stamps or ostage"
+    TAIL=8 run_step "fused GPU tests" 240 $PYT tests/test_backend_tilelang.py -k "fused or trace_stamps or ostage or pscores"
     TAIL=40 run_step "tilelang fused sweep" 200 python benchmarks/sweep_variants.py --backend tilelang --mode fwd \
         --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768,16/64:1x32768,16/64:4x8192,8/32:8x1024 \
         --out $OUT/sweep_fused.json \
-        --variants "default;FLASHQLA_TILELANG_FWD=ws;FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage"
+        --variants "default;FLASHQLA_TILELANG_FWD=ws;FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage;FLASHQLA_TILELANG_WS_OPTS=fastexp,pscores;FLASHQLA_TILELANG_WS_OPTS=fastexp,pscores,ostage"
     TAIL=60 run_step "fused role trace" 120 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192 \
         --env FLASHQLA_TILELANG_FWD=fused --out $OUT/trace_fused.json ;;
   fusedquick)
     # the fused forward's oracle tests at the auto V-block only (before a benchmark of changed kernels)
     TAIL=6 run_step "fused GPU tests (auto BV)" 150 $PYT tests/test_backend_tilelang.py \
-        -k "(fused_matches and not 32 and not 64 and not 128) or ostage" ;;
+        -k "(fused_matches and not 32 and not 64 and not 128) or ostage or pscores" ;;
   trace)
     # where the ws recurrence's ~3 us per chunk goes: per-role clock64 timeline of one CTA (#4)
     TAIL=60 run_step "ws role trace" 150 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768 \

@@ -403,6 +403,13 @@ def _fwd_variants():
     out.append(("fwd_ws", ("float16", 128, 128, 64, False, False, True, False, 0, 0, True, False, True)))
     # the diagnostic role trace (benchmarks/trace_ws.py)
     out.append(("fwd_ws", ("bfloat16", 128, 128, 32, False, False, True, False, 0, 0, True, True, False, True)))
+    # the scores from stage 1 (pscores; no scores warpgroup), and the stage 1 that writes them
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 32, False, True, True, False, 0, 0, True, False, False, False, True,
+                           False, True)))
+    out.append(("fwd_ws", ("bfloat16", 128, 128, 128, True, False, True, False, 0, 0, True, False, False, False, True,
+                           True, True)))
+    out.append(("intra", ("bfloat16", "bfloat16", 128, 128, False, False, True, True)))
+    out.append(("intra", ("float16", "float32", 128, 128, True, False, True, True)))
     # the output staged in shared memory and written with TMA (ostage), fused and not
     out.append(("fwd_ws", ("bfloat16", 128, 128, 32, True, False, True, False, 0, 0, True, True, False, False, True, True)))
     out.append(("fwd_ws", ("bfloat16", 128, 128, 128, False, True, True, True, 0, 0, True, True, False, False, False, True)))
@@ -456,12 +463,15 @@ def test_kernels_lower_for_sm90a(kind, args):
         assert src.count("clock64()") == (len(TRACE_EVENTS) if traced else 0)
     if kind == "fwd_ws" and len(args) > 15 and args[15]:
         assert "tma_store" in src, "ostage: the output tile should leave through a TMA store"
-    if kind == "fwd_ws" and len(args) > 14 and args[14]:
+    if kind == "fwd_ws" and len(args) > 14 and args[14] and not (len(args) > 16 and args[16]):
         # fused: the state chain runs k Sb, Tb Y and the update; the output and scores warpgroups as before
         assert src.count("wgmma_ss<") == 6, "fused: expected six shared-operand wgmma"
     if kind == "intra" and len(args) > 6 and args[6]:
-        # Tb only: one k k^T product, no w / u products
-        assert src.count("wgmma_ss<") == 1
+        # Tb only: one k k^T product, no w / u products (with the scores also q k^T)
+        assert src.count("wgmma_ss<") == (2 if len(args) > 7 and args[7] else 1)
+    if kind == "fwd_ws" and len(args) > 16 and args[16]:
+        # pscores: k Sb, Tb Y, the update, q Sb and P v_new; no q k^T in the kernel
+        assert src.count("wgmma_ss<") == 5
     if kind == "fwd_ws" and len(args) > 12 and args[12]:
         # tchain: both state-chain products take their A operand from registers
         assert src.count("wgmma_rs<") == 2, "tchain: expected two register-operand wgmma in the state chain"
@@ -569,6 +579,21 @@ def test_gpu_forward_fused_matches_oracle(case, bv, monkeypatch):
     from flashqla.backends.tilelang import _compile
     _gpu_case(case, torch.bfloat16)
     assert any(name == "fwd_intra_tb_sm90" for name, _ in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("bv", ["32", "64", "128"])
+@pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_len1_tail",
+                                                                         "varlen_l2norm", "strong_decay",
+                                                                         "gva_4_16")], ids=lambda c: c.name)
+def test_gpu_forward_pscores_matches_oracle(case, bv, monkeypatch):
+    # the scores from stage 1 (pscores), inference forward
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,pscores")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
+    from flashqla.backends.tilelang import _compile
+    _gpu_case(case, torch.bfloat16)
+    assert any(name == "fwd_intra_tbs_sm90" for name, _ in _compile.cached_kernels())
 
 
 @pytest.mark.gpu
@@ -813,6 +838,22 @@ def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
             X_out[c] = X
 
 
+def _sim_intra_tbs(key, q, k, g, beta, cu, cidx, Tb_out, P_out, G_out, ratio):
+    # build_intra(tb_only=True, scores=True): Tb, G and the masked, decayed scores P
+    l2norm = key[4]
+    NT = g.shape[0]
+    idx = torch.arange(C)
+    incl = idx[:, None] >= idx[None, :]
+    _sim_intra_tb(key[:7], k, g, beta, cu, cidx, Tb_out, G_out, ratio)
+    for c in range(cidx.shape[0]):
+        bos, _, _ = _chunk_rows(cu, cidx[c])
+        qc, kc = _heads(_rows(q, bos, NT), ratio), _heads(_rows(k, bos, NT), ratio)
+        Gc = G_out[c]
+        P_out[c] = torch.where(incl, (qc @ kc.transpose(-1, -2)) * _norms(qc, l2norm)[:, :, None]
+                               * _norms(kc, l2norm)[:, None, :] * torch.exp(Gc[:, :, None] - Gc[:, None, :]),
+                               0.).to(P_out.dtype)
+
+
 def _sim_intra_tb(key, k, g, beta, cu, cidx, Tb_out, G_out, ratio):
     # build_intra(tb_only=True): Tb = X diag(beta) in the input dtype, and G
     dt, _, K, V, l2norm, save_x, tb_only = key
@@ -823,7 +864,7 @@ def _sim_intra_tb(key, k, g, beta, cu, cidx, Tb_out, G_out, ratio):
         G_out[c] = G
 
 
-def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio):
+def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio, scores=None):
     dt, K, V, BV, l2norm, has_h0, store_ht, save = key[:8]   # (the ws kernel adds its ring layout)
     # the ws kernel's 15th key entry: fused (w holds Tb, u holds the packed v rows)
     fused = len(key) > 14 and key[14]
@@ -850,8 +891,11 @@ def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, rati
             if save:
                 h_out[c] = Sb.to(h_out.dtype)
                 vn_out[c] = vnb.to(vn_out.dtype)
-            P = torch.where(incl, (qc @ kc.transpose(-1, -2)) * nq[:, :, None] * nk[:, None, :]
-                            * torch.exp(Gc[:, :, None] - Gc[:, None, :]), 0.).to(o.dtype).float()
+            if scores is not None:
+                P = scores[c].float()
+            else:
+                P = torch.where(incl, (qc @ kc.transpose(-1, -2)) * nq[:, :, None] * nk[:, None, :]
+                                * torch.exp(Gc[:, :, None] - Gc[:, None, :]), 0.).to(o.dtype).float()
             oc = scale * ((qc @ Sb) * (nq * torch.exp(Gc))[:, :, None] + P @ vnb)
             nv = int(valid.sum())
             o[bos:bos + nv] = oc[:, :nv].transpose(0, 1).to(o.dtype)
@@ -968,11 +1012,14 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
 
 
 def _sim_fwd_ws(key, *args):
-    # the ws kernel's last parameter is its (diagnostic) trace buffer, untouched unless built with trace
-    return _sim_fwd(key, *args[:-1])
+    # the ws kernel's last two parameters: its (diagnostic) trace buffer, untouched unless built with trace,
+    # and the scores from stage 1 (pscores, key entry 17; a placeholder otherwise)
+    pscores = len(key) > 16 and key[16]
+    return _sim_fwd(key, *args[:-2], scores=args[-1] if pscores else None)
 
 
-_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
+_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tbs,
+               "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
                "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}
@@ -1026,17 +1073,23 @@ def host_backend_inputs(case, needs_grad: bool):
     return be, inp, ref, spec, x
 
 
-@pytest.mark.parametrize("fwd", ["fused", "ws"])
+@pytest.mark.parametrize("fwd", ["fused", "ws", "fused-pscores"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
     # an inference forward (nothing saved): "fused" runs the Tb-only stage 1 and the fused recurrence
+    # ("-pscores": stage 1 also writes the scores, the recurrence reads them)
+    if fwd == "fused-pscores":
+        monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,pscores")
+        fwd = "fused"
+        first = "fwd_intra_tbs_sm90"
+    else:
+        first = "fwd_intra_tb_sm90" if fwd == "fused" else "fwd_intra_sm90"
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", fwd)
     be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=False)
     from flashqla.testing import poisoned_outputs
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)
     assert saved == ()
-    first = "fwd_intra_tb_sm90" if fwd == "fused" else "fwd_intra_sm90"
     assert simulated_kernels == [first, "fwd_recurrent_ws_sm90"]
     tol = TOLERANCES["bfloat16"]
     assert rel_l2(o, ref["o"]) <= tol["o"], rel_l2(o, ref["o"])

@@ -73,7 +73,8 @@ def ws_layout(BV: int) -> tuple:
 
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
-                 tchain: bool = False, trace: bool = False, fused: bool = False, ostage: bool = False):
+                 tchain: bool = False, trace: bool = False, fused: bool = False, ostage: bool = False,
+                 pscores: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -111,7 +112,15 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     memory (64 x BV, 16-bit) and one thread writes it with a TMA store, instead of 64 * BV / 128 scattered
     predicated stores per thread (run s6/4's trace at BV = 128: ~2200 cycles from ``P v_new`` to ``o
     stored``, on the cycle the state chain waits for).  A chunk that ends past its sequence keeps the
-    predicated stores (a TMA store would write the next sequence's rows)."""
+    predicated stores (a TMA store would write the next sequence's rows).
+
+    ``pscores`` (experimental, off until measured; needs ``psplit`` off): the masked, decayed scores
+    ``P = (q k^T) nq_r nk_j exp(G_r - G_j)`` (``j <= r``) come precomputed from stage 1
+    (``build_intra(tb_only=True, scores=True)``), ``[NC, Hv, 64, 64]`` 16-bit, in the last parameter, and
+    travel in the ring with the other tiles; the output warpgroup computes no ``q k^T`` and builds no P (the
+    run s6/4 trace: at BV = 32 the scores work set the chunk period, and every V-block CTA of a head redid
+    it).  The cutlass forward does the same (its prep writes ``Aqk``).  The output warpgroup then holds its
+    ring slot until ``P v_new`` is done."""
     import tilelang.language as T
 
     from ._common import make_l2_row_factors_ring, symbolic_sizes
@@ -126,6 +135,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     assert V % BV == 0
     assert not tchain or BV == 64, "tchain: the transposed state is one warpgroup's wgmma accumulator, M = BV = 64"
     assert not (tchain and fused), "tchain runs the unfused chain only"
+    assert not (pscores and psplit), "pscores: the scores come from stage 1, there is no scores warpgroup"
+    PSN, PSH = (NC, Hv) if pscores else T.dynamic("PSN, PSH")
     # fused: w holds Tb (64 x 64 per chunk), u holds the packed v rows (see ``fused``)
     W_SHAPE = (NC, Hv, C, C) if fused else (NC, Hv, C, K)
     U_SHAPE = (NT, Hv, V) if fused else (NC, Hv, C, V)
@@ -145,7 +156,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     threads = 512 if psplit else 384
     prod0 = threads - 128          # first thread of the producer warpgroup
     consumers = threads - 128      # arrivals that free a ring slot
-    npb = 2 if psplit else 1       # P buffers
+    npb = 2 if psplit else 1       # P buffers (pscores: one per ring slot, R)
 
     @T.macro
     def stamp(trace_out, event, i, tx, tx0, bv, h, n):
@@ -188,6 +199,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         scale: T.float32,
         ratio: T.int32,
         trace_out: T.Tensor((TR0, TR1), "int64"),
+        scores_in: T.Tensor((PSN, PSH, C, C), dtype),
     ):
         with T.Kernel(V // BV, Hv, NS, threads=threads) as (bv, h, n):
             q_s = T.alloc_shared((R, C, K), dtype)
@@ -198,7 +210,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             S_s = T.alloc_shared((nb, K, BV), dtype)
             vn_s = T.alloc_shared((nb, C, BV), dtype)
             vd_s = T.alloc_shared((C, BV), dtype)
-            P_s = T.alloc_shared((npb, C, C), dtype)
+            P_s = T.alloc_shared((R if pscores else npb, C, C), dtype)
             if ostage:
                 o_s = T.alloc_shared((C, BV), dtype)
             nq_s = T.alloc_shared((R, C), acc)
@@ -371,7 +383,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 for i in T.serial(nchunks):
                     s = i % R
                     b = i % 2 if nb == 2 else 0
-                    pb = i % 2 if psplit else 0
+                    pb = s if pscores else (i % 2 if psplit else 0)     # (pscores: P came in ring slot s)
                     bos = bos0 + i * C
                     T.barrier_wait(ready[s], (i // R) % 2)
                     stamp(trace_out, 5, i, tx, 128, bv, h, n)
@@ -396,12 +408,13 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             orow_f[r] = ex(G_s[s, r])
                     for r, j in T.Parallel(C, BV):
                         o_f[r, j] = o_f[r, j] * orow_f[r]
-                    if not psplit:
-                        T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
-                        build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s, gr_f, gc_f)
-                    # done with the ring slot (q, k, G, row factors): hand it back before waiting for v_new,
-                    # so the producer can refill it while the state chain is still on this chunk
-                    T.barrier_arrive(free[s])
+                    if not pscores:
+                        if not psplit:
+                            T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
+                            build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s, gr_f, gc_f)
+                        # done with the ring slot (q, k, G, row factors): hand it back before waiting for
+                        # v_new, so the producer can refill it while the state chain is still on this chunk
+                        T.barrier_arrive(free[s])
                     if psplit:
                         T.barrier_wait(p_ready[pb], (i // 2) % 2)
                     stamp(trace_out, 8, i, tx, 128, bv, h, n)
@@ -412,6 +425,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     T.barrier_arrive(vnew_free[b])
                     if psplit:
                         T.barrier_arrive(p_free[pb])
+                    if pscores:
+                        T.barrier_arrive(free[s])
                     if ostage:
                         if bos + C <= eos:
                             for r, j in T.Parallel(C, BV):
@@ -463,6 +478,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         else:
                             T.tma_copy(u[c0 + i, h, :, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
                         T.tma_copy(G[c0 + i, h, :], G_s[s, :], barrier=ready[s])
+                        if pscores:
+                            T.tma_copy(scores_in[c0 + i, h, :, :], P_s[s, :, :], barrier=ready[s])
                         T.barrier_arrive(ready[s])
 
     return gdn_fwd_recurrent_ws

@@ -91,10 +91,13 @@ def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
                       (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm), bool(save_x)))
 
 
-def intra_tb_kernel(dtype, beta_dtype, K, l2norm):
-    """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``)."""
-    return get_kernel("fwd_intra_tb_sm90", build_intra,
-                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), False, True))
+def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False):
+    """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
+    ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option."""
+    key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), False, True)
+    if scores:
+        return get_kernel("fwd_intra_tbs_sm90", build_intra, key + (True,))
+    return get_kernel("fwd_intra_tb_sm90", build_intra, key)
 
 
 def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
@@ -116,31 +119,35 @@ def _trace_arg(device) -> torch.Tensor:
 
 def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False):
     ring, nbuf = fwd_ws_layout(BV)
-    fast_exp, psplit, tchain, ostage = fwd_ws_options()
+    fast_exp, psplit, tchain, ostage, pscores = fwd_ws_options()
+    pscores = pscores and fused         # stage 1 writes the scores in its Tb-only form only
+    psplit = psplit and not pscores     # with the scores from stage 1 there is no scores warpgroup
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht), bool(save_states), ring, nbuf,
            fast_exp, psplit)
     # (tchain, trace, fused, ostage): the register-only state chain exists at BV = 64 and unfused only (see
     # build_fwd_ws); trailing False flags are left out, so the default kernels keep their keys
-    extra = [bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused), bool(ostage)]
+    extra = [bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused), bool(ostage),
+             bool(pscores)]
     while extra and not extra[-1]:
         extra.pop()
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, key + tuple(extra))
 
 
-_WS_OPTS = ("fastexp", "psplit", "tchain", "ostage")
+_WS_OPTS = ("fastexp", "psplit", "tchain", "ostage", "pscores")
 # H200, 16/32 (results/h200_2026-12-03_s3run1_README.md): both on cut the recurrence 1.653 -> 1.442 ms at
 # 1x32768 and 0.648 -> 0.617 ms at 4x8192; either alone gained less.
 _WS_OPTS_DEFAULT = "fastexp,psplit"
 
 
 def fwd_ws_options() -> tuple:
-    """(fast_exp, psplit, tchain, ostage) of the warp-specialised forward (see ``build_fwd_ws``): the first two
-    on by default (``ostage``, the TMA-stored output, is not measured yet); ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none) overrides."""
+    """(fast_exp, psplit, tchain, ostage, pscores) of the warp-specialised forward (see ``build_fwd_ws``): the
+    first two on by default (``ostage``, the TMA-stored output, and ``pscores``, the scores from stage 1 of
+    the fused forward, are not measured yet); ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none) overrides."""
     raw = os.environ.get("FLASHQLA_TILELANG_WS_OPTS", _WS_OPTS_DEFAULT)
     opts = {x.strip().lower() for x in raw.split(",") if x.strip()} - {"none"}
     if opts - set(_WS_OPTS):
         raise ValueError(f"FLASHQLA_TILELANG_WS_OPTS: unknown {sorted(opts - set(_WS_OPTS))}; known: {_WS_OPTS}")
-    return "fastexp" in opts, "psplit" in opts, "tchain" in opts, "ostage" in opts
+    return "fastexp" in opts, "psplit" in opts, "tchain" in opts, "ostage" in opts, "pscores" in opts
 
 
 def fwd_ws_layout(BV: int) -> tuple:
@@ -279,12 +286,18 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     variant = fwd_variant()
     fused = variant == "fused" and not save
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
+    scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     if fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = None
-        intra_tb_kernel(dt, bf.dtype, K, l2norm)(kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, G, ratio)
+        if fwd_ws_options()[4]:
+            scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+            intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=True)(
+                qf, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
+        else:
+            intra_tb_kernel(dt, bf.dtype, K, l2norm)(kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, G, ratio)
     else:
         w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
         u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
@@ -312,10 +325,12 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         # one under FLASHQLA_TILELANG_BV)
         for bv in ((fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
                    else FWD_WS_BVS):
-            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(*fwd_args, _trace_arg(dev))
+            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(
+                *fwd_args, _trace_arg(dev), scores)
     else:
         bv = fwd_ws_bv(NS, Hv, V, dev)
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(*fwd_args, _trace_arg(dev))
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(
+            *fwd_args, _trace_arg(dev), scores)
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
