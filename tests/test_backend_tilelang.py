@@ -838,13 +838,20 @@ def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
             X_out[c] = X
 
 
-def _sim_intra_tbs(key, q, k, g, beta, cu, cidx, Tb_out, P_out, G_out, ratio):
-    # build_intra(tb_only=True, scores=True): Tb, G and the masked, decayed scores P
-    l2norm = key[4]
+def _sim_intra_tb(key, q, k, g, beta, cu, cidx, Tb_out, P_out, G_out, ratio):
+    # build_intra(tb_only=True): Tb = X diag(beta) in the input dtype and G; with scores (key entry 8) also
+    # the masked, decayed scores P (q and P_out are placeholders otherwise)
+    dt, _, K, V, l2norm, save_x, tb_only = key[:7]
+    assert tb_only
+    for c in range(cidx.shape[0]):
+        _, _, bc, _, G, X = _sim_chunk_inverse(k, g, beta, cu, cidx[c], ratio, l2norm)
+        Tb_out[c] = (X * bc[:, None, :]).to(Tb_out.dtype)
+        G_out[c] = G
+    if not (len(key) > 7 and key[7]):
+        return
     NT = g.shape[0]
     idx = torch.arange(C)
     incl = idx[:, None] >= idx[None, :]
-    _sim_intra_tb(key[:7], k, g, beta, cu, cidx, Tb_out, G_out, ratio)
     for c in range(cidx.shape[0]):
         bos, _, _ = _chunk_rows(cu, cidx[c])
         qc, kc = _heads(_rows(q, bos, NT), ratio), _heads(_rows(k, bos, NT), ratio)
@@ -852,16 +859,6 @@ def _sim_intra_tbs(key, q, k, g, beta, cu, cidx, Tb_out, P_out, G_out, ratio):
         P_out[c] = torch.where(incl, (qc @ kc.transpose(-1, -2)) * _norms(qc, l2norm)[:, :, None]
                                * _norms(kc, l2norm)[:, None, :] * torch.exp(Gc[:, :, None] - Gc[:, None, :]),
                                0.).to(P_out.dtype)
-
-
-def _sim_intra_tb(key, k, g, beta, cu, cidx, Tb_out, G_out, ratio):
-    # build_intra(tb_only=True): Tb = X diag(beta) in the input dtype, and G
-    dt, _, K, V, l2norm, save_x, tb_only = key
-    assert tb_only
-    for c in range(cidx.shape[0]):
-        _, _, bc, _, G, X = _sim_chunk_inverse(k, g, beta, cu, cidx[c], ratio, l2norm)
-        Tb_out[c] = (X * bc[:, None, :]).to(Tb_out.dtype)
-        G_out[c] = G
 
 
 def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio, scores=None):
@@ -1018,7 +1015,7 @@ def _sim_fwd_ws(key, *args):
     return _sim_fwd(key, *args[:-2], scores=args[-1] if pscores else None)
 
 
-_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tbs,
+_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
                "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy,

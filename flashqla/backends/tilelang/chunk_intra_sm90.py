@@ -70,12 +70,13 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
-    ``(k, g, beta, cu_seqlens, chunk_indices, Tb_out, G_out, ratio)``; ``V`` and ``save_x`` are unused.
+    ``(q, k, g, beta, cu_seqlens, chunk_indices, Tb_out, P_out, G_out, ratio)`` (q and P_out placeholders
+    unless ``scores``); ``V`` and ``save_x`` are unused.
 
     ``scores`` (with ``tb_only``; the ws recurrence's ``pscores`` option): the CTA also loads the q tile and
     writes the masked, decayed scores ``P[r, j] = (q k^T)[r, j] nq_r nk_j exp(G_r - G_j)`` (``j <= r``, else 0)
     ``[NC, Hv, 64, 64]`` in the input dtype, so the recurrence does not compute them (once per V-block CTA).
-    Signature ``(q, k, g, beta, cu_seqlens, chunk_indices, Tb_out, P_out, G_out, ratio)``."""
+    """
     import tilelang.language as T
 
     from ._common import symbolic_sizes
@@ -281,14 +282,23 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             T.copy(v_s, u_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
+    from ._common import make_l2_row_factors
+
+    l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
+    # q and P_out are placeholders (own symbolic sizes, never touched) unless the scores are written
+    QN, QH = (NT, Hqk) if scores else T.dynamic("QN, QH")
+    PN, PH = (NC, Hv) if scores else T.dynamic("PN, PH")
+
     @T.prim_func
     def gdn_fwd_intra_tb(
+        q: T.Tensor((QN, QH, K), dtype),
         k: T.Tensor((NT, Hqk, K), dtype),
         g: T.Tensor((NT, Hv), acc),
         beta: T.Tensor((NT, Hv), beta_dtype),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
         Tb_out: T.Tensor((NC, Hv, C, C), dtype),
+        P_out: T.Tensor((PN, PH, C, C), dtype),
         G_out: T.Tensor((NC, Hv, C), acc),
         ratio: T.int32,
     ):
@@ -303,13 +313,26 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             Tb_s = T.alloc_shared((C, C), dtype)
             kk_f = T.alloc_fragment((C, C), acc)
             bar = T.alloc_barrier(threads)
+            if scores:
+                q_s = T.alloc_shared((C, K), dtype)
+                nq_s = T.alloc_shared((C,), acc)
+                P_s = T.alloc_shared((C, C), dtype)
+                gr_f = T.alloc_fragment((C,), acc)
+                gc_f = T.alloc_fragment((C,), acc)
+                if l2norm:
+                    sq_f = T.alloc_fragment((C, K), acc)
+                    ss_f = T.alloc_fragment((C,), acc)
 
             seq = chunk_indices[c, 0]
             bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
             eos = cu_seqlens[seq + 1]
             hq = h // ratio
 
-            prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
+            if scores:
+                prologue_tbs(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h,
+                             hq, q, q_s)
+            else:
+                prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
 
             # beta is zero on rows past the sequence end, so Tb's columns there are zero, and so are its
             # rows (X's rows there are unit rows): the fused recurrence's v_new rows past the end are 0
@@ -318,72 +341,23 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             T.copy(Tb_s, Tb_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
-    from ._common import make_l2_row_factors
-
-    l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
-
-    @T.prim_func
-    def gdn_fwd_intra_tbs(
-        q: T.Tensor((NT, Hqk, K), dtype),
-        k: T.Tensor((NT, Hqk, K), dtype),
-        g: T.Tensor((NT, Hv), acc),
-        beta: T.Tensor((NT, Hv), beta_dtype),
-        cu_seqlens: T.Tensor((NS + 1,), "int32"),
-        chunk_indices: T.Tensor((NC, 2), "int32"),
-        Tb_out: T.Tensor((NC, Hv, C, C), dtype),
-        P_out: T.Tensor((NC, Hv, C, C), dtype),
-        G_out: T.Tensor((NC, Hv, C), acc),
-        ratio: T.int32,
-    ):
-        with T.Kernel(NC, Hv, threads=threads) as (c, h):
-            q_s = T.alloc_shared((C, K), dtype)
-            k_s = T.alloc_shared((C, K), dtype)
-            g_s = T.alloc_shared((C,), acc)
-            b_s = T.alloc_shared((C,), acc)
-            n_s = T.alloc_shared((C,), acc)
-            nq_s = T.alloc_shared((C,), acc)
-            cw_s = T.alloc_shared((C,), acc)
-            A_s = T.alloc_shared((C, PAD), acc)
-            X_s = T.alloc_shared((C, PAD), acc)
-            Tb_s = T.alloc_shared((C, C), dtype)
-            P_s = T.alloc_shared((C, C), dtype)
-            kk_f = T.alloc_fragment((C, C), acc)
-            gr_f = T.alloc_fragment((C,), acc)
-            gc_f = T.alloc_fragment((C,), acc)
-            bar = T.alloc_barrier(threads)
-            if l2norm:
-                sq_f = T.alloc_fragment((C, K), acc)
-                ss_f = T.alloc_fragment((C,), acc)
-
-            seq = chunk_indices[c, 0]
-            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
-            eos = cu_seqlens[seq + 1]
-            hq = h // ratio
-
-            prologue_tbs(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq,
-                         q, q_s)
-
-            for r, j in T.Parallel(C, C):
-                Tb_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
-            T.copy(Tb_s, Tb_out[c, h, :, :])
-            T.copy(g_s, G_out[c, h, :])
-
-            # the scores: the gates go to registers first, so the P store loop reads no shared memory
-            if l2norm:
-                l2_row_factors(q_s, nq_s, sq_f, ss_f)
-            T.gemm(q_s, k_s, kk_f, transpose_B=True, clear_accum=True)
-            for r in T.Parallel(C):
-                gr_f[r] = g_s[r]
-            for j in T.Parallel(C):
-                gc_f[j] = g_s[j]
-            if l2norm:
+            if scores:
+                # the gates go to registers first, so the P store loop reads no shared memory
+                if l2norm:
+                    l2_row_factors(q_s, nq_s, sq_f, ss_f)
+                T.gemm(q_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                for r in T.Parallel(C):
+                    gr_f[r] = g_s[r]
+                for j in T.Parallel(C):
+                    gc_f[j] = g_s[j]
+                if l2norm:
+                    for r, j in T.Parallel(C, C):
+                        kk_f[r, j] = kk_f[r, j] * nq_s[r] * n_s[j]
                 for r, j in T.Parallel(C, C):
-                    kk_f[r, j] = kk_f[r, j] * nq_s[r] * n_s[j]
-            for r, j in T.Parallel(C, C):
-                P_s[r, j] = T.if_then_else(j <= r, kk_f[r, j] * T.exp(gr_f[r] - gc_f[j]), 0.0)
-            T.copy(P_s, P_out[c, h, :, :])
+                    P_s[r, j] = T.if_then_else(j <= r, kk_f[r, j] * T.exp(gr_f[r] - gc_f[j]), 0.0)
+                T.copy(P_s, P_out[c, h, :, :])
 
     if tb_only:
-        return gdn_fwd_intra_tbs if scores else gdn_fwd_intra_tb
+        return gdn_fwd_intra_tb
     assert not scores, "scores: with tb_only only"
     return gdn_fwd_intra

@@ -292,12 +292,12 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = None
-        if fwd_ws_options()[4]:
+        pscores = fwd_ws_options()[4]
+        if pscores:
             scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-            intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=True)(
-                qf, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
-        else:
-            intra_tb_kernel(dt, bf.dtype, K, l2norm)(kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, G, ratio)
+        q_in = qf if pscores else dummy((1, 1, K), dt, dev)
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=pscores)(
+            q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
     else:
         w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
         u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
