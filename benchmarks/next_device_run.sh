@@ -116,7 +116,14 @@ case "$STEP" in
           python benchmarks/profile_kernels.py --impls tilelang --rows $row --modes fwd --iters 3
     done
     save_kcache ;;
+  ncuintra)
+    # the fused forward's stage 1 (0.28 ms at 16/32 x 32k tokens, over a third of the forward at 16/64 4x8192):
+    # where its per-CTA latency goes (stall reasons, occupancy) before rewriting its inverse (#4)
+    TAIL=80 run_step "ncu stage 1 (Tb only)" 200 ncu --clock-control none -k regex:gdn_fwd_intra_tb --launch-skip 2 \
+        --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
+        python benchmarks/profile_kernels.py --impls tilelang --rows 16/64:4x8192 --modes fwd --iters 3 ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | fused | fusedquick | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
