@@ -89,6 +89,13 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     # passed, with its own symbolic sizes.
     XN = NC if save_x else T.dynamic("XN")
     XH = Hv if save_x else T.dynamic("XH")
+    LOG2E = 1.4426950408889634
+
+    def ex(x):
+        # The Tb-only form (inference) takes the hardware ex2 (~2 ulp; what the recurrence's fastexp uses):
+        # accurate expf is some ten instructions, and the 4096 of A (and 4096 of P) per chunk are a large
+        # share of this issue-bound kernel's work.  The training form keeps expf (bitwise as before).
+        return T.exp2(x * LOG2E) if tb_only else T.exp(x)
 
     @T.macro
     def gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h):
@@ -100,14 +107,15 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                     n_s[r] = T.rsqrt(kk_f[r, j] + L2_EPS)
             for r, j in T.Parallel(C, C):
                 A_s[r, j] = T.if_then_else(
-                    r > j, kk_f[r, j] * b_s[r] * n_s[r] * n_s[j] * T.exp(g_s[r] - g_s[j]), 0.0)
+                    r > j, kk_f[r, j] * b_s[r] * n_s[r] * n_s[j] * ex(g_s[r] - g_s[j]), 0.0)
         else:
             for r in T.Parallel(C):
                 n_s[r] = 1.0
             for r, j in T.Parallel(C, C):
-                A_s[r, j] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * T.exp(g_s[r] - g_s[j]), 0.0)
-        for r in T.Parallel(C):
-            cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
+                A_s[r, j] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * ex(g_s[r] - g_s[j]), 0.0)
+        if not tb_only:     # (w's column scaling; the Tb-only form has no w)
+            for r in T.Parallel(C):
+                cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
         T.sync_threads()
 
     @T.macro
@@ -354,7 +362,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                     for r, j in T.Parallel(C, C):
                         kk_f[r, j] = kk_f[r, j] * nq_s[r] * n_s[j]
                 for r, j in T.Parallel(C, C):
-                    P_s[r, j] = T.if_then_else(j <= r, kk_f[r, j] * T.exp(gr_f[r] - gc_f[j]), 0.0)
+                    P_s[r, j] = T.if_then_else(j <= r, kk_f[r, j] * ex(gr_f[r] - gc_f[j]), 0.0)
                 T.copy(P_s, P_out[c, h, :, :])
 
     if tb_only:
