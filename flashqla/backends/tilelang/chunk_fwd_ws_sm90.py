@@ -1,8 +1,11 @@
 """Forward stage 2 (Hopper), warp-specialised: the state recurrence and the chunk output in two
 consumer warpgroups, fed by a TMA producer warp.
 
-Same contract as ``chunk_fwd_sm90.build_fwd`` (same arguments, same outputs), so ``ops`` can run either;
-this one keeps only the state's own dependency chain on the serial path.
+Same contract as ``chunk_fwd_sm90.build_fwd`` (same arguments, same outputs, plus two trailing ones: the
+trace buffer and the stage-1 scores, placeholders unless ``trace`` / ``pscores``), so ``ops`` can run either;
+this one keeps only the state's own dependency chain on the serial path.  Variants (``build_fwd_ws``'s
+docstring): ``fused`` (the default inference forward: v and a 64 x 64 ``Tb`` in place of u and w), ``tchain``,
+``ostage``, ``pscores``, ``trace``.
 
 Grid ``(V / BV, Hv, N)``; CTA ``(bv, h, n)`` owns state columns ``bv*BV ..`` of value head ``h`` of
 sequence ``n`` and walks its chunks in order (trip count read on the device: no host sync; a length-0
