@@ -191,36 +191,35 @@ def _prep_cfg(geo: Geometry) -> dict:
     return cfg
 
 
-def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
+def _run_prep(geo: Geometry, k, v, g, beta, w, u, G, Tm, use_l2: bool, store_t: bool, tb_only: bool):
+    # the one launch of chunk_prep_kernel behind prep and prep_tb (Tm: Tinv or Tb, or G as a stand-in)
     from .chunk_prep import chunk_prep_kernel
 
+    launch(chunk_prep_kernel, (geo.chunks, geo.Hv),
+        k, v, g, beta, w, u, G, Tm, geo.cu, geo.cidx,
+        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
+        BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=tb_only, **_launch(_prep_cfg(geo), geo))
+
+
+def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
     dev = k.device
     w = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=k.dtype, device=dev)
     u = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev)
     G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)   # (hi, lo) planes
     Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=dev) if store_t else None
-    launch(chunk_prep_kernel, (geo.chunks, geo.Hv),
-        k, v, g, beta, w, u, G, Tm if store_t else G, geo.cu, geo.cidx,
-        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
-        K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
-        BW=min(tune("prep")["bv"], geo.K, geo.V), **_launch(_prep_cfg(geo), geo))
+    _run_prep(geo, k, v, g, beta, w, u, G, Tm if store_t else G, use_l2, store_t, False)
     return w, u, G, Tm
 
 
 def prep_tb(geo: Geometry, k, g, beta, use_l2: bool):
     """The prep of the inference forward: ``(Tb, G)`` with ``Tb = Tinv diag(beta)`` ``[chunks, Hv, 64, 64]``
     in k's dtype, instead of w and u (see ``use_tb_forward``)."""
-    from .chunk_prep import chunk_prep_kernel
-
     dev = k.device
     G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)   # (hi, lo) planes
     Tb = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=dev)
     # v, w and u are neither read nor written: k stands in for them (w's dtype is the kernel's DT)
-    launch(chunk_prep_kernel, (geo.chunks, geo.Hv),
-        k, k, g, beta, k, k, G, Tb, geo.cu, geo.cidx,
-        geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
-        K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=False, IEEE=geo.ieee,
-        BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=True, **_launch(_prep_cfg(geo), geo))
+    _run_prep(geo, k, k, g, beta, k, k, G, Tb, use_l2, False, True)
     return Tb, G
 
 
