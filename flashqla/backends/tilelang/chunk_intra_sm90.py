@@ -113,7 +113,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                 n_s[r] = 1.0
             for r, j in T.Parallel(C, C):
                 A_s[r, j] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * ex(g_s[r] - g_s[j]), 0.0)
-        if not tb_only:     # (w's column scaling; the Tb-only form has no w, and passes no cw_s)
+        if not tb_only:     # (w's column scaling; the Tb-only form has no w)
             for r in T.Parallel(C):
                 cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
         T.sync_threads()
@@ -315,6 +315,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)
             n_s = T.alloc_shared((C,), acc)
+            cw_s = T.alloc_shared((C,), acc)
             A_s = T.alloc_shared((C, PAD), acc)
             X_s = T.alloc_shared((C, PAD), acc)
             Tb_s = T.alloc_shared((C, C), dtype)
@@ -336,10 +337,10 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             hq = h // ratio
 
             if scores:
-                prologue_tbs(k, None, g, beta, k_s, None, g_s, b_s, n_s, None, A_s, X_s, kk_f, bar, bos, eos, h,
+                prologue_tbs(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h,
                              hq, q, q_s)
             else:
-                prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, None, A_s, X_s, kk_f, bar, bos, eos, h, hq)
+                prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
 
             # beta is zero on rows past the sequence end, so Tb's columns there are zero, and so are its
             # rows (X's rows there are unit rows): the fused recurrence's v_new rows past the end are 0
