@@ -77,7 +77,7 @@ case "$STEP" in
   fusedquick)
     # the fused forward's oracle tests at the auto V-block only (before a benchmark of changed kernels)
     TAIL=6 run_step "fused GPU tests (auto BV)" 150 $PYT tests/test_backend_tilelang.py \
-        -k "(fused_matches and not 32 and not 64 and not 128) or ostage or pscores" ;;
+        -k "(fused_matches and bvauto) or ostage or pscores" ;;
   trace)
     # where the ws recurrence's ~3 us per chunk goes: per-role clock64 timeline of one CTA (#4)
     TAIL=60 run_step "ws role trace" 150 python benchmarks/trace_ws.py --rows 16/32:1x32768,16/32:4x8192,2/8:1x32768 \
