@@ -1073,18 +1073,28 @@ def host_backend_inputs(case, needs_grad: bool):
     return be, inp, ref, spec, x
 
 
-@pytest.mark.parametrize("fwd", ["fused", "ws", "fused-pscores"])
+@pytest.mark.parametrize("fwd", ["fused", "ws", "fused-pscores", "fused-auto"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
     # an inference forward (nothing saved): "fused" runs the Tb-only stage 1 and the fused recurrence
-    # ("-pscores": stage 1 also writes the scores, the recurrence reads them)
+    # ("-pscores": stage 1 also writes the scores, the recurrence reads them; "-auto": the default options,
+    # which choose pscores per call)
+    from flashqla.backends.tilelang import ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_WS_OPTS", raising=False)
     if fwd == "fused-pscores":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,pscores")
-        fwd = "fused"
         first = "fwd_intra_tbs_sm90"
+    elif fwd == "fused-auto":
+        from flashqla.dispatch.device import fake_device
+        n = case.num_seqs
+        with fake_device("cuda", (9, 0)):
+            bv = ops.fwd_ws_bv(n, case.Hv, case.V, torch.device("cpu"))
+        first = "fwd_intra_tbs_sm90" if ops.fwd_pscores(True, bv, n, case.Hv) else "fwd_intra_tb_sm90"
     else:
+        if fwd == "fused":
+            monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
         first = "fwd_intra_tb_sm90" if fwd == "fused" else "fwd_intra_sm90"
-    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", fwd)
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", fwd.split("-")[0])
     be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=False)
     from flashqla.testing import poisoned_outputs
     with poisoned_outputs("cpu"):

@@ -66,12 +66,15 @@ def test_list_shows_every_variant(tmp_path, capsys):
                 for a in (False, True):
                     ops.intra_kernel(dt, bdt, 128, 128, a, True)     # training forwards (X saved)
                     ops.intra_tb_kernel(dt, bdt, 128, a)             # inference forwards (fused)
+                    ops.intra_tb_kernel(dt, bdt, 128, a, scores=True)  # ... with few walks at BV 32 (pscores)
                     ops.bwd_wy_kernel(dt, bdt, 128, 128, a)
             # the default recurrences: warp-specialised, every V-block the call-time rule can pick; fused
             # when nothing is saved for a backward
             for fl in itertools.product((False, True), repeat=4):
                 for bv in ops.FWD_WS_BVS:
                     ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=not fl[3])
+                    if bv == 32 and not fl[3]:
+                        ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=True, pscores=True)
             for fl in itertools.product((False, True), repeat=3):
                 for bv in ops.BWD_WS_BVS:
                     ops.bwd_state_ws_kernel(dt, 128, 128, *fl, bv)
@@ -79,7 +82,7 @@ def test_list_shows_every_variant(tmp_path, capsys):
                 ops.bwd_dqk_kernel(dt, 128, 128, a)
     want = {(n, repr(k)) for n, _, k in rec}
     assert keys == want
-    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_intra_tb_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
+    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_intra_tb_sm90", "fwd_intra_tbs_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
                                     "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"}
 
 
@@ -91,7 +94,9 @@ def test_list_selection():
     assert "fwd_intra_tb_sm90" in r.stdout and "fwd_recurrent_ws_sm90" in r.stdout   # inference: fused
     r = _run(["--list", *CHEAP])
     assert r.returncode == 0, r.stderr
-    assert f"{1 + 3} variants" in r.stdout   # every V-block of the ws forward when none is forced
+    # every V-block of the ws forward when none is forced, and at BV 32 its pscores form with the stage 1
+    # that writes the scores (chosen per call for few walks)
+    assert f"{2 + 4} variants" in r.stdout
 
 
 @needs_tilelang

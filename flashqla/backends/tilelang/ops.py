@@ -117,9 +117,10 @@ def _trace_arg(device) -> torch.Tensor:
     return TRACE_BUFFER if TRACE_BUFFER is not None else dummy((1, 1), torch.int64, device)
 
 
-def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False):
+def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False, pscores=False):
+    """``pscores``: the caller's :func:`fwd_pscores` choice (stage 1 must have written the scores)."""
     ring, nbuf = fwd_ws_layout(BV)
-    fast_exp, psplit, tchain, ostage, pscores = fwd_ws_options()
+    fast_exp, psplit, tchain, ostage, _ = fwd_ws_options()
     pscores = pscores and fused         # stage 1 writes the scores in its Tb-only form only
     psplit = psplit and not pscores     # with the scores from stage 1 there is no scores warpgroup
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht), bool(save_states), ring, nbuf,
@@ -134,20 +135,42 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=
 
 
 _WS_OPTS = ("fastexp", "psplit", "tchain", "ostage", "pscores")
-# H200, 16/32 (results/h200_2026-12-03_s3run1_README.md): both on cut the recurrence 1.653 -> 1.442 ms at
-# 1x32768 and 0.648 -> 0.617 ms at 4x8192; either alone gained less.
-_WS_OPTS_DEFAULT = "fastexp,psplit"
+# H200, 16/32 (results/h200_2026-12-03_s3run1_README.md): fastexp and psplit both on cut the recurrence
+# 1.653 -> 1.442 ms at 1x32768 and 0.648 -> 0.617 ms at 4x8192; either alone gained less.  ostage (session 7,
+# results/h200_2026-12-03_s7run2_sweep_fused.json): faster on all six rows, e.g. 16/32 4x8192 0.756 -> 0.670 ms,
+# 16/64 4x8192 1.522 -> 1.344, 2/8 1x32768 0.866 -> 0.813.
+_WS_OPTS_DEFAULT = "fastexp,psplit,ostage"
 
 
 def fwd_ws_options() -> tuple:
-    """(fast_exp, psplit, tchain, ostage, pscores) of the warp-specialised forward (see ``build_fwd_ws``): the
-    first two on by default (``ostage``, the TMA-stored output, and ``pscores``, the scores from stage 1 of
-    the fused forward, are not measured yet); ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none) overrides."""
+    """(fast_exp, psplit, tchain, ostage, pscores) of the warp-specialised forward (see ``build_fwd_ws``):
+    fastexp, psplit and ostage (the TMA-stored output) on by default, pscores chosen per call by
+    :func:`fwd_pscores`; ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none)
+    overrides, and then pscores is on exactly when it is listed."""
     raw = os.environ.get("FLASHQLA_TILELANG_WS_OPTS", _WS_OPTS_DEFAULT)
     opts = {x.strip().lower() for x in raw.split(",") if x.strip()} - {"none"}
     if opts - set(_WS_OPTS):
         raise ValueError(f"FLASHQLA_TILELANG_WS_OPTS: unknown {sorted(opts - set(_WS_OPTS))}; known: {_WS_OPTS}")
     return "fastexp" in opts, "psplit" in opts, "tchain" in opts, "ostage" in opts, "pscores" in opts
+
+
+# pscores (stage 1 writes the scores, the recurrence has no scores warpgroup) against psplit, both with ostage
+# (results/h200_2026-12-03_s7run2_sweep_fused.json): it wins where the recurrence is long and stage 1 small,
+# 2/8 1x32768 (BV 32) 0.813 -> 0.714 ms; it is even at 16/32 1x32768 (BV 32, 1.026 / 1.041) and loses at BV 64
+# and 128 (16/64 1x32768 1.577 / 1.762, 16/32 4x8192 0.670 / 0.798).  Its stage 1 costs 0.44 against 0.28 ms
+# at 32 heads x 32k tokens, so it pays only with few walks at BV 32.
+_PSCORES_MAX_WALKS = 16
+
+
+def fwd_pscores(fused: bool, BV: int, num_seqs: int, Hv: int) -> bool:
+    """Whether the fused forward takes its scores from stage 1 (``pscores``) at this V-block and walk count:
+    with ``FLASHQLA_TILELANG_WS_OPTS`` set, exactly when it lists pscores; else on at BV 32 with at most
+    16 (sequence, head) walks (see ``_PSCORES_MAX_WALKS``)."""
+    if not fused:
+        return False
+    if os.environ.get("FLASHQLA_TILELANG_WS_OPTS") is not None:
+        return fwd_ws_options()[4]
+    return BV == 32 and num_seqs * Hv <= _PSCORES_MAX_WALKS
 
 
 def fwd_ws_layout(BV: int) -> tuple:
@@ -264,6 +287,12 @@ class FwdResult:
     beta: Optional[torch.Tensor] = None
 
 
+def _meta_bvs(NS, Hv, V, dev) -> tuple:
+    """Every V-block the call-time choice can make (only the forced one under FLASHQLA_TILELANG_BV): the
+    meta-device key enumeration of precompile builds them all."""
+    return (fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else FWD_WS_BVS
+
+
 def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool, l2norm: bool,
             save: bool) -> FwdResult:
     """q, k [B, T, Hqk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; h0 [N, Hv, K, V] or None."""
@@ -287,17 +316,23 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     fused = variant == "fused" and not save
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
+    pscores = False
     if fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = None
-        pscores = fwd_ws_options()[4]
-        if pscores:
-            scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        q_in = qf if pscores else dummy((1, 1, K), dt, dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=pscores)(
-            q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
+        # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
+        # runs stage 1 both ways, the V-block loop below picks per block
+        bv = fwd_ws_bv(NS, Hv, V, dev)
+        pscores = fwd_pscores(True, bv, NS, Hv)
+        meta_ps = {fwd_pscores(True, b, 1, 1) for b in _meta_bvs(NS, Hv, V, dev)}
+        for ps in (sorted(meta_ps) if dev.type == "meta" else (pscores,)):
+            if ps:
+                scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+            q_in = qf if ps else dummy((1, 1, K), dt, dev)
+            intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps)(
+                q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
     else:
         w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
         u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
@@ -321,16 +356,15 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     if variant == "serial":
         fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(*fwd_args)
     elif dev.type == "meta":
-        # key enumeration (precompile): every V-block the call-time choice can make (only the forced
-        # one under FLASHQLA_TILELANG_BV)
-        for bv in ((fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
-                   else FWD_WS_BVS):
-            fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(
-                *fwd_args, _trace_arg(dev), scores)
+        # key enumeration (precompile)
+        for bv in _meta_bvs(NS, Hv, V, dev):
+            for ps in sorted({fwd_pscores(fused, bv, 1, 1), fwd_pscores(fused, bv, NS, Hv)}):
+                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, ps)(
+                    *fwd_args, _trace_arg(dev), scores)
     else:
         bv = fwd_ws_bv(NS, Hv, V, dev)
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused)(
-            *fwd_args, _trace_arg(dev), scores)
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused,
+                      fused and pscores)(*fwd_args, _trace_arg(dev), scores)
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
