@@ -32,6 +32,15 @@ Forward (``K == V``, the case that must be fast):
 3. ONE backend forward over *all* segments with their true start states: a varlen view of the caller's
    tokens with a finer ``cu_seqlens`` (no gather).  It gives ``o`` and the final states.
 
+Windows (inference forwards, K == V, not under CUDA-graph capture).  ``||M|| <= prod_t exp(g_t)
+max(1, |1 - beta_t ||k_t||^2|)``.  Where that bound over a segment's last few chunks is below
+``exp(-150)`` for every head, the state entering those chunks cannot reach the segment's end in fp32 (the
+term is under fp32's smallest subnormal for any state of norm below 1e20): the end state is that window's
+end state from zero, and M is not needed.  The op reads these window lengths on the host (one sync), then
+phase 1 runs the windows and only the M rows that are not negligible.  With decaying gates phase 1 falls
+from about two segments' tokens per boundary to a few chunks; with gates that do not decay (g = 0 heads)
+nothing changes.  The result is the fixed structure's to rounding; ``windows="off"`` turns this off.
+
 For ``K != V`` the ``M`` come from :func:`transition_matrices` (torch ops; also the test oracle), or with
 ``transitions="kernel"`` from a separate backend forward with ``V' = K``.
 
@@ -183,9 +192,20 @@ def _nchunks(x: int) -> int:
     return -(-int(x) // CHUNK_SIZE)
 
 
-def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_grad, cost: CPCostModel):
+# Chunks a window is assumed to span when the plan is made (the gates are read only after it): logsigmoid
+# gates reach the bound in 3-4 chunks.  With gates that do not decay the call runs the fixed structure; the
+# plan is then held to the fixed structure's cost as well (see segment_plan).
+WINDOW_GUESS_CHUNKS = 4
+# A windowed plan is taken only where its fixed structure (what runs when the gates do not decay) costs at
+# most this much of the plain call: e.g. 32 heads x 32k tokens, 2 segments, 1.13x plain fixed, 0.64x windowed.
+WINDOWED_FIXED_SLACK = 1.15
+
+
+def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_grad, cost: CPCostModel,
+                windowed: bool = False):
     """(plain, cp) model times of one call; the CP pass structure is the one :func:`chunk_gated_delta_rule_cp`
-    runs (first pass fused with the M sequences when K == V)."""
+    runs (first pass fused with the M sequences when K == V; ``windowed``: the first pass runs a window of
+    ``WINDOW_GUESS_CHUNKS`` per boundary and no M)."""
     sm = max(1, int(sm_count))
     lanes = num_heads * max(1, -(-head_dim_v // cost.state_tile_v))
     slots = sm * max(1, cost.slots_per_sm)
@@ -205,6 +225,8 @@ def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_gra
         return plain, plain
     s_rows = [_nchunks(x) for s in chains for x in s[:-1]]
     m_rows = [_nchunks(x) for s in chains for x in (s[1:] if needs_grad else s[1:-1])]
+    if windowed:
+        s_rows, m_rows = [min(x, WINDOW_GUESS_CHUNKS) for x in s_rows], []
     if head_dim_k == head_dim_v:
         first = one_pass(s_rows + m_rows) + cost.gather_cost * sum(s_rows + m_rows) * num_heads / sm
     else:
@@ -220,7 +242,7 @@ def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_gra
 def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_dim_k: int = 128,
                  head_dim_v: int = 128, needs_grad: bool = False, segment_len: Optional[int] = None,
                  min_segment_len: int = 512, max_segments: int = 64,
-                 cost: Optional[CPCostModel] = None) -> CPPlan:
+                 cost: Optional[CPCostModel] = None, windowed: bool = False) -> CPPlan:
     """Choose whether and how to split: one target segment length (a multiple of 64) for the whole call;
     every sequence longer than it is cut into balanced segments of whole chunks.
 
@@ -228,6 +250,11 @@ def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_
     With ``segment_len`` given the plan uses it without asking the model.  CP pays when
     ``Hv * num_seqs`` lanes are few against the SMs and sequences are long: then the sequential state scan
     (sequence-long) dominates and segments shorten it.
+
+    ``windowed`` (an inference forward that may take windows, see ``chunk_gated_delta_rule_cp``): the plan
+    minimises the windowed cost, among segment lengths whose fixed-structure cost is at most
+    ``WINDOWED_FIXED_SLACK`` times the plain call's (the gates may not decay, and then the call runs that
+    structure).
     """
     cost = cost or CPCostModel()
     seqlens = tuple(int(x) for x in seqlens)
@@ -255,6 +282,8 @@ def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_
     while seg_len < longest:
         segs = make(seg_len)
         _, c = _model_cost(segs, *args)
+        if windowed and c <= plain * WINDOWED_FIXED_SLACK:
+            c = _model_cost(segs, *args, windowed=True)[1]
         if c < best[0]:
             best = (c, seg_len, segs)
         seg_len *= 2
@@ -264,8 +293,9 @@ def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_
         return CPPlan(seqlens, plain_segs, num_heads, int(sm_count), 0, plain, plain,
                       f"the model predicts no gain worth it ({lanes} (sequence, head) lanes for "
                       f"{sm_count} SMs, longest sequence {longest} tokens)")
+    win = "; cost with windows of about 4 chunks (decaying gates)" if windowed else ""
     return CPPlan(seqlens, segs, num_heads, int(sm_count), seg_len, plain, c,
-                  f"{lanes} (sequence, head) lanes for {sm_count} SMs, longest sequence {longest} tokens", how)
+                  f"{lanes} (sequence, head) lanes for {sm_count} SMs, longest sequence {longest} tokens{win}", how)
 
 
 def _default_sm_count(device: torch.device, spec=None) -> int:
@@ -276,7 +306,8 @@ def _default_sm_count(device: torch.device, spec=None) -> int:
     return max(1, torch.get_num_threads())
 
 
-def _resolve_plan(segments, seqlens, spec, device, sm_count, cost, min_segment_len, max_segments) -> CPPlan:
+def _resolve_plan(segments, seqlens, spec, device, sm_count, cost, min_segment_len, max_segments,
+                  windowed: bool = False) -> CPPlan:
     seqlens = tuple(seqlens)
     sm = sm_count if sm_count is not None else _default_sm_count(device, spec)
     model_args = (spec.Hv, spec.K, spec.V, sm, spec.needs_grad, cost or CPCostModel())
@@ -284,7 +315,7 @@ def _resolve_plan(segments, seqlens, spec, device, sm_count, cost, min_segment_l
     if segments is None:
         return segment_plan(seqlens, spec.Hv, sm, head_dim_k=spec.K, head_dim_v=spec.V,
                             needs_grad=spec.needs_grad, min_segment_len=min_segment_len,
-                            max_segments=max_segments, cost=cost)
+                            max_segments=max_segments, cost=cost, windowed=windowed)
     if isinstance(segments, CPPlan):
         if tuple(segments.seqlens) != seqlens:
             raise ValueError(f"the CPPlan was made for sequence lengths {segments.seqlens}, this call has {seqlens}")
@@ -416,6 +447,90 @@ class _Idx:
             x[self.sl] = src
         else:
             x.index_copy_(0, self.t, src)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Windows: where a segment's map M is negligible, its end state needs only its last few chunks
+# ---------------------------------------------------------------------------------------------------------
+
+# A map is dropped where the bound below is under exp(NEGLIGIBLE_LOG_BOUND) = 7e-66: for any state of norm
+# under 1e20 the dropped term M S is then below fp32's smallest subnormal (1.4e-45), so an fp32 computation
+# of the plain recurrence cannot carry it either.  (FlashQLA's CP drops terms below exp(-10) = 4.5e-5.)
+NEGLIGIBLE_LOG_BOUND = -150.0
+_WINDOW_MODES = ("auto", "off")
+
+
+def _token_log_bound(k, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
+    """[T, Hv] fp32: per token and value head an upper bound of log ||exp(g) (I - beta k k^T)||_2.
+
+    The eigenvalues of I - beta k k^T are 1 and 1 - beta ||k||^2, so the norm is max(1, |1 - beta ||k||^2|);
+    a 2% slack on beta ||k||^2 covers the kernels' rounding of k (bf16, or its L2 norm, ~2^-8)."""
+    g0, b0 = g[0].float(), beta[0].float()
+    Hv, Hqk = g0.shape[1], k.shape[2]
+    if use_qk_l2norm:
+        kap = torch.ones((), dtype=torch.float32, device=g0.device)
+    else:
+        kap = k[0].float().square().sum(-1)
+        if Hv != Hqk:
+            kap = kap.repeat_interleave(Hv // Hqk, dim=1)
+    f = (1.0 - b0 * kap).abs() + 0.02 * (b0 * kap).abs()
+    return g0 + torch.log(torch.clamp(f, min=1.0))
+
+
+def _window_rows(seq_start, seq_segs):
+    """(sequence, position) of every non-last segment of the split sequences, and their token ranges."""
+    rows, ranges = [], []
+    for n, (a, segs) in enumerate(zip(seq_start, seq_segs)):
+        if len(segs) < 2:
+            continue
+        for p, L in enumerate(segs[:-1]):
+            rows.append((n, p))
+            ranges.append((a, a + int(L)))
+            a += int(L)
+    return rows, ranges
+
+
+def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, threshold: float) -> tuple:
+    """Per non-last segment of a split sequence (``_window_rows`` order): how many of its trailing chunks
+    take the map of that stretch under ``exp(threshold)`` for every value head (rounded up to a power of
+    two, capped at the segment), or 0 when even the whole segment's map is not that small.
+
+    Then the segment's true end state equals, to fp32 rounding, the end state of that window from a zero
+    start.  Computed on the device; ONE device->host copy of a few integers (the pass structure depends on
+    it), so a call with windows is not CUDA-graph capturable (under capture the op runs without them)."""
+    rows, ranges = _window_rows(seq_start, seq_segs)
+    if not rows:
+        return ()
+    dev = g.device
+    C = CHUNK_SIZE
+    nmax = max(-(-(b - a) // C) for a, b in ranges)
+    T = g.shape[1]
+
+    def build(up):
+        # token indices of each row backwards from its end, padded with T (a zero row: no decay)
+        idx = torch.full((len(rows), nmax * C), T, dtype=torch.int64)
+        for r, (a, b) in enumerate(ranges):
+            idx[r, :b - a] = torch.arange(b - 1, a - 1, -1)
+        return up(idx.reshape(-1), torch.int64)
+
+    idx = _device_cached(("cpwin", tuple(ranges), T), dev, build)
+    ell = _token_log_bound(k, g, beta, use_qk_l2norm)
+    ell = torch.cat([ell, ell.new_zeros(1, ell.shape[1])])
+    cum = ell.index_select(0, idx).reshape(len(rows), nmax, C, -1).sum(2).cumsum(1).amax(-1)
+    ok = cum <= threshold
+    first = torch.where(ok.any(1), ok.int().argmax(1) + 1, torch.zeros_like(ok[:, 0], dtype=torch.int64))
+    out = []
+    for w, (a, b) in zip(first.tolist(), ranges):    # the one host read
+        n = -(-(b - a) // C)
+        out.append(0 if w == 0 else min(n, 1 << (int(w) - 1).bit_length()))
+    return tuple(out)
+
+
+def _use_windows(windows: str, spec, mode: str) -> bool:
+    """Whether the call is planned for windows (taken at run time unless under CUDA-graph capture)."""
+    if windows not in _WINDOW_MODES:
+        raise ValueError(f"windows must be one of {_WINDOW_MODES}, got {windows!r}")
+    return windows == "auto" and mode == "fused" and not spec.needs_grad
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -754,7 +869,7 @@ class _Program:
     reads the last segment's M too; the first segment's M is never needed: it starts from a known state).
     """
 
-    def __init__(self, seq_segs, has_h0: bool, needs_grad: bool, mode: str, upload):
+    def __init__(self, seq_segs, has_h0: bool, needs_grad: bool, mode: str, upload, windows=None):
         self.mode = mode
         N = len(seq_segs)
         seg_cu, first = [0], []
@@ -782,6 +897,17 @@ class _Program:
             s = seg(l, p)
             return seg_cu[s], seg_cu[s + 1]
 
+        # windows (see _boundary_windows): per (sequence, p) the trailing chunks of segment p whose map M is
+        # negligible, 0 where it is not.  Such a segment's S row runs over that window only, from zero, and
+        # its M is zero (not computed).
+        def wchunks(l, p):
+            return 0 if windows is None else windows.get((lanes[l], p), 0)
+
+        def s_rng(l, p):
+            a, b = rng(l, p)
+            w = wchunks(l, p)
+            return (a, b) if w == 0 else (max(a, b - w * CHUNK_SIZE), b)
+
         by_seq = sorted(range(C), key=lambda l: lanes[l])   # token order: touching ranges merge
         s_list = [(l, p) for l in by_seq for p in range(nl[l] - 1)]
         m_list = [(l, p) for l in by_seq for p in range(1, nl[l] if needs_grad else nl[l] - 1)]
@@ -789,11 +915,18 @@ class _Program:
         m_pm = [(l, p) for p in range(1, nmax) for l in range(mcnt[p])]
         s_pos = {lp: i for i, lp in enumerate(s_list)}
         m_pos = {lp: i for i, lp in enumerate(m_list)}
-        lane_h0 = [(i, lanes[l]) for i, (l, p) in enumerate(s_list) if p == 0] if has_h0 else []
+        # (a window that does not reach back to the sequence start starts from zero: the caller's initial
+        # state reaches its end through a negligible map, like every other state before the window)
+        lane_h0 = [(i, lanes[l]) for i, (l, p) in enumerate(s_list)
+                   if p == 0 and s_rng(l, p)[0] == rng(l, p)[0]] if has_h0 else []
+        m_run = [lp for lp in m_list if wchunks(*lp) == 0]
+        self.m_put = None if len(m_run) == len(m_list) else \
+            _Idx([i for i, lp in enumerate(m_pm) if wchunks(*lp) == 0], upload)
+        self.window_tokens = sum(b - a for a, b in (s_rng(l, p) for l, p in s_list))
 
         def gathered(seqs, zero_seq, eye_seq, h0_pairs, take, v_cols_k=False):
             ps = _Pass()
-            rs = [rng(l, p) for l, p in seqs]
+            rs = [s_rng(l, p) if i < zero_seq else rng(l, p) for i, (l, p) in enumerate(seqs)]
             cu = _prefix(b - a for a, b in rs)
             ps.ranges, ps.v_ranges = _merge(rs), _merge(rs[:zero_seq])
             ps.tokens, ps.num, ps.meta = cu[-1], len(seqs), _varlen_meta(cu, upload)
@@ -817,8 +950,10 @@ class _Program:
         self.passes = []
         self.m_ranges = None
         if mode == "fused" and m_list:
-            take = [s_pos[lp] for lp in s_pm] + [len(s_list) + m_pos[lp] for lp in m_pm]
-            self.passes.append(gathered(s_list + m_list, len(s_list), len(s_list), lane_h0, take))
+            # the S rows and the M rows still needed in one launch (with windows, maybe no M row at all)
+            run_pos = {lp: i for i, lp in enumerate(m_run)}
+            take = [s_pos[lp] for lp in s_pm] + [len(s_list) + run_pos[lp] for lp in m_pm if lp in run_pos]
+            self.passes.append(gathered(s_list + m_run, len(s_list), len(s_list), lane_h0, take))
         else:
             # S_local alone: a gather of the non-last segments, or (when that is many slices and the rest
             # of the tokens is not larger) all segments straight from the caller's tokens, no copy at all
@@ -892,7 +1027,13 @@ def _phase1(eng: "_Engine", prog: _Program, x, h0s):
     """S_local (scan order) and M (scan order, blocks p >= 1)."""
     outs = [_run_pass(eng, ps, x, h0s) for ps in prog.passes]
     if prog.mode == "fused" and prog.NM:
-        return outs[0][:prog.NS], outs[0][prog.NS:]
+        if prog.m_put is None:
+            return outs[0][:prog.NS], outs[0][prog.NS:]
+        # windows: the negligible maps are zero, the others come from the pass
+        K, Hv = x[1].shape[3], x[3].shape[2]
+        M = outs[0].new_zeros(prog.NM, Hv, K, K)
+        prog.m_put.put(M, outs[0][prog.NS:])
+        return outs[0][:prog.NS], M
     S = outs[0]
     K, Hv = x[1].shape[3], x[3].shape[2]
     if prog.mode == "kernel" and prog.NM:
@@ -1048,12 +1189,15 @@ def _transition_mode(transitions: str, K: int, V: int) -> str:
 def cp_plan(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, cu_seqlens=None, segments=None, *, varlen_meta=None,
             sm_count: Optional[int] = None, needs_grad: Optional[bool] = None,
-            cost: Optional[CPCostModel] = None, min_segment_len: int = 512, max_segments: int = 64) -> CPPlan:
+            cost: Optional[CPCostModel] = None, min_segment_len: int = 512, max_segments: int = 64,
+            transitions: str = "auto", windows: str = "auto") -> CPPlan:
     """The :class:`CPPlan` :func:`chunk_gated_delta_rule_cp` would use for these arguments (nothing runs)."""
     spec, _, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                              use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=needs_grad)
     _, lens = _seq_bounds(q.shape[0], q.shape[1], meta)
-    return _resolve_plan(segments, lens, spec, q.device, sm_count, cost, min_segment_len, max_segments)
+    windowed = _use_windows(windows, spec, _transition_mode(transitions, spec.K, spec.V))
+    return _resolve_plan(segments, lens, spec, q.device, sm_count, cost, min_segment_len, max_segments,
+                         windowed)
 
 
 def chunk_gated_delta_rule_cp(
@@ -1076,6 +1220,7 @@ def chunk_gated_delta_rule_cp(
     min_segment_len: int = 512,
     max_segments: int = 64,
     transitions: str = "auto",
+    windows: str = "auto",
 ):
     """:func:`flashqla.chunk_gated_delta_rule` with exact context parallelism; same arguments and results.
 
@@ -1089,12 +1234,21 @@ def chunk_gated_delta_rule_cp(
     the local pass when K == V, else torch ops; ``"kernel"`` by the backend also when K != V (a separate
     pass with K value columns); ``"torch"`` always torch ops (:func:`transition_matrices`).
 
-    No host sync when the sequence lengths are known on the host (dense inputs, or ``varlen_meta``); after
-    one call with the same plan (warm-up) the call is CUDA-graph capturable, forward and backward.
+    ``windows``: ``"auto"`` (default) lets an inference forward (no gradient, K == V, not under CUDA-graph
+    capture) look at the gates first: where a segment's map M is negligible (below ``exp(-150)`` by a
+    norm bound, so fp32 cannot carry the dropped term; see :func:`_boundary_windows`), its end state comes from
+    its last few chunks alone and its M is not computed.  With decaying gates phase 1 then shrinks from
+    about two segments' work per boundary to a few chunks.  This reads a few integers on the host (one
+    sync).  ``"off"``: the fixed pass structure always.
+
+    No host sync when the sequence lengths are known on the host (dense inputs, or ``varlen_meta``) and
+    windows are off or not taken (a gradient, or capture); after one call with the same plan (warm-up) the
+    call is CUDA-graph capturable, forward and backward.
     """
     spec, scale_f, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta)
     mode = _transition_mode(transitions, spec.K, spec.V)
+    windowed = _use_windows(windows, spec, mode)
     B, T = q.shape[0], q.shape[1]
     plan = None
     declined = None
@@ -1103,7 +1257,8 @@ def chunk_gated_delta_rule_cp(
         declined = auto_declined(be.name, q.device)
     if B > 0 and T > 0 and declined is None:
         _, lens = _seq_bounds(B, T, meta)
-        plan = _resolve_plan(segments, lens, spec, q.device, sm_count, cost, min_segment_len, max_segments)
+        plan = _resolve_plan(segments, lens, spec, q.device, sm_count, cost, min_segment_len, max_segments,
+                             windowed)
     if plan is None or not plan.enabled:
         from .api import chunk_gated_delta_rule
         return chunk_gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
@@ -1112,7 +1267,18 @@ def chunk_gated_delta_rule_cp(
         initial_state is not None and initial_state.dtype == torch.float64)
     has_h0 = initial_state is not None
     key = ("cp", tuple(plan.segments), has_h0, bool(spec.needs_grad), mode)
-    prog = _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
+    win = None
+    if windowed and not _capturing(q.device):
+        # the fixed structure is built (not run) as well: a CUDA-graph capture after this warm-up runs it
+        _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
+        starts, _ = _seq_bounds(B, T, meta)
+        w = _boundary_windows(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
+                              plan.segments, NEGLIGIBLE_LOG_BOUND)
+        if any(w):
+            win = dict(zip(_window_rows(starts, plan.segments)[0], w))
+            key = key + (tuple(sorted(win.items())),)
+    prog = _device_cached(key, q.device,
+                          lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up, windows=win))
     eng = _Engine(backend, scale_f, bool(use_qk_l2norm_in_kernel), None, torch.float64 if f64 else torch.float32)
     cfg = _CPConfig(eng, prog, (B, T), bool(output_final_state), spec.needs_grad)
     o, ht = _CPFunction.apply(q, k, v, g, beta, initial_state, cfg)

@@ -444,6 +444,136 @@ def test_bad_transitions_argument():
 
 
 # ------------------------------------------------------------------------------------------------------
+# Windows: negligible segment maps are not computed (inference forwards)
+# ------------------------------------------------------------------------------------------------------
+
+def _spy_calls(monkeypatch):
+    calls = []
+    real = cpmod._Engine.forward_call
+
+    def spy(self, q, k, v, g, beta, cu, h0, out_final, needs_grad):
+        calls.append(dict(T=q.shape[1], nseq=len(cu.cu_seqlens_cpu) - 1))
+        return real(self, q, k, v, g, beta, cu, h0, out_final, needs_grad)
+
+    monkeypatch.setattr(cpmod._Engine, "forward_call", spy)
+    return calls
+
+
+def _late_decay(inputs):
+    """Every head: no decay (g = 0) over the first 700 tokens of the packed batch, strong decay after; so
+    the maps of the early segments are not negligible and those of the late ones are."""
+    g = inputs["g"].clone()
+    g[:, :700] = 0.0
+    g[:, 700:] = g[:, 700:] * 8.0 - 2.0
+    inputs["g"] = g
+    return inputs
+
+
+WINDOW_CASES = [
+    (Case("win_logsigmoid", 2, 4, 32, 32, seqlens=(3000, 40, 1800)), [6, 1, 4], "all"),
+    (Case("win_strong_gva_l2", 1, 4, 32, 32, seqlens=(1300, 5, 700), gate="strong", l2norm=True), [5, 1, 3],
+     "some"),
+    (Case("win_zero", 1, 2, 32, 32, B=1, T=1200, gate="zero"), 5, "none"),
+    (Case("win_mixed_heads", 1, 2, 32, 32, B=1, T=1200), 5, "none"),     # head 0 has g = 0: no window
+    (Case("win_late_decay", 1, 2, 32, 32, B=1, T=1600, h0=True), 6, "some"),
+    (Case("win_noh0_dense", 2, 4, 32, 32, B=2, T=1800, h0=False, ht=False), 4, "all"),
+]
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("case,segments,expect", [pytest.param(c, s, e, id=c.name) for c, s, e in WINDOW_CASES])
+def test_windows_match_oracle_and_shrink_phase1(backend, case, segments, expect, monkeypatch):
+    """An inference forward with windows gives the float64 oracle's o and final state, as windows="off"
+    does; phase 1 runs fewer tokens exactly where the gates make segment maps negligible."""
+    x = make_inputs(case, torch.float32, seed=4)
+    if case.name == "win_mixed_heads":
+        x = _mixed_gate(x, case)
+    if case.name == "win_late_decay":
+        x = _late_decay(x)
+    ref = oracle(case, x, grads=False)
+    calls = _spy_calls(monkeypatch)
+    res = {}
+    for w in ("auto", "off"):
+        calls.clear()
+        with torch.no_grad(), poisoned_outputs("cpu"):
+            o, ht = chunk_gated_delta_rule_cp(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.scale,
+                                              initial_state=x["initial_state"], output_final_state=case.ht,
+                                              use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"],
+                                              backend=backend, segments=segments, windows=w)
+        res[w] = (o, ht, [c["T"] for c in calls])
+        assert rel_l2(o, ref["o"]) <= TOL, (w, rel_l2(o, ref["o"]))
+        if case.ht:
+            assert rel_l2(ht, ref["ht"]) <= TOL, (w, rel_l2(ht, ref["ht"]))
+    phase1_auto, phase1_off = res["auto"][2][0], res["off"][2][0]
+    if expect == "none":
+        assert phase1_auto == phase1_off
+    elif expect == "all":
+        # no M row is left: phase 1 is the windows alone, a fraction of the non-last segments
+        assert phase1_auto * 3 <= phase1_off, (phase1_auto, phase1_off)
+    else:
+        assert phase1_auto < phase1_off, (phase1_auto, phase1_off)
+    assert res["auto"][2][1] == res["off"][2][1]      # the final pass is the same
+
+
+def test_windows_are_off_with_gradients_and_bad_value(monkeypatch):
+    case = Case("win_grad", 1, 2, 32, 32, B=1, T=900)
+    x = make_inputs(case, torch.float32, seed=5)
+    used = []
+    real = cpmod._boundary_windows
+    monkeypatch.setattr(cpmod, "_boundary_windows", lambda *a, **k: used.append(1) or real(*a, **k))
+    res = _run(chunk_gated_delta_rule_cp, case, x, backend="reference", segments=4)
+    _compare(res, _oracle(case, x, "win_grad"), TOL, "windows with gradients")
+    assert not used                       # a training forward keeps the fixed structure (the backward needs M)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    with torch.no_grad():
+        chunk_gated_delta_rule_cp(*args, backend="reference", segments=4, windows="off")
+        assert not used
+        chunk_gated_delta_rule_cp(*args, backend="reference", segments=4)
+        assert used
+    with pytest.raises(ValueError, match="windows"):
+        chunk_gated_delta_rule_cp(*args, backend="reference", segments=4, windows="on")
+
+
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_token_log_bound_bounds_the_token_map(l2norm):
+    """log ||exp(g) (I - beta k k^T)||_2 <= the bound, for unnormalised k, beta in [-1, 3] and any g."""
+    gen = torch.Generator().manual_seed(11)
+    T, Hqk, Hv, K = 200, 2, 4, 16
+    k = torch.randn(1, T, Hqk, K, generator=gen, dtype=torch.float64) * torch.rand(1, T, Hqk, 1, generator=gen,
+                                                                                    dtype=torch.float64) * 2
+    g = torch.randn(1, T, Hv, generator=gen, dtype=torch.float64)
+    beta = torch.rand(1, T, Hv, generator=gen, dtype=torch.float64) * 4 - 1
+    bound = cpmod._token_log_bound(k, g, beta, l2norm)
+    kk = cpmod.l2norm(k) if l2norm else k
+    kk = kk[0].repeat_interleave(Hv // Hqk, dim=1)                       # [T, Hv, K]
+    A = torch.eye(K, dtype=torch.float64) - beta[0][..., None, None] * kk[..., :, None] * kk[..., None, :]
+    actual = g[0] + torch.log(torch.linalg.matrix_norm(A, ord=2))
+    assert (actual <= bound.double() + 1e-6).all(), float((actual - bound).max())
+    assert (bound - actual).max() < 1.0       # and not vacuous
+
+
+def test_window_maps_are_below_the_threshold():
+    """The window a boundary gets has a map under exp(threshold) (checked with transition_matrices at a
+    threshold float64 can see); one chunk less would not (unless the window is one chunk, or rounding up
+    to a power of two took it past the minimum)."""
+    case = Case("win_thr", 1, 2, 32, 32, B=1, T=2000)
+    x = make_inputs(case, torch.float64, seed=8)
+    x["g"] = x["g"] * 0.2                      # slow enough that windows span several chunks
+    segs = (split_even(2000, 4),)
+    thr = -20.0
+    w = cpmod._boundary_windows(x["k"], x["g"], x["beta"], False, [0], segs, thr)
+    rows, ranges = cpmod._window_rows([0], segs)
+    assert len(w) == 3 and all(v > 1 for v in w), w
+    win = [(b - v * 64, v * 64) for v, (a, b) in zip(w, ranges)]
+    M = transition_matrices(x["k"], x["g"], x["beta"], win)
+    assert (torch.linalg.matrix_norm(M, ord=2) <= math.exp(thr)).all()
+    # without the power-of-two rounding, the window just under the minimum has a larger map
+    shorter = [(b - (v // 2) * 64, (v // 2) * 64) for v, (a, b) in zip(w, ranges)]
+    Ms = transition_matrices(x["k"], x["g"], x["beta"], shorter)
+    assert (torch.linalg.matrix_norm(Ms, ord=2).amax(-1) > math.exp(thr) * 1e-3).any()
+
+
+# ------------------------------------------------------------------------------------------------------
 # GPU: CUDA graphs, bf16 agreement with the plain op
 # ------------------------------------------------------------------------------------------------------
 
@@ -515,6 +645,38 @@ def test_gpu_cp_matches_plain_bf16(backend, transitions):
     for name, a, b, r in zip(NAMES, cp, plain, ref):
         e_cp, e_plain = rel_l2(a, r), rel_l2(b, r)
         assert e_cp <= 2.0 * e_plain + 2e-3, (name, e_cp, e_plain)
+
+
+@pytest.mark.parametrize("backend", _gpu_backends())
+def test_gpu_cp_windows_inference_bf16(backend, monkeypatch):
+    """An inference forward with windows (logsigmoid gates: every map is negligible) on the GPU kernels: as
+    close to the fp32 reference as the plain op, phase 1 only the windows; and under CUDA-graph capture the
+    same call takes the fixed structure and agrees with the eager windowed call."""
+    case, x, meta, segments = _gpu_setup(backend, seqlens=(8192, 300, 4096), segments=(8, 1, 4))
+    x["g"] = torch.nn.functional.logsigmoid(torch.randn_like(x["g"]))
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, use_qk_l2norm_in_kernel=True,
+              cu_seqlens=x["cu_seqlens"], varlen_meta=meta)
+    calls = _spy_calls(monkeypatch)
+    with torch.no_grad():
+        o_w, ht_w = chunk_gated_delta_rule_cp(*args, backend=backend, segments=segments, **kw)
+        phase1 = calls[0]["T"]
+        o_p, ht_p = flashqla.chunk_gated_delta_rule(*args, backend=backend, **kw)
+        ref = flashqla.chunk_gated_delta_rule(*[t.float() for t in args], backend="reference",
+                                              **{**kw, "initial_state": x["initial_state"].float()})
+    assert phase1 <= 10 * 4 * 64, phase1          # 10 boundaries, windows of a few chunks, no M rows
+    for a, b, r, name in ((o_w, o_p, ref[0], "o"), (ht_w, ht_p, ref[1], "ht")):
+        e_w, e_p = rel_l2(a, r), rel_l2(b, r)
+        assert e_w <= 2.0 * e_p + 2e-3, (name, e_w, e_p)
+    run = lambda: chunk_gated_delta_rule_cp(*args, backend=backend, segments=segments, **kw)  # noqa: E731
+    with torch.no_grad():
+        warm_up_for_capture(run)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_l2(captured[0], o_w) <= 5e-3 and rel_l2(captured[1], ht_w) <= 5e-3
 
 
 @pytest.mark.parametrize("backend", _gpu_backends())

@@ -60,17 +60,25 @@ class Impl:
         return self.op is None and not self.skip_reason
 
 
+# Windowed CP (flashqla.cp: an inference forward reads the gates' decay bound on the host, one sync) cannot
+# run inside a CUDA graph: under capture the op takes the fixed pass structure.  "NAME@cpw" times the
+# windowed call eagerly, as FlashQLA's host-planned CP is timed; "NAME@cp" is captured (fixed structure).
+CP_WINDOWED_NOTE = "windowed CP reads the gates' decay bound on the host (one sync), which a CUDA graph cannot hold"
+
+
 def split_cp_name(name: str) -> tuple:
     """``"cutlass@cp4"`` -> ``("cutlass", 4)`` (CP forced to 4 segments per sequence), ``"tilelang@cp"``
-    -> ``("tilelang", "auto")`` (the cost model decides), ``"triton"`` -> ``("triton", False)``."""
+    and ``"tilelang@cpw"`` -> ``("tilelang", "auto")`` (the cost model decides; ``cpw`` is timed eagerly so
+    that inference forwards take windows), ``"triton"`` -> ``("triton", False)``."""
     base, sep, tail = name.partition("@")
     if not sep:
         return name, False
-    if tail == "cp":
+    if tail in ("cp", "cpw"):
         return base, "auto"
     if tail.startswith("cp") and tail[2:].isdigit() and int(tail[2:]) >= 1:
         return base, int(tail[2:])
-    raise SystemExit(f"bad backend variant {name!r}: use NAME@cp (automatic CP) or NAME@cpN (N segments)")
+    raise SystemExit(f"bad backend variant {name!r}: use NAME@cp (automatic CP), NAME@cpw (automatic, timed "
+                     f"eagerly with windows) or NAME@cpN (N segments)")
 
 
 def _flashqla_op(name: str):
@@ -195,7 +203,8 @@ def build_impls(backends, baselines) -> list:
         seen.add(b)
         if split_cp_name(b)[0] not in names:
             raise SystemExit(f"unknown backend {b!r}; registered: {', '.join(names)}")
-        impls.append(Impl(b, "backend", _flashqla_op(b), _safe_version(flashqla.get_backend(split_cp_name(b)[0]))))
+        impls.append(Impl(b, "backend", _flashqla_op(b), _safe_version(flashqla.get_backend(split_cp_name(b)[0])),
+                          eager_reason=CP_WINDOWED_NOTE if b.endswith("@cpw") else ""))
     # backends first in the table, then baselines
     return sorted(impls, key=lambda im: 0 if im.kind.startswith("backend") else 1)
 
@@ -374,7 +383,8 @@ def run_bench(args) -> int:
         args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     rows = preset.rows
     if args.filter:
-        rows = [r for r in rows if args.filter in r.name()]
+        alts = [a for a in args.filter.split("|") if a]
+        rows = [r for r in rows if any(a in r.name() for a in alts)]
     if args.max_rows:
         rows = rows[: args.max_rows]
 
@@ -754,7 +764,8 @@ def add_parser(sub) -> None:
     p.add_argument("--device", choices=["cpu", "cuda"], default=None)
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="q/k/v dtype (default bfloat16 on cuda, float32 on cpu)")
-    p.add_argument("--filter", default=None, help="only rows whose label contains this")
+    p.add_argument("--filter", default=None,
+                   help="only rows whose label contains this ('|' separates alternatives: '2/8 1x|28672')")
     p.add_argument("--max-rows", type=int, default=None)
     p.add_argument("--min-time", type=float, default=None, help="seconds of timing per (row, impl)")
     p.add_argument("--max-reps", type=int, default=None)
