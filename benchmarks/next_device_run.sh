@@ -20,6 +20,8 @@
 #   bash benchmarks/next_device_run.sh fused      the fused tilelang inference forward: GPU tests, sweep, trace (#4)
 #   bash benchmarks/next_device_run.sh gpusuite   the tilelang / triton / shared / gating GPU tests (run it first after
 #                                                 a kernel change)
+#   bash benchmarks/next_device_run.sh cpw        windowed exact CP: GPU tests, then the long-sequence rows against
+#                                                 FlashQLA (#8)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
@@ -123,7 +125,14 @@ case "$STEP" in
         --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
         --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
         python benchmarks/profile_kernels.py --impls tilelang --rows 16/64:4x8192 --modes fwd --iters 3 ;;
+  cpw)
+    # windowed exact CP (session 7, not measured yet): the CP GPU tests, then the rows where FlashQLA runs its
+    # CP (one long sequence), plain tilelang against tilelang with windowed CP, both against FlashQLA (#8, #4)
+    TAIL=8 run_step "CP GPU tests" 200 $PYT tests/test_cp.py
+    TAIL=40 run_step "CP rows: plain, windowed CP, FlashQLA" 330 python -m flashqla bench --preset qwen35-fwd \
+        --no-progress --filter "1x32768|28672+4096|1x8192" --backends tilelang,tilelang@cpw \
+        --baselines flashqla --out $OUT/cpw ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | cpw | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done

@@ -40,6 +40,10 @@ end state from zero, and M is not needed.  The op reads these window lengths on 
 phase 1 runs the windows and only the M rows that are not negligible.  With decaying gates phase 1 falls
 from about two segments' tokens per boundary to a few chunks; with gates that do not decay (g = 0 heads)
 nothing changes.  The result is the fixed structure's to rounding; ``windows="off"`` turns this off.
+Training calls take them too: M (and M^T in the backward scan) is zero where a segment's trailing window
+is negligible, and where every segment p >= 1 has a leading window (the same bound from its start), the
+backward's first pass (each segment's dh0 with a zero end cotangent) runs a forward and backward of those
+windows only, from the saved inputs, instead of a backward over every token.
 
 For ``K != V`` the ``M`` come from :func:`transition_matrices` (torch ops; also the test oracle), or with
 ``transitions="kernel"`` from a separate backend forward with ``V' = K``.
@@ -205,7 +209,7 @@ def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_gra
                 windowed: bool = False):
     """(plain, cp) model times of one call; the CP pass structure is the one :func:`chunk_gated_delta_rule_cp`
     runs (first pass fused with the M sequences when K == V; ``windowed``: the first pass runs a window of
-    ``WINDOW_GUESS_CHUNKS`` per boundary and no M)."""
+    ``WINDOW_GUESS_CHUNKS`` per boundary and no M, and the backward's first pass such a window per segment)."""
     sm = max(1, int(sm_count))
     lanes = num_heads * max(1, -(-head_dim_v // cost.state_tile_v))
     slots = sm * max(1, cost.slots_per_sm)
@@ -235,7 +239,12 @@ def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_gra
     nmax = max(len(s) for s in chains)
     run = one_pass([_nchunks(x) for s in segments for x in s])
     fwd = first + max(0, nmax - 2) * cost.scan_step + run
-    back = (2.0 * bwd * run + (nmax - 1) * cost.scan_step) if needs_grad else 0.0
+    if windowed:
+        # the backward's first pass runs over the leading windows instead of every segment
+        lead = one_pass([min(_nchunks(x), WINDOW_GUESS_CHUNKS) for s in chains for x in s[1:]])
+        back = ((1.0 + bwd) * lead + bwd * run + (nmax - 1) * cost.scan_step) if needs_grad else 0.0
+    else:
+        back = (2.0 * bwd * run + (nmax - 1) * cost.scan_step) if needs_grad else 0.0
     return plain, fwd + back
 
 
@@ -477,60 +486,76 @@ def _token_log_bound(k, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
     return g0 + torch.log(torch.clamp(f, min=1.0))
 
 
-def _window_rows(seq_start, seq_segs):
-    """(sequence, position) of every non-last segment of the split sequences, and their token ranges."""
+def _window_rows(seq_start, seq_segs, last: bool = False):
+    """(sequence, position) of every non-last segment of the split sequences (``last``: every segment of
+    them), and their token ranges."""
     rows, ranges = [], []
     for n, (a, segs) in enumerate(zip(seq_start, seq_segs)):
         if len(segs) < 2:
             continue
-        for p, L in enumerate(segs[:-1]):
+        for p, L in enumerate(segs if last else segs[:-1]):
             rows.append((n, p))
             ranges.append((a, a + int(L)))
             a += int(L)
     return rows, ranges
 
 
-def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, threshold: float) -> tuple:
-    """Per non-last segment of a split sequence (``_window_rows`` order): how many of its trailing chunks
-    take the map of that stretch under ``exp(threshold)`` for every value head (rounded up to a power of
-    two, capped at the segment), or 0 when even the whole segment's map is not that small.
-
-    Then the segment's true end state equals, to fp32 rounding, the end state of that window from a zero
-    start.  Computed on the device; ONE device->host copy of a few integers (the pass structure depends on
-    it), so a call with windows is not CUDA-graph capturable (under capture the op runs without them)."""
-    rows, ranges = _window_rows(seq_start, seq_segs)
-    if not rows:
-        return ()
-    dev = g.device
+def _window_chunks(ell: torch.Tensor, ranges, from_end: bool) -> torch.Tensor:
+    """Per token range (on the device): the fewest chunks at its end (``from_end``) or start whose summed
+    log bounds ``ell`` (``[T + 1, Hv]``, last row zero) are under the threshold for every head, 0 if none."""
     C = CHUNK_SIZE
+    T = ell.shape[0] - 1
     nmax = max(-(-(b - a) // C) for a, b in ranges)
-    T = g.shape[1]
 
     def build(up):
-        # token indices of each row backwards from its end, padded with T (a zero row: no decay)
-        idx = torch.full((len(rows), nmax * C), T, dtype=torch.int64)
+        # token indices from the range's end backwards (or its start forwards), padded with T (no decay)
+        idx = torch.full((len(ranges), nmax * C), T, dtype=torch.int64)
         for r, (a, b) in enumerate(ranges):
-            idx[r, :b - a] = torch.arange(b - 1, a - 1, -1)
+            idx[r, :b - a] = torch.arange(b - 1, a - 1, -1) if from_end else torch.arange(a, b)
         return up(idx.reshape(-1), torch.int64)
 
-    idx = _device_cached(("cpwin", tuple(ranges), T), dev, build)
+    idx = _device_cached(("cpwin", tuple(ranges), T, from_end), ell.device, build)
+    cum = ell.index_select(0, idx).reshape(len(ranges), nmax, C, -1).sum(2).cumsum(1).amax(-1)
+    ok = cum <= NEGLIGIBLE_LOG_BOUND
+    return torch.where(ok.any(1), ok.int().argmax(1) + 1, torch.zeros_like(ok[:, 0], dtype=torch.int64))
+
+
+def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading: bool = False):
+    """Window lengths in chunks (0: none) of the split sequences' segments, ``_window_rows(..., last=True)``
+    order.  ``trail[(n, p)]``: the fewest trailing chunks of segment p whose map is under
+    ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, rounded up to a power of two and capped at the
+    segment.  Then the segment's true end state equals, to fp32 rounding, that window's end state from a zero
+    start, and its M (forward scan) and M^T (backward scan) are negligible.  ``lead[(n, p)]`` (``leading``,
+    p >= 1): the same from the segment's start; then the segment's dh0 with a zero end cotangent comes from
+    that window alone.
+
+    Computed on the device; ONE device->host copy of a few integers (the pass structure depends on it), so a
+    call with windows is not CUDA-graph capturable (under capture the op runs the fixed structure)."""
+    rows, ranges = _window_rows(seq_start, seq_segs, last=True)
+    if not rows:
+        return {}, {}
     ell = _token_log_bound(k, g, beta, use_qk_l2norm)
     ell = torch.cat([ell, ell.new_zeros(1, ell.shape[1])])
-    cum = ell.index_select(0, idx).reshape(len(rows), nmax, C, -1).sum(2).cumsum(1).amax(-1)
-    ok = cum <= threshold
-    first = torch.where(ok.any(1), ok.int().argmax(1) + 1, torch.zeros_like(ok[:, 0], dtype=torch.int64))
-    out = []
-    for w, (a, b) in zip(first.tolist(), ranges):    # the one host read
-        n = -(-(b - a) // C)
-        out.append(0 if w == 0 else min(n, 1 << (int(w) - 1).bit_length()))
-    return tuple(out)
+    parts = [_window_chunks(ell, ranges, True)]
+    lead_rows = [(r, rg) for r, rg in zip(rows, ranges) if r[1] >= 1] if leading else []
+    if lead_rows:
+        parts.append(_window_chunks(ell, [rg for _, rg in lead_rows], False))
+    counts = torch.cat(parts).tolist()         # the one host read
+
+    def rounded(w, rg):
+        n = -(-(rg[1] - rg[0]) // CHUNK_SIZE)
+        return 0 if w == 0 else min(n, 1 << (int(w) - 1).bit_length())
+
+    trail = {r: rounded(w, rg) for r, rg, w in zip(rows, ranges, counts)}
+    lead = {r: rounded(w, rg) for (r, rg), w in zip(lead_rows, counts[len(rows):])}
+    return trail, lead
 
 
 def _use_windows(windows: str, spec, mode: str) -> bool:
     """Whether the call is planned for windows (taken at run time unless under CUDA-graph capture)."""
     if windows not in _WINDOW_MODES:
         raise ValueError(f"windows must be one of {_WINDOW_MODES}, got {windows!r}")
-    return windows == "auto" and mode == "fused" and not spec.needs_grad
+    return windows == "auto" and mode == "fused"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -869,7 +894,7 @@ class _Program:
     reads the last segment's M too; the first segment's M is never needed: it starts from a known state).
     """
 
-    def __init__(self, seq_segs, has_h0: bool, needs_grad: bool, mode: str, upload, windows=None):
+    def __init__(self, seq_segs, has_h0: bool, needs_grad: bool, mode: str, upload, windows=None, lead=None):
         self.mode = mode
         N = len(seq_segs)
         seg_cu, first = [0], []
@@ -922,7 +947,6 @@ class _Program:
         m_run = [lp for lp in m_list if wchunks(*lp) == 0]
         self.m_put = None if len(m_run) == len(m_list) else \
             _Idx([i for i, lp in enumerate(m_pm) if wchunks(*lp) == 0], upload)
-        self.window_tokens = sum(b - a for a, b in (s_rng(l, p) for l, p in s_list))
 
         def gathered(seqs, zero_seq, eye_seq, h0_pairs, take, v_cols_k=False):
             ps = _Pass()
@@ -985,6 +1009,16 @@ class _Program:
         else:
             self.map_zero_start = self.map_zero_end = self.map_cat
         self.dloc = _Idx([seg(l, p) for p in range(1, nmax) for l in range(cnt[p])], upload)
+        # leading windows (backward): per dloc row (p >= 1, scan order) the first chunks of its segment, whose
+        # dh0 with a zero end cotangent is the segment's (see _boundary_windows); None: a full backward pass
+        self.lead = None
+        if lead is not None:
+            rs = []
+            for p in range(1, nmax):
+                for l in range(cnt[p]):
+                    a, b = rng(l, p)
+                    rs.append((a, min(b, a + lead[(lanes[l], p)] * CHUNK_SIZE)))
+            self.lead = (_merge(rs), _varlen_meta(_prefix(b - a for a, b in rs), upload), len(rs))
         self.term = _Idx([off[nl[l] - 1] + l for l in range(C)], upload)
         self.last = _Idx([first[n] + len(seq_segs[n]) - 1 for n in range(N)], upload)
         self.first = _Idx(first, upload)
@@ -1041,6 +1075,17 @@ def _phase1(eng: "_Engine", prog: _Program, x, h0s):
     if prog.mode == "torch" and prog.NM:
         return S, transition_matrices(x[1], x[3], x[4], prog.m_ranges, eng.l2norm, compute_dtype=eng.sd)
     return S, S.new_zeros(0, Hv, K, K)
+
+
+def _lead_dh0(eng: "_Engine", prog: _Program, xs, do_p) -> torch.Tensor:
+    """dh0 of every leading window (dloc rows, scan order) with a zero end cotangent.  dh0 does not depend on
+    the start state (the segment map is affine), so the windows start from zero."""
+    ranges, meta, n = prog.lead
+    q, k, v, g, beta, do_w = (_gather(t, ranges) for t in (*xs, do_p))
+    Hv, K, V = v.shape[2], k.shape[3], v.shape[3]
+    h0 = torch.zeros(n, Hv, K, V, dtype=eng.sd, device=k.device)
+    _, _, saved, aux, be, spec = eng.forward_call(q, k, v, g, beta, meta, h0, False, True)
+    return be.backward(spec, saved, aux, do_w, None)[5].to(eng.sd)
 
 
 def _pack(t: torch.Tensor) -> torch.Tensor:
@@ -1102,7 +1147,8 @@ class _CPFunction(torch.autograd.Function):
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype, None if h0 is None else h0.dtype)
         ctx.n_saved = len(saved)
         if cfg.needs_grad:
-            ctx.save_for_backward(*saved, M)
+            # (leading windows: the backward runs a forward of its own over them, from the caller's inputs)
+            ctx.save_for_backward(*saved, M, *(x if prog.lead is not None else ()))
         B, T = cfg.shape
         o = o.reshape(B, T, Hv, V)
         if cfg.output_final_state:
@@ -1118,7 +1164,7 @@ class _CPFunction(torch.autograd.Function):
         eng, prog = cfg.engine, cfg.program
         sd = eng.sd
         tensors = ctx.saved_tensors
-        saved, M = tensors[:ctx.n_saved], tensors[ctx.n_saved]
+        saved, M, xs = tensors[:ctx.n_saved], tensors[ctx.n_saved], tensors[ctx.n_saved + 1:]
         B, T = cfg.shape
         do_p = _pack(do.contiguous())
         dev = do.device
@@ -1126,10 +1172,14 @@ class _CPFunction(torch.autograd.Function):
         if dht is not None and dht.numel() == 0:
             dht = None
         C, cnt, off, moff = prog.C, prog.cnt, prog.off, prog.moff
-        # local dh0 of every segment: a backward with dht = 0 (only dh0 is kept), rows p >= 1 in scan order
-        g1 = ctx.be.backward(ctx.spec, saved, ctx.aux, do_p, None)
-        dloc = prog.dloc.take(g1[5]).to(sd)
-        del g1
+        # local dh0 of every segment: a backward with dht = 0 (only dh0 is kept), rows p >= 1 in scan order;
+        # with leading windows, a forward and backward of those windows alone
+        if prog.lead is not None:
+            dloc = _lead_dh0(eng, prog, xs, do_p)
+        else:
+            g1 = ctx.be.backward(ctx.spec, saved, ctx.aux, do_p, None)
+            dloc = prog.dloc.take(g1[5]).to(sd)
+            del g1
         # the backward scan: dS_end[p - 1] = dh0_local[p] + M[p]^T dS_end[p]; each lane's last row is dht
         dS = torch.empty(prog.P, Hv, K, V, dtype=sd, device=dev)
         if dht is not None:
@@ -1234,12 +1284,13 @@ def chunk_gated_delta_rule_cp(
     the local pass when K == V, else torch ops; ``"kernel"`` by the backend also when K != V (a separate
     pass with K value columns); ``"torch"`` always torch ops (:func:`transition_matrices`).
 
-    ``windows``: ``"auto"`` (default) lets an inference forward (no gradient, K == V, not under CUDA-graph
-    capture) look at the gates first: where a segment's map M is negligible (below ``exp(-150)`` by a
-    norm bound, so fp32 cannot carry the dropped term; see :func:`_boundary_windows`), its end state comes from
-    its last few chunks alone and its M is not computed.  With decaying gates phase 1 then shrinks from
-    about two segments' work per boundary to a few chunks.  This reads a few integers on the host (one
-    sync).  ``"off"``: the fixed pass structure always.
+    ``windows``: ``"auto"`` (default) lets a call with K == V that is not under CUDA-graph capture look at
+    the gates first: where a segment's map M is negligible (below ``exp(-150)`` by a norm bound, so fp32
+    cannot carry the dropped term; see :func:`_boundary_windows`), its end state comes from its last few
+    chunks alone and its M is not computed; with gradients, its dh0 from its first few chunks.  With
+    decaying gates phase 1 then shrinks from about two segments' work per boundary to a few chunks, and the
+    backward from two full passes to one.  This reads a few integers on the host (one sync).  ``"off"``:
+    the fixed pass structure always.
 
     No host sync when the sequence lengths are known on the host (dense inputs, or ``varlen_meta``) and
     windows are off or not taken (a gradient, or capture); after one call with the same plan (warm-up) the
@@ -1267,18 +1318,22 @@ def chunk_gated_delta_rule_cp(
         initial_state is not None and initial_state.dtype == torch.float64)
     has_h0 = initial_state is not None
     key = ("cp", tuple(plan.segments), has_h0, bool(spec.needs_grad), mode)
-    win = None
+    win = lead_win = None
     if windowed and not _capturing(q.device):
         # the fixed structure is built (not run) as well: a CUDA-graph capture after this warm-up runs it
         _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
         starts, _ = _seq_bounds(B, T, meta)
-        w = _boundary_windows(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
-                              plan.segments, NEGLIGIBLE_LOG_BOUND)
-        if any(w):
-            win = dict(zip(_window_rows(starts, plan.segments)[0], w))
-            key = key + (tuple(sorted(win.items())),)
-    prog = _device_cached(key, q.device,
-                          lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up, windows=win))
+        trail, lead = _boundary_windows(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
+                                        plan.segments, leading=spec.needs_grad)
+        if any(trail.values()):
+            win = trail
+        # the leading windows replace a whole backward pass only when every dloc row has one
+        if lead and all(lead.values()):
+            lead_win = lead
+        if win is not None or lead_win is not None:
+            key = key + (tuple(sorted((win or {}).items())), tuple(sorted((lead_win or {}).items())))
+    prog = _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up,
+                                                             windows=win, lead=lead_win))
     eng = _Engine(backend, scale_f, bool(use_qk_l2norm_in_kernel), None, torch.float64 if f64 else torch.float32)
     cfg = _CPConfig(eng, prog, (B, T), bool(output_final_state), spec.needs_grad)
     o, ht = _CPFunction.apply(q, k, v, g, beta, initial_state, cfg)
