@@ -307,3 +307,25 @@ def test_bench_decode_on_cpu_both_layouts(tmp_path, capsys):
         assert res[name]["status"] == "ok" and res[name]["err"] < 1e-6 and res[name]["ms"] > 0, res[name]
     md = (out / "bench_decode.md").read_text()
     assert "| 16/32 | 1 |" in md and "torch[layout=VK] us" in md
+
+
+def test_bench_cp_names_and_filter_alternatives(tmp_path, capsys):
+    """NAME@cp / @cpN are captured; @cpw / @cpwN (windowed CP reads the gates on the host) are timed
+    eagerly from the start; --filter takes '|'-separated alternatives."""
+    from flashqla.cli.bench import CP_WINDOWED_NOTE, build_impls, split_cp_name
+    assert split_cp_name("tilelang@cp") == ("tilelang", "auto") == split_cp_name("tilelang@cpw")
+    assert split_cp_name("triton@cpw8") == ("triton", 8) == split_cp_name("triton@cp8")
+    assert split_cp_name("reference") == ("reference", False)
+    for bad in ("tilelang@cpw0", "tilelang@cpx", "tilelang@cp-2"):
+        with pytest.raises(SystemExit):
+            split_cp_name(bad)
+    impls = {im.name: im for im in build_impls(["reference@cpw4", "reference@cp4"], [])}
+    assert impls["reference@cpw4"].eager_reason == CP_WINDOWED_NOTE and not impls["reference@cp4"].eager_reason
+    with pytest.raises(SystemExit, match="matches no row"):
+        main(["bench", "--preset", "quick", "--device", "cpu", "--backends", "reference", "--baselines", "none",
+              "--filter", "nomatch|alsonot", "--no-plot"])
+    labels = [r.name() for r in presets("cpu")["quick"].rows]
+    assert main(["bench", "--preset", "quick", "--device", "cpu", "--backends", "reference", "--baselines", "none",
+                 "--filter", f"{labels[0]}|{labels[-1]}", "--no-plot", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "bench_quick_fwd.json").read_text())["rows"]
+    assert [r["label"] for r in rows] == [labels[0], labels[-1]]

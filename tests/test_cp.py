@@ -702,6 +702,27 @@ def test_gpu_cp_windows_inference_bf16(backend, monkeypatch):
 
 
 @pytest.mark.parametrize("backend", _gpu_backends())
+def test_gpu_cp_windows_training_bf16(backend, monkeypatch):
+    """Training CP with windows (logsigmoid gates: trailing and leading windows everywhere) on the GPU
+    kernels: outputs and gradients as close to the fp32 reference as the plain op; the backward's first
+    pass ran over the leading windows."""
+    case, x, meta, segments = _gpu_setup(backend, seqlens=(8192, 300, 4096), segments=(8, 1, 4))
+    x["g"] = torch.nn.functional.logsigmoid(torch.randn_like(x["g"]))
+    used = []
+    real = cpmod._lead_dh0
+    monkeypatch.setattr(cpmod, "_lead_dh0", lambda *a, **k: used.append(1) or real(*a, **k))
+    leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+    cp = _gpu_run(x, meta, leaves, backend, list(segments))
+    assert used
+    plain = _gpu_run(x, meta, leaves, backend, 1)
+    ref_leaves = [t.detach().float().requires_grad_() for t in leaves]
+    ref = _gpu_run({**x, "do": x["do"].float()}, meta, ref_leaves, "reference", 1)
+    for name, a, b, r in zip(NAMES, cp, plain, ref):
+        e_cp, e_plain = rel_l2(a, r), rel_l2(b, r)
+        assert e_cp <= 2.0 * e_plain + 2e-3, (name, e_cp, e_plain)
+
+
+@pytest.mark.parametrize("backend", _gpu_backends())
 def test_gpu_cp_capture_without_cp_warmup(backend):
     """A plan first seen during capture: its metadata is uploaded from pinned memory kept for the graph.  If
     this CUDA/PyTorch cannot pin memory while capturing, xfail: only warmed-up capture (the supported,

@@ -68,17 +68,18 @@ CP_WINDOWED_NOTE = "windowed CP reads the gates' decay bound on the host (one sy
 
 def split_cp_name(name: str) -> tuple:
     """``"cutlass@cp4"`` -> ``("cutlass", 4)`` (CP forced to 4 segments per sequence), ``"tilelang@cp"``
-    and ``"tilelang@cpw"`` -> ``("tilelang", "auto")`` (the cost model decides; ``cpw`` is timed eagerly so
-    that inference forwards take windows), ``"triton"`` -> ``("triton", False)``."""
+    and ``"tilelang@cpw"`` -> ``("tilelang", "auto")`` (the cost model decides; ``cpw``, and ``cpwN`` with N
+    segments, are timed eagerly so that the calls take windows), ``"triton"`` -> ``("triton", False)``."""
     base, sep, tail = name.partition("@")
     if not sep:
         return name, False
     if tail in ("cp", "cpw"):
         return base, "auto"
-    if tail.startswith("cp") and tail[2:].isdigit() and int(tail[2:]) >= 1:
-        return base, int(tail[2:])
+    n = tail[3:] if tail.startswith("cpw") else tail[2:]
+    if tail.startswith("cp") and n.isdigit() and int(n) >= 1:
+        return base, int(n)
     raise SystemExit(f"bad backend variant {name!r}: use NAME@cp (automatic CP), NAME@cpw (automatic, timed "
-                     f"eagerly with windows) or NAME@cpN (N segments)")
+                     f"eagerly with windows), NAME@cpN (N segments) or NAME@cpwN")
 
 
 def _flashqla_op(name: str):
@@ -204,7 +205,7 @@ def build_impls(backends, baselines) -> list:
         if split_cp_name(b)[0] not in names:
             raise SystemExit(f"unknown backend {b!r}; registered: {', '.join(names)}")
         impls.append(Impl(b, "backend", _flashqla_op(b), _safe_version(flashqla.get_backend(split_cp_name(b)[0])),
-                          eager_reason=CP_WINDOWED_NOTE if b.endswith("@cpw") else ""))
+                          eager_reason=CP_WINDOWED_NOTE if "@cpw" in b else ""))
     # backends first in the table, then baselines
     return sorted(impls, key=lambda im: 0 if im.kind.startswith("backend") else 1)
 
@@ -384,7 +385,11 @@ def run_bench(args) -> int:
     rows = preset.rows
     if args.filter:
         alts = [a for a in args.filter.split("|") if a]
+        names = [r.name() for r in rows]
         rows = [r for r in rows if any(a in r.name() for a in alts)]
+        if not rows:
+            raise SystemExit(f"--filter {args.filter!r} matches no row of preset {args.preset!r} "
+                             f"(rows: {', '.join(names)})")
     if args.max_rows:
         rows = rows[: args.max_rows]
 
