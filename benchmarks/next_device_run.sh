@@ -138,7 +138,14 @@ case "$STEP" in
     TAIL=40 run_step "CP rows: plain, windowed CP, FlashQLA" 330 python -m flashqla bench --preset qwen35-fwd \
         --no-progress --filter "1x32768|28672+4096|1x8192" --backends tilelang,tilelang@cpw \
         --baselines flashqla --out $OUT/cpw ;;
+  intraorder)
+    # stage 1 launched head-major (the value heads of one chunk together: k tiles shared in L2 by the GVA
+    # heads), session 7, not measured yet; tests first (#4)
+    TAIL=6 run_step "head-major stage 1 GPU tests" 150 $PYT tests/test_backend_tilelang.py -k head_major
+    TAIL=20 run_step "stage 1 grid order sweep" 150 python benchmarks/sweep_variants.py --backend tilelang \
+        --mode fwd --rows 16/64:4x8192,16/32:4x8192,16/64:1x32768,8/32:8x1024,2/8:1x32768 \
+        --out $OUT/sweep_intra_order.json --variants "default;FLASHQLA_TILELANG_INTRA_ORDER=head" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done

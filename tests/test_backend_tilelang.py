@@ -416,6 +416,9 @@ def _fwd_variants():
     # the fused inference forward: stage 1 writes Tb only, the recurrence forms v_new from v (every V-block)
     out.append(("intra", ("bfloat16", "bfloat16", 128, 128, False, False, True)))
     out.append(("intra", ("float16", "float32", 128, 128, True, False, True)))
+    # stage 1 launched head-major (FLASHQLA_TILELANG_INTRA_ORDER=head): Tb-only with scores, and w / u
+    out.append(("intra", ("bfloat16", "bfloat16", 128, 128, True, False, True, True, True)))
+    out.append(("intra", ("bfloat16", "float32", 128, 128, False, True, False, False, True)))
     for dt, bv, l2, h0, ht in [("bfloat16", 32, False, True, True), ("bfloat16", 64, True, False, True),
                                ("bfloat16", 128, False, False, False), ("float16", 128, True, True, True)]:
         out.append(("fwd_ws", (dt, 128, 128, bv, l2, h0, ht, False, 0, 0, True, True, False, False, True)))
@@ -610,6 +613,20 @@ def test_gpu_forward_ostage_matches_oracle(case, bv, monkeypatch):
     monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
     _gpu_case(case, torch.bfloat16)
     _gpu_case(case, torch.bfloat16, grads=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_len1_tail",
+                                                                         "varlen_l2norm")], ids=lambda c: c.name)
+def test_gpu_forward_intra_head_major_matches_oracle(case, monkeypatch):
+    # stage 1 launched head-major (FLASHQLA_TILELANG_INTRA_ORDER=head), inference (Tb-only, with and without
+    # the scores) and training (w / u) forwards
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_ORDER", "head")
+    _gpu_case(case, torch.bfloat16)
+    _gpu_case(case, torch.bfloat16, grads=True)
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,pscores,ostage")
+    _gpu_case(case, torch.bfloat16)
 
 
 @pytest.mark.gpu
@@ -830,7 +847,9 @@ def _sim_chunk_inverse(k, g, beta, cu, cidx_row, ratio, l2norm):
 
 
 def _sim_intra(key, k, v, g, beta, cu, cidx, w_out, u_out, G_out, X_out, ratio):
-    dt, _, K, V, l2norm, save_x = key
+    # (trailing key entries: tb_only, scores, head_major; the grid order does not change the results)
+    dt, _, K, V, l2norm, save_x = key[:6]
+    assert len(key) == 6 or not key[6]
     for c in range(cidx.shape[0]):
         bos, kc, bc, nk, G, X = _sim_chunk_inverse(k, g, beta, cu, cidx[c], ratio, l2norm)
         vc = _rows(v, bos, v.shape[0]).transpose(0, 1)

@@ -66,12 +66,17 @@ PAD = 72
 
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
-                tb_only: bool = False, scores: bool = False, threads: int = 128):
+                tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128):
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
     ``(q, k, g, beta, cu_seqlens, chunk_indices, Tb_out, P_out, G_out, ratio)`` (q and P_out placeholders
     unless ``scores``); ``V`` and ``save_x`` are unused.
+
+    ``head_major`` (experimental, ``FLASHQLA_TILELANG_INTRA_ORDER=head``): the grid is ``(Hv, NC)``, so CTAs
+    launched together share their chunk and walk the value heads: the ``ratio`` heads of a query/key head
+    read the same k tile (an L2 hit after the first) and the gate / beta rows of one chunk are read
+    together.  The default ``(NC, Hv)`` puts consecutive chunks of one head side by side.
 
     ``scores`` (with ``tb_only``; the ws recurrence's ``pscores`` option): the CTA also loads the q tile and
     writes the masked, decayed scores ``P[r, j] = (q k^T)[r, j] nq_r nk_j exp(G_r - G_j)`` (``j <= r``, else 0)
@@ -234,6 +239,13 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             invert(A_s, X_s)
         return prologue
 
+    def grid():
+        return (Hv, NC) if head_major else (NC, Hv)
+
+    def order(bx):
+        # (chunk, value head) from the block indices
+        return (bx[1], bx[0]) if head_major else (bx[0], bx[1])
+
     prologue_wu = make_prologue(True)
     prologue_tb = make_prologue(False)
     prologue_tbs = make_prologue(False, True)
@@ -252,7 +264,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         X_out: T.Tensor((XN, XH, C, C), acc),
         ratio: T.int32,
     ):
-        with T.Kernel(NC, Hv, threads=threads) as (c, h):
+        with T.Kernel(*grid(), threads=threads) as bx:
+            c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             v_s = T.alloc_shared((C, V), dtype)
             g_s = T.alloc_shared((C,), acc)
@@ -310,7 +323,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         G_out: T.Tensor((NC, Hv, C), acc),
         ratio: T.int32,
     ):
-        with T.Kernel(NC, Hv, threads=threads) as (c, h):
+        with T.Kernel(*grid(), threads=threads) as bx:
+            c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)

@@ -86,18 +86,29 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def intra_head_major() -> bool:
+    """Stage 1's grid order: ``FLASHQLA_TILELANG_INTRA_ORDER=head`` launches the value heads of one chunk
+    together (``build_intra(head_major=True)``, experimental, not measured yet); ``chunk`` (default) the
+    chunks of one head."""
+    return _env_choice("FLASHQLA_TILELANG_INTRA_ORDER", ("chunk", "head"), "chunk") == "head"
+
+
 def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
-    return get_kernel("fwd_intra_sm90", build_intra,
-                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm), bool(save_x)))
+    key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm), bool(save_x))
+    if intra_head_major():       # (trailing flags only when set: the default keys stay as they were)
+        key = key + (False, False, True)
+    return get_kernel("fwd_intra_sm90", build_intra, key)
 
 
 def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False):
     """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), False, True)
-    if scores:
-        return get_kernel("fwd_intra_tbs_sm90", build_intra, key + (True,))
-    return get_kernel("fwd_intra_tb_sm90", build_intra, key)
+    if intra_head_major():
+        key = key + (bool(scores), True)
+    elif scores:
+        key = key + (True,)
+    return get_kernel("fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90", build_intra, key)
 
 
 def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
