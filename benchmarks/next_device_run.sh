@@ -145,7 +145,17 @@ case "$STEP" in
     TAIL=20 run_step "stage 1 grid order sweep" 150 python benchmarks/sweep_variants.py --backend tilelang \
         --mode fwd --rows 16/64:4x8192,16/32:4x8192,16/64:1x32768,8/32:8x1024,2/8:1x32768 \
         --out $OUT/sweep_intra_order.json --variants "default;FLASHQLA_TILELANG_INTRA_ORDER=head" ;;
+  bwdbench)
+    # the backward grid (#4: FlashQLA's, 16/32 .. 2/4 x 8k/32k x 1..8 sequences), plain tilelang and tilelang with
+    # windowed CP (session 7: the backward's first CP pass runs over leading windows), against FlashQLA.  Its
+    # backward kernels compile on first use: warm them for these heads first.  BWD_FILTER picks rows.
+    TAIL=10 run_step "flashqla bwd warm-up" 300 python benchmarks/warm_flashqla_cache.py \
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --with-backward
+    save_kcache
+    TAIL=45 run_step "flashqla-bwd: tilelang, windowed CP, FlashQLA" 420 python -m flashqla bench \
+        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends tilelang,tilelang@cpw \
+        --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
