@@ -5,7 +5,10 @@ strong-decay heads (-exp(A_log) * softplus(x), A_log up to log 16), varlen with 
 length-0/1 sequences, several split sequences of different segment counts, GVA, the fused L2 norm, h0 and
 the final state on and off; the three ways of computing the segment maps M (fused into the backend's
 first pass, a separate backend pass, torch ops) against each other and against ``transition_matrices``;
-no host sync on a warm call; on a GPU, CUDA-graph capture of forward + backward.  Backends: "reference"
+no host sync on a warm call (but the one read of the window lengths when windows are taken); windows
+(negligible segment maps skipped, forward and backward) against the oracle and windows="off", their norm
+bound against the true token maps, random cases (hypothesis); on a GPU, CUDA-graph capture of forward +
+backward.  Backends: "reference"
 always, "cpu" when built.  Outputs are poisoned with NaN.
 """
 
@@ -19,6 +22,8 @@ import textwrap
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
 import flashqla
@@ -593,6 +598,45 @@ def test_window_maps_are_below_the_threshold(monkeypatch):
         half = [(s + (L - (L // 128) * 64 if name == "trail" else 0), (L // 128) * 64) for s, L in win]
         Mh = transition_matrices(x["k"], x["g"], x["beta"], half)
         assert (torch.linalg.matrix_norm(Mh, ord=2).amax(-1) > math.exp(-20.0) * 1e-3).any(), name
+
+
+@st.composite
+def _cp_window_cases(draw):
+    seqlens = tuple(draw(st.lists(st.sampled_from([0, 1, 63, 130, 700, 1500]), min_size=1, max_size=4)))
+    if max(seqlens) < 700:
+        seqlens = seqlens + (1500,)
+    hqk = draw(st.sampled_from([1, 2]))
+    case = Case("hyp_cpw", hqk, hqk * draw(st.sampled_from([1, 2])), 16, 16, seqlens=seqlens,
+                h0=draw(st.booleans()), ht=draw(st.booleans()), l2norm=draw(st.booleans()),
+                gate=draw(st.sampled_from(["logsigmoid", "strong", "zero"])))
+    segments = [draw(st.integers(1, 4)) for _ in seqlens]
+    return case, segments, draw(st.sampled_from(["none", "late", "mixed"])), draw(st.booleans())
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(args=_cp_window_cases(), seed=st.integers(0, 2**16))
+def test_random_cp_with_windows_matches_oracle(args, seed):
+    """Random varlen partitions, segment counts, gates (decaying, g = 0, g = 0 then decaying, a g = 0 head),
+    flags, with and without gradients: CP with windows matches the float64 oracle."""
+    case, segments, gate_edit, grads = args
+    x = make_inputs(case, torch.float32, seed=seed)
+    if gate_edit == "late":
+        x = _late_decay(x)
+    elif gate_edit == "mixed":
+        x = _mixed_gate(x, case)
+    backend = "cpu" if get_backend("cpu").available()[0] else "reference"
+    if grads:
+        res = _run(chunk_gated_delta_rule_cp, case, x, backend=backend, segments=segments)
+        _compare(res, oracle(case, x), TOL, f"{case} {segments} {gate_edit}")
+        return
+    ref = oracle(case, x, grads=False)
+    with torch.no_grad(), poisoned_outputs("cpu"):
+        o, ht = chunk_gated_delta_rule_cp(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                          output_final_state=case.ht, use_qk_l2norm_in_kernel=case.l2norm,
+                                          cu_seqlens=x["cu_seqlens"], backend=backend, segments=segments)
+    assert rel_l2(o, ref["o"]) <= TOL
+    if case.ht:
+        assert rel_l2(ht, ref["ht"]) <= TOL
 
 
 # ------------------------------------------------------------------------------------------------------
