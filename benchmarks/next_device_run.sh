@@ -137,7 +137,11 @@ case "$STEP" in
     TAIL=8 run_step "CP GPU tests" 200 $PYT tests/test_cp.py -k "windows"
     TAIL=40 run_step "CP rows: plain, windowed CP, FlashQLA" 330 python -m flashqla bench --preset qwen35-fwd \
         --no-progress --filter "1x32768|28672+4096|1x8192" --backends tilelang,tilelang@cpw \
-        --baselines flashqla --out $OUT/cpw ;;
+        --baselines flashqla --out $OUT/cpw
+    # slowly decaying gates (x 0.01): no window is negligible, CP runs its fixed structure (the honest worst case)
+    TAIL=8 run_step "CP rows, slow gates" 120 python -m flashqla bench --preset qwen35-fwd --no-progress \
+        --filter "2/8 1x32768|16/32 1x32768" --g-scale 0.01 --backends tilelang,tilelang@cpw \
+        --baselines flashqla --out $OUT/cpw_slow ;;
   intraorder)
     # stage 1 launched head-major (the value heads of one chunk together: k tiles shared in L2 by the GVA
     # heads), session 7, not measured yet; tests first (#4)

@@ -459,6 +459,7 @@ def _metadata(args, device, dtype, preset, mode, impls, ceil) -> dict:
     return {
         "preset": preset.name, "mode": mode, "about": preset.about, "dtype": str(dtype).replace("torch.", ""),
         "K": 128, "V": 128, "g_dtype": "float32", "beta_dtype": str(dtype).replace("torch.", ""),
+        "g": f"logsigmoid(randn) x {getattr(args, 'g_scale', 1.0)}",
         "device": dev, "torch": torch.__version__, "flashqla": flashqla.__version__,
         "python": platform.python_version(),
         "impls": [{"name": im.name, "kind": im.kind, "version": im.version, "skipped": im.skip_reason}
@@ -474,11 +475,11 @@ def _metadata(args, device, dtype, preset, mode, impls, ceil) -> dict:
     }
 
 
-def _inputs_for(row, dtype, device, mode, seed, shared=None):
+def _inputs_for(row, dtype, device, mode, seed, shared=None, g_scale: float = 1.0):
     """One input copy.  Copies of a row share one cu_seqlens tensor and one VarlenMeta: caches keyed on
     the cu_seqlens object (FLA's chunk-index cache) then hit on every copy, also during graph capture."""
     import flashqla
-    x = make_inputs(row.seqlens, row.Hqk, row.Hv, dtype=dtype, device=device, seed=seed)
+    x = make_inputs(row.seqlens, row.Hqk, row.Hv, dtype=dtype, device=device, seed=seed, g_scale=g_scale)
     if shared is not None:
         x["cu_seqlens"], x["meta"] = shared["cu_seqlens"], shared["meta"]
     else:
@@ -502,8 +503,9 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
            "num_seqs": nseq, "flops": flops, "bytes": nbytes, "floor_ms": floor, "rotate": n_rot,
            "results": {}, "speedup": {}}
     try:
-        xs = [_inputs_for(row, dtype, device, mode, seed=1)]
-        xs += [_inputs_for(row, dtype, device, mode, seed=1 + i, shared=xs[0]) for i in range(1, n_rot)]
+        gs = getattr(args, "g_scale", 1.0)
+        xs = [_inputs_for(row, dtype, device, mode, seed=1, g_scale=gs)]
+        xs += [_inputs_for(row, dtype, device, mode, seed=1 + i, shared=xs[0], g_scale=gs) for i in range(1, n_rot)]
     except Exception as exc:  # e.g. out of memory: the whole row fails, the run goes on
         for im in runnable:
             rec["results"][im.name] = {"status": "error", "error": f"inputs: {type(exc).__name__}: {exc}"}
@@ -775,6 +777,9 @@ def add_parser(sub) -> None:
     p.add_argument("--min-time", type=float, default=None, help="seconds of timing per (row, impl)")
     p.add_argument("--max-reps", type=int, default=None)
     p.add_argument("--no-graph", action="store_true", help="time eager calls, no CUDA graph")
+    p.add_argument("--g-scale", type=float, default=1.0,
+                   help="gates g = logsigmoid(randn) x this (default 1; e.g. 0.01 for slowly decaying heads, "
+                        "where windowed CP finds no negligible map and runs its fixed structure)")
     p.add_argument("--no-rotate", action="store_true", help="do not rotate input copies through L2")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
