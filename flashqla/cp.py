@@ -947,6 +947,8 @@ class _Program:
         m_run = [lp for lp in m_list if wchunks(*lp) == 0]
         self.m_put = None if len(m_run) == len(m_list) else \
             _Idx([i for i, lp in enumerate(m_pm) if wchunks(*lp) == 0], upload)
+        # every M negligible: the scans are copies (start[p + 1] = S_local[p], dS_end[p - 1] = dh0_local[p])
+        self.m_zero = bool(m_list) and not m_run
 
         def gathered(seqs, zero_seq, eye_seq, h0_pairs, take, v_cols_k=False):
             ps = _Pass()
@@ -1009,6 +1011,8 @@ class _Program:
         else:
             self.map_zero_start = self.map_zero_end = self.map_cat
         self.dloc = _Idx([seg(l, p) for p in range(1, nmax) for l in range(cnt[p])], upload)
+        self.dloc_dst = _Idx([off[p - 1] + l for p in range(1, nmax) for l in range(cnt[p])], upload) \
+            if self.m_zero else None
         # leading windows (backward): per dloc row (p >= 1, scan order) the first chunks of its segment, whose
         # dh0 with a zero end cotangent is the segment's (see _boundary_windows); None: a full backward pass
         self.lead = None
@@ -1132,7 +1136,10 @@ class _CPFunction(torch.autograd.Function):
         else:
             starts[:C].zero_()
         starts[off[1]:off[1] + cnt[1]] = S[:cnt[1]]
-        for p in range(1, prog.nmax - 1):
+        if prog.m_zero:
+            # (windows: every M is negligible, so start[p + 1] = S_local[p]; blocks 1.. of starts hold S's rows)
+            starts[off[2]:off[2] + prog.NS - cnt[1]] = S[cnt[1]:]
+        for p in range(1, 1 if prog.m_zero else prog.nmax - 1):
             a = cnt[p + 1]
             _bmm_into(starts[off[p + 1]:off[p + 1] + a], S[soff[p]:soff[p] + a],
                       M[moff[p]:moff[p] + a].reshape(-1, K, K), starts[off[p]:off[p] + a])
@@ -1188,7 +1195,9 @@ class _CPFunction(torch.autograd.Function):
             dS[prog.term.sl].zero_()
         else:
             dS.index_fill_(0, prog.term.t, 0.0)
-        for p in range(prog.nmax - 1, 0, -1):
+        if prog.m_zero:
+            prog.dloc_dst.put(dS, dloc)       # every M negligible: dS_end[p - 1] = dh0_local[p]
+        for p in range(0 if prog.m_zero else prog.nmax - 1, 0, -1):
             c = cnt[p]
             _bmm_into(dS[off[p - 1]:off[p - 1] + c], dloc[off[p] - C:off[p] - C + c],
                       M[moff[p]:moff[p] + c].reshape(-1, K, K).transpose(-1, -2), dS[off[p]:off[p] + c])
