@@ -141,7 +141,10 @@ case "$STEP" in
     # slowly decaying gates (x 0.01): no window is negligible, CP runs its fixed structure (the honest worst case)
     TAIL=8 run_step "CP rows, slow gates" 120 python -m flashqla bench --preset qwen35-fwd --no-progress \
         --filter "2/8 1x32768|16/32 1x32768" --g-scale 0.01 --backends tilelang,tilelang@cpw \
-        --baselines flashqla --out $OUT/cpw_slow ;;
+        --baselines flashqla --out $OUT/cpw_slow
+    # triton: its automatic CP is declined (the fixed structure measured slower, session 4); with windows?
+    TAIL=8 run_step "triton CP rows with windows" 120 python -m flashqla bench --preset qwen35-fwd --no-progress \
+        --filter "2/8 1x32768|8/32 1x32768" --backends triton,triton@cpw8 --baselines fla --out $OUT/cpw_triton ;;
   intraorder)
     # stage 1 launched head-major (the value heads of one chunk together: k tiles shared in L2 by the GVA
     # heads), session 7, not measured yet; tests first (#4)
