@@ -500,51 +500,55 @@ def _window_rows(seq_start, seq_segs, last: bool = False):
     return rows, ranges
 
 
-def _window_chunks(ell: torch.Tensor, ranges, from_end: bool) -> torch.Tensor:
-    """Per token range (on the device): the fewest chunks at its end (``from_end``) or start whose summed
-    log bounds ``ell`` (``[T + 1, Hv]``, last row zero) are under the threshold for every head, 0 if none."""
+# The longest window looked for, in chunks: only these tokens at each end of a segment are read (a
+# longer window means gates that decay slowly, where the fixed structure costs little more).
+MAX_WINDOW_CHUNKS = 32
+
+
+def _window_index(ends, T: int, upload):
+    """Token indices of the last (``from_end``: backwards from the end) or first MAX_WINDOW_CHUNKS chunks of
+    each range, -1 past its other end; ``ends`` = ((a, b, from_end), ...)."""
     C = CHUNK_SIZE
-    T = ell.shape[0] - 1
-    nmax = max(-(-(b - a) // C) for a, b in ranges)
-
-    def build(up):
-        # token indices from the range's end backwards (or its start forwards), padded with T (no decay)
-        idx = torch.full((len(ranges), nmax * C), T, dtype=torch.int64)
-        for r, (a, b) in enumerate(ranges):
-            idx[r, :b - a] = torch.arange(b - 1, a - 1, -1) if from_end else torch.arange(a, b)
-        return up(idx.reshape(-1), torch.int64)
-
-    idx = _device_cached(("cpwin", tuple(ranges), T, from_end), ell.device, build)
-    cum = ell.index_select(0, idx).reshape(len(ranges), nmax, C, -1).sum(2).cumsum(1).amax(-1)
-    ok = cum <= NEGLIGIBLE_LOG_BOUND
-    return torch.where(ok.any(1), ok.int().argmax(1) + 1, torch.zeros_like(ok[:, 0], dtype=torch.int64))
+    n = min(MAX_WINDOW_CHUNKS, max(-(-(b - a) // C) for a, b, _ in ends))
+    idx = torch.full((len(ends), n * C), -1, dtype=torch.int64)
+    for r, (a, b, from_end) in enumerate(ends):
+        m = min(b - a, n * C)
+        idx[r, :m] = torch.arange(b - 1, b - 1 - m, -1) if from_end else torch.arange(a, a + m)
+    return n, upload(idx.reshape(-1), torch.int64)
 
 
 def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading: bool = False):
     """Window lengths in chunks (0: none) of the split sequences' segments, ``_window_rows(..., last=True)``
-    order.  ``trail[(n, p)]``: the fewest trailing chunks of segment p whose map is under
-    ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, rounded up to a power of two and capped at the
-    segment.  Then the segment's true end state equals, to fp32 rounding, that window's end state from a zero
-    start, and its M (forward scan) and M^T (backward scan) are negligible.  ``lead[(n, p)]`` (``leading``,
-    p >= 1): the same from the segment's start; then the segment's dh0 with a zero end cotangent comes from
-    that window alone.
+    order.  ``trail[(n, p)]``: the fewest trailing chunks of segment p (at most MAX_WINDOW_CHUNKS) whose map
+    is under ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, rounded up to a power of two and capped at
+    the segment.  Then the segment's true end state equals, to fp32 rounding, that window's end state from a
+    zero start, and its M (forward scan) and M^T (backward scan) are negligible.  ``lead[(n, p)]``
+    (``leading``, p >= 1): the same from the segment's start; then the segment's dh0 with a zero end
+    cotangent comes from that window alone.
 
-    Computed on the device; ONE device->host copy of a few integers (the pass structure depends on it), so a
-    call with windows is not CUDA-graph capturable (under capture the op runs the fixed structure)."""
+    Computed on the device over those end tokens only; ONE device->host copy of a few integers (the pass
+    structure depends on it), so a call with windows is not CUDA-graph capturable (under capture the op runs
+    the fixed structure)."""
     rows, ranges = _window_rows(seq_start, seq_segs, last=True)
     if not rows:
         return {}, {}
-    ell = _token_log_bound(k, g, beta, use_qk_l2norm)
-    ell = torch.cat([ell, ell.new_zeros(1, ell.shape[1])])
-    parts = [_window_chunks(ell, ranges, True)]
     lead_rows = [(r, rg) for r, rg in zip(rows, ranges) if r[1] >= 1] if leading else []
-    if lead_rows:
-        parts.append(_window_chunks(ell, [rg for _, rg in lead_rows], False))
-    counts = torch.cat(parts).tolist()         # the one host read
+    ends = tuple((a, b, True) for a, b in ranges) + tuple((a, b, False) for _, (a, b) in lead_rows)
+    C = CHUNK_SIZE
+    n, idx = _device_cached(("cpwin", ends, MAX_WINDOW_CHUNKS), g.device,
+                            lambda up: _window_index(ends, g.shape[1], up))
+    valid = idx >= 0
+    at = idx.clamp(min=0)
+    ell = _token_log_bound(k[:, at], g[:, at], beta[:, at], use_qk_l2norm)       # [len(ends) * n * C, Hv]
+    ell = torch.where(valid[:, None], ell, torch.zeros((), dtype=ell.dtype, device=ell.device))
+    cum = ell.reshape(len(ends), n, C, -1).sum(2).cumsum(1).amax(-1)
+    ok = cum <= NEGLIGIBLE_LOG_BOUND
+    first = torch.where(ok.any(1), ok.int().argmax(1) + 1, torch.zeros_like(ok[:, 0], dtype=torch.int64))
+    counts = first.tolist()                    # the one host read
 
     def rounded(w, rg):
-        n = -(-(rg[1] - rg[0]) // CHUNK_SIZE)
-        return 0 if w == 0 else min(n, 1 << (int(w) - 1).bit_length())
+        nc = -(-(rg[1] - rg[0]) // C)
+        return 0 if w == 0 else min(nc, 1 << (int(w) - 1).bit_length())
 
     trail = {r: rounded(w, rg) for r, rg, w in zip(rows, ranges, counts)}
     lead = {r: rounded(w, rg) for (r, rg), w in zip(lead_rows, counts[len(rows):])}
