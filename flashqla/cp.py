@@ -84,6 +84,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .cp_bounds import chunk_bound_sums
 from .dispatch.registry import FwdInputs, select
 from .reference import CHUNK_SIZE, l2norm
 from .validation import validate
@@ -469,23 +470,6 @@ NEGLIGIBLE_LOG_BOUND = -150.0
 _WINDOW_MODES = ("auto", "off")
 
 
-def _token_log_bound(k, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
-    """[T, Hv] fp32: per token and value head an upper bound of log ||exp(g) (I - beta k k^T)||_2.
-
-    The eigenvalues of I - beta k k^T are 1 and 1 - beta ||k||^2, so the norm is max(1, |1 - beta ||k||^2|);
-    a 2% slack on beta ||k||^2 covers the kernels' rounding of k (bf16, or its L2 norm, ~2^-8)."""
-    g0, b0 = g[0].float(), beta[0].float()
-    Hv, Hqk = g0.shape[1], k.shape[2]
-    if use_qk_l2norm:
-        kap = torch.ones((), dtype=torch.float32, device=g0.device)
-    else:
-        kap = k[0].float().square().sum(-1)
-        if Hv != Hqk:
-            kap = kap.repeat_interleave(Hv // Hqk, dim=1)
-    f = (1.0 - b0 * kap).abs() + 0.02 * (b0 * kap).abs()
-    return g0 + torch.log(torch.clamp(f, min=1.0))
-
-
 def _window_rows(seq_start, seq_segs, last: bool = False):
     """(sequence, position) of every non-last segment of the split sequences (``last``: every segment of
     them), and their token ranges."""
@@ -537,11 +521,7 @@ def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, lead
     C = CHUNK_SIZE
     n, idx = _device_cached(("cpwin", ends, MAX_WINDOW_CHUNKS), g.device,
                             lambda up: _window_index(ends, g.shape[1], up))
-    valid = idx >= 0
-    at = idx.clamp(min=0)
-    ell = _token_log_bound(k[:, at], g[:, at], beta[:, at], use_qk_l2norm)       # [len(ends) * n * C, Hv]
-    ell = torch.where(valid[:, None], ell, torch.zeros((), dtype=ell.dtype, device=ell.device))
-    cum = ell.reshape(len(ends), n, C, -1).sum(2).cumsum(1).amax(-1)
+    cum = chunk_bound_sums(k, g, beta, idx, n, use_qk_l2norm).cumsum(1).amax(-1)    # [len(ends), n]
     ok = cum <= NEGLIGIBLE_LOG_BOUND
     first = torch.where(ok.any(1), ok.int().argmax(1) + 1, torch.zeros_like(ok[:, 0], dtype=torch.int64))
     counts = first.tolist()                    # the one host read

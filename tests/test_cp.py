@@ -18,6 +18,7 @@ import ast
 import functools
 import inspect
 import math
+import os
 import textwrap
 
 import pytest
@@ -28,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 
 import flashqla
 import flashqla.cp as cpmod
+from flashqla.cp_bounds import chunk_bound_sums, chunk_bound_sums_ref, token_log_bound
 from flashqla.cp import (CPCostModel, CPPlan, chunk_gated_delta_rule_cp, cp_plan, segment_plan, split_even,
                          transition_matrices)
 from flashqla.dispatch import fake_device, get_backend
@@ -568,13 +570,35 @@ def test_token_log_bound_bounds_the_token_map(l2norm):
                                                                                     dtype=torch.float64) * 2
     g = torch.randn(1, T, Hv, generator=gen, dtype=torch.float64)
     beta = torch.rand(1, T, Hv, generator=gen, dtype=torch.float64) * 4 - 1
-    bound = cpmod._token_log_bound(k, g, beta, l2norm)
+    bound = token_log_bound(k, g, beta, l2norm)
     kk = cpmod.l2norm(k) if l2norm else k
     kk = kk[0].repeat_interleave(Hv // Hqk, dim=1)                       # [T, Hv, K]
     A = torch.eye(K, dtype=torch.float64) - beta[0][..., None, None] * kk[..., :, None] * kk[..., None, :]
     actual = g[0] + torch.log(torch.linalg.matrix_norm(A, ord=2))
     assert (actual <= bound.double() + 1e-6).all(), float((actual - bound).max())
     assert (bound - actual).max() < 1.0       # and not vacuous
+
+
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("l2norm,ratio,dt", [(False, 2, torch.bfloat16), (True, 1, torch.float32),
+                                               (False, 4, torch.float16)])
+def test_chunk_bound_kernel_matches_torch(dev, l2norm, ratio, dt):
+    """The one-launch Triton kernel of the per-chunk bound sums (the interpreter on the CPU, compiled on a GPU)
+    against the torch ops, with padded (-1) tokens, forward and backward token orders and GVA."""
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU run needs the Triton interpreter (TRITON_INTERPRET=1, set on GPU-less machines)")
+    gen = torch.Generator().manual_seed(3)
+    T, Hqk, K = 300, 2, 32
+    Hv = Hqk * ratio
+    k = (torch.randn(1, T, Hqk, K, generator=gen) * 0.5).to(dt).to(dev)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen)).to(dev)
+    beta = (torch.rand(1, T, Hv, generator=gen) * 2).to(dt).to(dev)
+    ends = ((0, 150, True), (150, 300, False), (10, 40, True))
+    n, idx = cpmod._window_index(ends, T, lambda v, d: v.to(d).to(dev))
+    got = chunk_bound_sums(k, g, beta, idx, n, l2norm, force_kernel=True)
+    want = chunk_bound_sums_ref(k, g, beta, idx, n, l2norm)
+    assert got.shape == want.shape == (3, n, Hv)
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
 
 
 def test_window_maps_are_below_the_threshold(monkeypatch):

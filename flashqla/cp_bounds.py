@@ -1,0 +1,116 @@
+"""The decay bound behind CP windows (:mod:`flashqla.cp`): per chunk and value head, the sum over its tokens
+of ``log ||exp(g_t) (I - beta_t k_t k_t^T)||_2``'s upper bound.
+
+Grid (Triton, CUDA): ``(ends, chunks)``, one program per 64-token chunk of a window candidate; it gathers
+the chunk's tokens through ``idx`` (-1: padding, bound 0), reads g and beta ``[C, Hv]`` and, without the
+fused L2 norm, ``||k||^2`` of each query/key head ``[C, K]``, and writes ``[Hv]`` sums.  One launch
+replaces the ~20 small torch ops of the same computation: a windowed CP call reads its windows on the host,
+so every launch before that read is latency the GPU waits through.  On the CPU: the torch ops.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK = 64
+
+
+def token_log_bound(k, g, beta, use_qk_l2norm: bool) -> torch.Tensor:
+    """[T, Hv] fp32 for packed ``k [1, T, Hqk, K]``, ``g`` and ``beta [1, T, Hv]``: per token and value head an
+    upper bound of ``log ||exp(g) (I - beta k k^T)||_2``.
+
+    The eigenvalues of ``I - beta k k^T`` are 1 and ``1 - beta ||k||^2``, so the norm is
+    ``max(1, |1 - beta ||k||^2|)``; a 2% slack on ``beta ||k||^2`` covers the kernels' rounding of k (bf16, or
+    its L2 norm, ~2^-8)."""
+    g0, b0 = g[0].float(), beta[0].float()
+    Hv, Hqk = g0.shape[1], k.shape[2]
+    if use_qk_l2norm:
+        kap = torch.ones((), dtype=torch.float32, device=g0.device)
+    else:
+        kap = k[0].float().square().sum(-1)
+        if Hv != Hqk:
+            kap = kap.repeat_interleave(Hv // Hqk, dim=1)
+    f = (1.0 - b0 * kap).abs() + 0.02 * (b0 * kap).abs()
+    return g0 + torch.log(torch.clamp(f, min=1.0))
+
+
+def chunk_bound_sums_ref(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool) -> torch.Tensor:
+    """``[E, n, Hv]``: per window candidate (``idx`` ``[E * n * 64]`` token indices, -1 padding) and chunk,
+    the summed token bounds.  Torch ops (the CPU path and the kernel's oracle)."""
+    valid = idx >= 0
+    at = idx.clamp(min=0)
+    ell = token_log_bound(k[:, at], g[:, at], beta[:, at], use_qk_l2norm)
+    ell = torch.where(valid[:, None], ell, torch.zeros((), dtype=ell.dtype, device=ell.device))
+    return ell.reshape(-1, n, CHUNK, ell.shape[-1]).sum(2)
+
+
+_KERNEL = None
+
+
+def _kernel():
+    global _KERNEL
+    if _KERNEL is not None:
+        return _KERNEL
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def chunk_bound_kernel(k_ptr, g_ptr, b_ptr, idx_ptr, out_ptr, stride_kt, stride_kh, stride_gt, stride_bt,
+                           Hqk: tl.constexpr, RATIO: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
+                           HV_P: tl.constexpr,
+                           L2: tl.constexpr, C: tl.constexpr):
+        e = tl.program_id(0)
+        j = tl.program_id(1)
+        n = tl.num_programs(1)
+        rows = tl.arange(0, C)
+        tok = tl.load(idx_ptr + (e * n + j) * C + rows)
+        valid = tok >= 0
+        tok = tl.where(valid, tok, 0)
+        hv = tl.arange(0, HV_P)
+        m2 = valid[:, None] & (hv < Hv)[None, :]
+        g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=m2, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=m2, other=0.0).to(tl.float32)
+        if L2:
+            kap = tl.full((C, HV_P), 1.0, tl.float32)
+        else:
+            kap = tl.zeros((C, HV_P), tl.float32)
+            cols = tl.arange(0, K)
+            for hq in range(Hqk):
+                kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :],
+                             mask=valid[:, None], other=0.0).to(tl.float32)
+                sq = tl.sum(kt * kt, axis=1)
+                kap = tl.where((hv // RATIO == hq)[None, :], sq[:, None], kap)
+        bk = b * kap
+        f = tl.abs(1.0 - bk) + 0.02 * tl.abs(bk)
+        ell = g + tl.log(tl.maximum(f, 1.0))
+        ell = tl.where(m2, ell, 0.0)
+        tl.store(out_ptr + (e * n + j) * Hv + hv, tl.sum(ell, axis=0), mask=hv < Hv)
+
+    _KERNEL = chunk_bound_kernel
+    return _KERNEL
+
+
+def chunk_bound_sums(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool,
+                     force_kernel: bool = False) -> torch.Tensor:
+    """:func:`chunk_bound_sums_ref` in one Triton launch on CUDA (``force_kernel``: also elsewhere, for the
+    interpreter tests)."""
+    K = k.shape[-1]
+    if not (k.is_cuda or force_kernel) or K & (K - 1):      # (tl.arange needs a power-of-two K)
+        return chunk_bound_sums_ref(k, g, beta, idx, n, use_qk_l2norm)
+    import triton
+    k0, g0, b0 = k[0], g[0], beta[0]
+    if k0.stride(-1) != 1:
+        k0 = k0.contiguous()
+    if g0.stride(-1) != 1:
+        g0 = g0.contiguous()
+    if b0.stride(-1) != 1:
+        b0 = b0.contiguous()
+    Hqk, Hv = k0.shape[1], g0.shape[1]
+    E = idx.numel() // (n * CHUNK)
+    out = torch.empty(E, n, Hv, dtype=torch.float32, device=g.device)
+    if E == 0:
+        return out
+    _kernel()[(E, n)](k0, g0, b0, idx, out, k0.stride(0), k0.stride(1), g0.stride(0), b0.stride(0),
+                      Hqk=Hqk, RATIO=Hv // Hqk, Hv=Hv, K=K, HV_P=triton.next_power_of_2(Hv),
+                      L2=bool(use_qk_l2norm), C=CHUNK)
+    return out
