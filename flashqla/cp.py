@@ -120,6 +120,9 @@ class CPCostModel:
     pass_overhead    fixed cost of each backend pass (launches, tail of the last wave)
     backward_factor  one backward pass costs this many forward passes
     min_gain         CP is used only when the model predicts at least this relative saving
+    window_host      a windowed call's host time the GPU waits through (the read of the window lengths,
+                     then the launches of phase 1; eager calls only): ~0.4 ms of Python and ~50 launches
+                     measured on the CPU with a stub backend, so about 150 chunk steps (uncalibrated)
     """
 
     slots_per_sm: int = 1
@@ -131,6 +134,7 @@ class CPCostModel:
     pass_overhead: float = 8.0
     backward_factor: float = 2.0
     min_gain: float = 0.15
+    window_host: float = 150.0
 
 
 @dataclass(frozen=True)
@@ -239,7 +243,7 @@ def _model_cost(segments, num_heads, head_dim_k, head_dim_v, sm_count, needs_gra
         first = one_pass(s_rows) + cost.m_cost * m_scale * sum(m_rows) * num_heads / sm
     nmax = max(len(s) for s in chains)
     run = one_pass([_nchunks(x) for s in segments for x in s])
-    fwd = first + max(0, nmax - 2) * cost.scan_step + run
+    fwd = first + max(0, nmax - 2) * cost.scan_step + run + (cost.window_host if windowed else 0.0)
     if windowed:
         # the backward's first pass runs over the leading windows instead of every segment
         lead = one_pass([min(_nchunks(x), WINDOW_GUESS_CHUNKS) for s in chains for x in s[1:]])
