@@ -525,10 +525,10 @@ def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, lead
     C = CHUNK_SIZE
     n, idx = _device_cached(("cpwin", ends, MAX_WINDOW_CHUNKS), g.device,
                             lambda up: _window_index(ends, g.shape[1], up))
-    cum = chunk_bound_sums(k, g, beta, idx, n, use_qk_l2norm).cumsum(1).amax(-1)    # [len(ends), n]
-    ok = cum <= NEGLIGIBLE_LOG_BOUND
-    first = torch.where(ok.any(1), ok.int().argmax(1) + 1, torch.zeros_like(ok[:, 0], dtype=torch.int64))
-    counts = first.tolist()                    # the one host read
+    # [len(ends), n]: the bound of the first j + 1 chunks, the largest over the heads; the one host read
+    cum = chunk_bound_sums(k, g, beta, idx, n, use_qk_l2norm).cumsum(1).amax(-1).tolist()
+    # (NaN compares false: a NaN gate gets no window and runs the fixed structure, as the plain op would)
+    counts = [next((j + 1 for j, c in enumerate(row) if c <= NEGLIGIBLE_LOG_BOUND), 0) for row in cum]
 
     def rounded(w, rg):
         nc = -(-(rg[1] - rg[0]) // C)
