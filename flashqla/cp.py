@@ -493,7 +493,7 @@ def _window_rows(seq_start, seq_segs, last: bool = False):
 MAX_WINDOW_CHUNKS = 32
 
 
-def _window_index(ends, T: int, upload):
+def _window_index(ends, upload):
     """Token indices of the last (``from_end``: backwards from the end) or first MAX_WINDOW_CHUNKS chunks of
     each range, -1 past its other end; ``ends`` = ((a, b, from_end), ...)."""
     C = CHUNK_SIZE
@@ -524,7 +524,7 @@ def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, lead
     ends = tuple((a, b, True) for a, b in ranges) + tuple((a, b, False) for _, (a, b) in lead_rows)
     C = CHUNK_SIZE
     n, idx = _device_cached(("cpwin", ends, MAX_WINDOW_CHUNKS), g.device,
-                            lambda up: _window_index(ends, g.shape[1], up))
+                            lambda up: _window_index(ends, up))
     # [len(ends), n]: the bound of the first j + 1 chunks, the largest over the heads; the one host read
     cum = chunk_bound_sums(k, g, beta, idx, n, use_qk_l2norm).cumsum(1).amax(-1).tolist()
     # (NaN compares false: a NaN gate gets no window and runs the fixed structure, as the plain op would)
