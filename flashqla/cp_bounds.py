@@ -10,6 +10,8 @@ so every launch before that read is latency the GPU waits through.  On the CPU: 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 CHUNK = 64
@@ -44,13 +46,9 @@ def chunk_bound_sums_ref(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: b
     return ell.reshape(-1, n, CHUNK, ell.shape[-1]).sum(2)
 
 
-_KERNEL = None
-
-
+@functools.lru_cache(maxsize=None)
 def _kernel():
-    global _KERNEL
-    if _KERNEL is not None:
-        return _KERNEL
+    # defined on first use: importing triton (and the interpreter switch) waits for a call that needs it
     import triton
     import triton.language as tl
 
@@ -86,8 +84,7 @@ def _kernel():
         ell = tl.where(m2, ell, 0.0)
         tl.store(out_ptr + (e * n + j) * Hv + hv, tl.sum(ell, axis=0), mask=hv < Hv)
 
-    _KERNEL = chunk_bound_kernel
-    return _KERNEL
+    return chunk_bound_kernel
 
 
 def chunk_bound_sums(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool,
