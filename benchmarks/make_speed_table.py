@@ -8,6 +8,13 @@ flashqla backends ordered fastest first, their medians).  Rows of the same shape
 one configuration measured in two runs) keep one: the one that measured the most backends, the first
 given on a tie (dispatch could not reach the others: the nearest row wins, and ties go to the first).  Dispatch uses the nearest row of the call's mode to
 order the backends that row measured (see flashqla/dispatch/registry.py).
+
+``--latest`` (give the files oldest first): per shape, each backend keeps its newest measurement (a later file
+replaces an earlier one's time for the backends it measured) and the order is taken over the merged times; a
+row's ``source`` then names the file behind each backend.  For when backends are re-measured in different
+runs, e.g. tilelang and triton in a new grid after a kernel change, cutlass still from an older run:
+
+    python benchmarks/make_speed_table.py --latest OLD.json ... NEW.json > flashqla/dispatch/speed_table.py
 """
 
 from __future__ import annotations
@@ -35,6 +42,8 @@ def rows_from(path: str):
 
 
 def main(paths):
+    latest = "--latest" in paths
+    paths = [p for p in paths if p != "--latest"]
     table: dict = {}
     kept: dict = {}   # (arch, mode, width, tokens_per_seq) -> index of the kept row in table[arch]
     for p in paths:
@@ -44,7 +53,14 @@ def main(paths):
             shape = (arch, row["mode"], row["width"], row["tokens_per_seq"])
             if shape not in kept:
                 kept[shape] = len(rows)
+                if latest:
+                    row["source"] = {n: row["source"] for n in row["ms"]}
                 rows.append(row)
+            elif latest:
+                old = rows[kept[shape]]
+                ms = {**old["ms"], **row["ms"]}
+                old.update(ms=ms, order=sorted(ms, key=ms.get), row=row["row"],
+                           source={**old["source"], **{n: row["source"] for n in row["ms"]}})
             elif len(row["ms"]) > len(rows[kept[shape]]["ms"]):
                 rows[kept[shape]] = row
     print('"""Measured per-shape order of backends that share an architecture.\n\n'
