@@ -485,6 +485,27 @@ def test_kernels_lower_for_sm90a(kind, args):
         assert src.count(".wait(") >= (7 if kind == "fwd_ws" else 5)
 
 
+def test_v_block_follows_the_longest_sequence():
+    # the recurrence's makespan is its longest walk: 28672 + 4096 tokens picks the V-block of one sequence
+    # (session 7: 8/32 28672+4096 ran at two sequences' BV 64, 1.153 ms, against 1.022 for 1x32768 at BV 32)
+    from flashqla import prepare_varlen
+    from flashqla.backends.tilelang import ops
+    from flashqla.dispatch.device import fake_device
+
+    def bv(seqlens, Hv):
+        cu = torch.tensor([0] + [sum(seqlens[:i + 1]) for i in range(len(seqlens))], dtype=torch.int32)
+        meta = ops.chunk_meta(prepare_varlen(cu), 1, sum(seqlens), torch.device("cpu"))
+        with fake_device("cuda", (9, 0), sm_count=132):
+            return ops.fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, 128, torch.device("cpu")), meta.busy_seqs
+
+    assert bv([32768], 32) == (32, 1.0)
+    b, busy = bv([28672, 4096], 32)
+    assert b == 32 and abs(busy - 32768 / 28672) < 1e-9
+    assert bv([8192] * 4, 32)[0] == 128 and bv([28672, 4096], 64)[0] == 64 and bv([16384] * 2, 64)[0] == 128
+    with fake_device("cuda", (9, 0), sm_count=132):
+        assert ops.fwd_ws_bv(2, 32, 128, torch.device("cpu")) == 64      # equal lengths: as before
+
+
 def test_trace_buffer_selects_the_traced_kernel(monkeypatch):
     # benchmarks/trace_ws.py sets ops.TRACE_BUFFER; the ws kernel key then asks for trace=True, and the
     # buffer is what the launch passes; unset, a placeholder goes in its place
@@ -1107,7 +1128,8 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         first = "fwd_intra_tbs_sm90"
     elif fwd == "fused-auto":
         from flashqla.dispatch.device import fake_device
-        n = case.num_seqs
+        lens = case.seqlens or (case.T,) * case.B
+        n = sum(lens) / max(lens)           # ops.busy_seqs: the walks in flight over the longest one
         with fake_device("cuda", (9, 0)):
             bv = ops.fwd_ws_bv(n, case.Hv, case.V, torch.device("cpu"))
         first = "fwd_intra_tbs_sm90" if ops.fwd_pscores(True, bv, n, case.Hv) else "fwd_intra_tb_sm90"

@@ -149,7 +149,7 @@ def test_launch_choices_follow_the_h200_sweep(monkeypatch):
     from flashqla.backends.triton import ops
     monkeypatch.setattr(ops, "_sm_count", lambda device: 132)
     monkeypatch.delenv("FLASHQLA_TRITON_TUNE", raising=False)
-    geo = lambda n, hv: SimpleNamespace(N=n, Hv=hv, V=128)  # noqa: E731
+    geo = lambda n, hv: SimpleNamespace(N=n, busy=float(n), Hv=hv, V=128)  # noqa: E731
     dev = torch.device("cpu")
     assert not ops.fuse_forward_output(geo(1, 8), dev)        # 32 programs: latency-bound, unfused
     assert not ops.fuse_forward_output(geo(1, 32), dev)       # 128
@@ -159,6 +159,12 @@ def test_launch_choices_follow_the_h200_sweep(monkeypatch):
     assert ops._state_stages(512, 32, dev) == 2 and ops._state_stages(64, 64, dev) == 2
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.fuse=0")
     assert not ops.fuse_forward_output(geo(8, 32), dev)
+    # unequal lengths count the sequences in flight over the longest walk (sum / max), not all of them
+    from flashqla import prepare_varlen
+    cu = torch.tensor([0, 28672, 32768], dtype=torch.int32)
+    real = ops.Geometry(torch.empty(1, 32768, 16, 128), torch.empty(1, 32768, 64, 128), prepare_varlen(cu))
+    assert real.N == 2 and abs(real.busy - 32768 / 28672) < 1e-9
+    assert ops.Geometry(torch.empty(3, 100, 2, 64), torch.empty(3, 100, 4, 64), None).busy == 3.0
 
 
 @pytest.mark.parametrize("mode", ["separate", "fused"])

@@ -44,6 +44,7 @@ class ChunkMeta:
     chunk_indices: torch.Tensor   # int32 [NC, 2]
     num_seqs: int
     num_chunks: int
+    busy_seqs: float = 0.0        # busy_seqs() of a varlen batch (unequal lengths), 0: num_seqs
 
 
 _META_CACHE: dict = {}
@@ -53,7 +54,7 @@ _DUMMIES: dict = {}
 def chunk_meta(varlen, B: int, T: int, device) -> ChunkMeta:
     if varlen is not None:
         return ChunkMeta(varlen.cu_seqlens, varlen.chunk_offsets, varlen.chunk_indices,
-                         varlen.num_seqs, varlen.total_chunks)
+                         varlen.num_seqs, varlen.total_chunks, busy_seqs(varlen))
     key = (B, T, str(device))
     m = _META_CACHE.get(key)
     if m is None:
@@ -173,7 +174,7 @@ def fwd_ws_options() -> tuple:
 _PSCORES_MAX_WALKS = 16
 
 
-def fwd_pscores(fused: bool, BV: int, num_seqs: int, Hv: int) -> bool:
+def fwd_pscores(fused: bool, BV: int, num_seqs: float, Hv: int) -> bool:
     """Whether the fused forward takes its scores from stage 1 (``pscores``) at this V-block and walk count:
     with ``FLASHQLA_TILELANG_WS_OPTS`` set, exactly when it lists pscores; else on at BV 32 with at most
     16 (sequence, head) walks (see ``_PSCORES_MAX_WALKS``)."""
@@ -217,12 +218,27 @@ def fwd_variant() -> str:
     return _env_choice("FLASHQLA_TILELANG_FWD", ("fused", "ws", "serial"), "fused")
 
 
-def fwd_ws_bv(num_seqs: int, Hv: int, V: int, device) -> int:
+def busy_seqs(varlen) -> float:
+    """How many sequences are in flight, on average, over the longest one's walk: ``sum(len) / max(len)``
+    (the sequence count when they are equal; ~1.14 for 28672 + 4096).  The recurrence's makespan is the
+    longest walk; short sequences' walks end early and leave their SMs idle, so they should not push the
+    V-block up.  None (dense, equal lengths): the caller's count."""
+    if varlen is None:
+        return None
+    cu = varlen.cu_seqlens_cpu
+    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    longest = max(lens, default=0)
+    return sum(lens) / longest if longest > 0 else float(len(lens))
+
+
+def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
     """V-block of the warp-specialised recurrence.  The recurrence is a serial walk per (sequence,
     head, V-block): with few of those, split V further so that more SMs walk in parallel (each walk's
     chain gets shorter GEMMs too); with many, keep whole 128-column blocks (q k^T and the w / q / k
     tiles are then loaded and multiplied once per head instead of V / BV times).  Thresholds at 70% and
-    35% of the SMs (one CTA per SM).  ``FLASHQLA_TILELANG_BV`` overrides."""
+    35% of the SMs (one CTA per SM).  ``num_seqs`` may be :func:`busy_seqs` (unequal lengths: the walks
+    in flight over the longest one; the session-7 grid ran 28672+4096 at the V-block of two equal
+    sequences: 8/32 1.153 ms against 1.022 for 1x32768 at BV 32).  ``FLASHQLA_TILELANG_BV`` overrides."""
     forced = os.environ.get("FLASHQLA_TILELANG_BV", "").strip()
     if forced:
         bv = int(forced)
@@ -335,8 +351,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         X = None
         # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
         # runs stage 1 both ways, the V-block loop below picks per block
-        bv = fwd_ws_bv(NS, Hv, V, dev)
-        pscores = fwd_pscores(True, bv, NS, Hv)
+        bv = fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev)
+        pscores = fwd_pscores(True, bv, meta.busy_seqs or NS, Hv)
         meta_ps = {fwd_pscores(True, b, 1, 1) for b in _meta_bvs(NS, Hv, V, dev)}
         for ps in (sorted(meta_ps) if dev.type == "meta" else (pscores,)):
             if ps:
@@ -373,7 +389,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                 fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, ps)(
                     *fwd_args, _trace_arg(dev), scores)
     else:
-        bv = fwd_ws_bv(NS, Hv, V, dev)
+        bv = fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev)
         fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused,
                       fused and pscores)(*fwd_args, _trace_arg(dev), scores)
 
@@ -405,7 +421,7 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         for bv in BWD_WS_BVS:
             bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
     else:
-        bv = min(fwd_ws_bv(NS, Hv, V, dev), BWD_WS_BVS[-1])
+        bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
         bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
 
     dq_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)

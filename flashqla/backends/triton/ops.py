@@ -71,11 +71,16 @@ class Geometry:
         self.varlen = meta is not None
         if meta is not None:
             self.N = meta.num_seqs
+            # sequences in flight, on average, over the longest one's serial walk (sum(len) / max(len)):
+            # what the launch heuristics count, since short sequences' programs finish early
+            lens = [b - a for a, b in zip(meta.cu_seqlens_cpu[:-1], meta.cu_seqlens_cpu[1:])]
+            self.busy = sum(lens) / max(lens) if lens and max(lens) > 0 else float(self.N)
             self.NT = 0                       # unused by varlen kernels
             self.chunks = int(meta.chunk_indices.shape[0])
             self.cu, self.coff, self.cidx = meta.cu_seqlens, meta.chunk_offsets, meta.chunk_indices
         else:
             self.N = B
+            self.busy = float(B)
             self.NT = triton.cdiv(T, CHUNK)
             self.chunks = B * self.NT
             # never dereferenced when IS_VARLEN is False; any device tensor will do
@@ -165,7 +170,7 @@ def _state_bv(geo: Geometry, device) -> int:
     if cfg["bv"]:
         return min(cfg["bv"], geo.V)
     sms = _sm_count(device)
-    if sms and geo.N * geo.Hv * (geo.V // 64) < 2 * sms:
+    if sms and geo.busy * geo.Hv * (geo.V // 64) < 2 * sms:
         return 32
     return 64
 
@@ -259,7 +264,7 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         BV = _state_bv(geo, dev)
         cfg = dict(tune("state"))
         cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
-        cfg["stages"] = cfg["stages"] or _state_stages(geo.N * geo.Hv * triton.cdiv(geo.V, BV), BV, dev)
+        cfg["stages"] = cfg["stages"] or _state_stages(geo.busy * geo.Hv * triton.cdiv(geo.V, BV), BV, dev)
     dummy = u
     launch(chunk_state_fwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
@@ -288,7 +293,7 @@ def fuse_forward_output(geo: Geometry, device) -> bool:
     sms = _sm_count(device)
     if not sms:
         return True
-    return geo.N * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= 2 * sms
+    return geo.busy * geo.Hv * triton.cdiv(geo.V, min(tune("fused")["bv"], geo.V)) >= 2 * sms
 
 
 def output(geo: Geometry, q, k, G, h, vn, scale: float, use_l2: bool, out_dtype):
