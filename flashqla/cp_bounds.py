@@ -107,7 +107,9 @@ def chunk_bound_sums(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool,
     out = torch.empty(E, n, Hv, dtype=torch.float32, device=g.device)
     if E == 0:
         return out
+    hv_p = triton.next_power_of_2(Hv)
+    # (the [64, Hv] fp32 tiles g, beta, ||k||^2 and the bound: more warps past 32 heads keep them in registers)
     _kernel()[(E, n)](k0, g0, b0, idx, out, k0.stride(0), k0.stride(1), g0.stride(0), b0.stride(0),
-                      Hqk=Hqk, RATIO=Hv // Hqk, Hv=Hv, K=K, HV_P=triton.next_power_of_2(Hv),
-                      L2=bool(use_qk_l2norm), C=CHUNK)
+                      Hqk=Hqk, RATIO=Hv // Hqk, Hv=Hv, K=K, HV_P=hv_p, L2=bool(use_qk_l2norm), C=CHUNK,
+                      num_warps=4 if hv_p <= 32 else 8)
     return out
