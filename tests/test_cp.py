@@ -553,6 +553,26 @@ def test_windows_with_gradients(backend, case, segments, leading, monkeypatch):
     _compare(res, off, TOL, "windows vs off")
 
 
+@pytest.mark.parametrize("backend", _backends())
+def test_windows_keep_a_nan_in_its_sequence(backend):
+    """A NaN gate in one sequence: that sequence's windows are refused (NaN compares false) and its outputs go
+    NaN, as in the plain op; every other sequence stays finite and matches the oracle."""
+    case = Case("win_nan", 1, 2, 32, 32, seqlens=(1500, 1200, 900))
+    x = make_inputs(case, torch.float32, seed=9)
+    ref = oracle(case, x, grads=False)
+    x["g"] = x["g"].clone()
+    x["g"][0, 1500 + 600, 1] = float("nan")          # second sequence, second head
+    with torch.no_grad():
+        o, ht = chunk_gated_delta_rule_cp(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"],
+                                          output_final_state=True, cu_seqlens=x["cu_seqlens"], backend=backend,
+                                          segments=[4, 4, 3])
+    a, b = 1500, 2700
+    assert torch.isnan(o[0, a + 600:b, 1]).any() and torch.isnan(ht[1, 1]).any()
+    for lo, hi, n in ((0, a, 0), (b, 3600, 2)):
+        assert torch.isfinite(o[0, lo:hi]).all() and torch.isfinite(ht[n]).all()
+        assert rel_l2(o[0, lo:hi], ref["o"][0, lo:hi]) <= TOL and rel_l2(ht[n], ref["ht"][n]) <= TOL
+
+
 def test_bad_windows_argument():
     case = Case("win_bad", 1, 2, 32, 32, B=1, T=300)
     x = make_inputs(case, torch.float32, seed=5)
