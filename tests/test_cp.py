@@ -529,6 +529,9 @@ GRAD_WINDOW_CASES = [
     (Case("gwin_varlen_gva_l2", 1, 4, 32, 32, seqlens=(1500, 40, 1100), l2norm=True), [5, 1, 3], True),
     (Case("gwin_mixed_heads", 1, 2, 32, 32, B=1, T=1800), 4, False),     # head 0 has g = 0: no window
     (Case("gwin_late_decay_noht", 1, 2, 32, 32, B=1, T=1800, ht=False), 5, True),   # trailing: some
+    # segments that are not whole chunks (a 1-token one has no leading window: the full first pass runs)
+    (Case("gwin_odd_splits", 1, 2, 32, 32, seqlens=(1538, 100)), [[1000, 538], 1], True),
+    (Case("gwin_odd_splits_1tok", 1, 2, 32, 32, seqlens=(1538, 100)), [[37, 700, 1, 800], 2], False),
 ]
 
 
