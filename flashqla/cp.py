@@ -320,9 +320,31 @@ def _default_sm_count(device: torch.device, spec=None) -> int:
     return max(1, torch.get_num_threads())
 
 
+_PLANS: "OrderedDict[Any, CPPlan]" = OrderedDict()     # automatic / per-count plans of recent call shapes
+
+
 def _resolve_plan(segments, seqlens, spec, device, sm_count, cost, min_segment_len, max_segments,
                   windowed: bool = False) -> CPPlan:
     seqlens = tuple(seqlens)
+    if segments is None or (isinstance(segments, int) and not isinstance(segments, bool)):
+        # (the plan is pure host arithmetic on these; a repeated call shape skips it)
+        sm = sm_count if sm_count is not None else _default_sm_count(device, spec)
+        key = (segments, seqlens, spec, spec.K, spec.V, spec.Hv, str(device), sm, cost, min_segment_len,
+               max_segments, windowed)
+        plan = _PLANS.get(key)
+        if plan is None:
+            plan = _resolve_plan_uncached(segments, seqlens, spec, device, sm, cost, min_segment_len,
+                                          max_segments, windowed)
+            _PLANS[key] = plan
+            if len(_PLANS) > _CACHE_MAX:
+                _PLANS.popitem(last=False)
+        return plan
+    return _resolve_plan_uncached(segments, seqlens, spec, device, sm_count, cost, min_segment_len, max_segments,
+                                  windowed)
+
+
+def _resolve_plan_uncached(segments, seqlens, spec, device, sm_count, cost, min_segment_len, max_segments,
+                           windowed: bool = False) -> CPPlan:
     sm = sm_count if sm_count is not None else _default_sm_count(device, spec)
     model_args = (spec.Hv, spec.K, spec.V, sm, spec.needs_grad, cost or CPCostModel())
     how = "kernel" if spec.K == spec.V else "torch"
