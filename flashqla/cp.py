@@ -77,6 +77,7 @@ one ``saved`` (none of ours mutates it) and must not write to their inputs (``q`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -86,6 +87,7 @@ import torch
 
 from .cp_bounds import chunk_bound_sums
 from .dispatch.registry import FwdInputs, select
+from .dispatch.spec import dtype_name
 from .reference import CHUNK_SIZE, l2norm
 from .validation import validate
 from .varlen import VarlenMeta, prepare_varlen
@@ -702,27 +704,51 @@ class _Layout:
         return [(self.seg_cu[s], self.seg_cu[s + 1] - self.seg_cu[s]) for s in self.row_segments()]
 
 
+_SELECTED: dict = {}     # (pass spec, backend request, width, tokens per sequence) -> backend
+
+
 class _Engine:
     """The phases of a segmented call on packed tensors ``[1, T, ...]``, all through one backend name.
 
     ``flashqla.distributed`` drives it row by row (index tensors per call); the single-device op runs the
     capturable :class:`_Program` below."""
 
-    def __init__(self, backend: str, scale: float, use_qk_l2norm: bool, layout: _Layout, state_dtype):
+    def __init__(self, backend: str, scale: float, use_qk_l2norm: bool, layout: _Layout, state_dtype,
+                 base_spec=None):
         self.backend = backend
         self.scale = scale
         self.l2norm = use_qk_l2norm
         self.layout = layout
         self.sd = state_dtype
+        # the caller's validated spec: every pass's inputs are views or gathers of its tensors (same dtypes,
+        # heads, device, flags), so a pass's spec is derived from it instead of validated again, and its
+        # backend choice is remembered per (spec, shape) (host time: a windowed call's passes run after
+        # its host read, while the GPU waits)
+        self.base_spec = base_spec
 
     # -- backend calls --------------------------------------------------------------------------------
     def forward_call(self, q, k, v, g, beta, cu, h0, out_final: bool, needs_grad: bool):
         """One backend forward of a packed varlen batch (``cu``: offsets or a VarlenMeta on q's device);
         returns (o, ht, saved, aux, backend, spec)."""
         meta = cu if isinstance(cu, VarlenMeta) else _make_meta(cu, q.device)
-        spec, scale, meta = validate(q, k, v, g, beta, self.scale, h0, out_final, self.l2norm, None, meta,
-                                     needs_grad=needs_grad)
-        be, _ = select(spec, self.backend)
+        if self.base_spec is None:
+            spec, scale, meta = validate(q, k, v, g, beta, self.scale, h0, out_final, self.l2norm, None, meta,
+                                         needs_grad=needs_grad)
+            be, _ = select(spec, self.backend)
+        else:
+            spec = dataclasses.replace(
+                self.base_spec, state_dtype=None if h0 is None else dtype_name(h0.dtype), varlen=True,
+                has_initial_state=h0 is not None, output_final_state=bool(out_final), needs_grad=bool(needs_grad),
+                batch=1, tokens=q.shape[1], num_seqs=meta.num_seqs)
+            scale = self.scale
+            # (the dispatch order may depend on the shape: width and tokens per sequence are in the key)
+            key = (spec, self.backend, spec.Hv * spec.num_seqs, spec.tokens // max(1, spec.num_seqs))
+            be = _SELECTED.get(key)
+            if be is None:
+                be, _ = select(spec, self.backend)
+                if len(_SELECTED) > _CACHE_MAX:
+                    _SELECTED.clear()
+                _SELECTED[key] = be
         x = FwdInputs(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(),
                       beta=beta.contiguous(), scale=scale,
                       initial_state=None if h0 is None else h0.contiguous(), cu_seqlens=meta.cu_seqlens,
@@ -1353,7 +1379,8 @@ def chunk_gated_delta_rule_cp(
             key = key + (tuple(sorted((win or {}).items())), tuple(sorted((lead_win or {}).items())))
     prog = _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up,
                                                              windows=win, lead=lead_win))
-    eng = _Engine(backend, scale_f, bool(use_qk_l2norm_in_kernel), None, torch.float64 if f64 else torch.float32)
+    eng = _Engine(backend, scale_f, bool(use_qk_l2norm_in_kernel), None, torch.float64 if f64 else torch.float32,
+                  base_spec=spec)
     cfg = _CPConfig(eng, prog, (B, T), bool(output_final_state), spec.needs_grad)
     o, ht = _CPFunction.apply(q, k, v, g, beta, initial_state, cfg)
     return o, (ht if output_final_state else None)
