@@ -79,6 +79,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -704,7 +705,14 @@ class _Layout:
         return [(self.seg_cu[s], self.seg_cu[s + 1] - self.seg_cu[s]) for s in self.row_segments()]
 
 
-_SELECTED: dict = {}     # (pass spec, backend request, width, tokens per sequence) -> backend
+_SELECTED: dict = {}     # (pass spec, backend request, width, tokens per sequence, dispatch state) -> backend
+
+
+def _dispatch_state() -> tuple:
+    from .dispatch import registry as reg
+    return (tuple(reg._REGISTRY.items()), len(reg._RUNTIME_FAILURES), repr(reg._EXTRA_PRIORITIES),
+            os.environ.get("FLASHQLA_BACKEND"), os.environ.get("FLASHQLA_DISABLE"),
+            os.environ.get("FLASHQLA_SPEED_TABLE"))
 
 
 class _Engine:
@@ -741,8 +749,10 @@ class _Engine:
                 has_initial_state=h0 is not None, output_final_state=bool(out_final), needs_grad=bool(needs_grad),
                 batch=1, tokens=q.shape[1], num_seqs=meta.num_seqs)
             scale = self.scale
-            # (the dispatch order may depend on the shape: width and tokens per sequence are in the key)
-            key = (spec, self.backend, spec.Hv * spec.num_seqs, spec.tokens // max(1, spec.num_seqs))
+            # (the dispatch order may depend on the shape: width and tokens per sequence are in the key; and
+            # on the registry, its run-time failure records and the dispatch environment variables)
+            key = (spec, self.backend, spec.Hv * spec.num_seqs, spec.tokens // max(1, spec.num_seqs),
+                   _dispatch_state())
             be = _SELECTED.get(key)
             if be is None:
                 be, _ = select(spec, self.backend)

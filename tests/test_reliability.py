@@ -184,6 +184,7 @@ def test_random_shapes_match_oracle_triton_interpreter(case, seed):
     grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
     for n, gr in zip(("dq", "dk", "dv", "dg", "dbeta"), grads):
         # relative, with a floor: some cases have an exactly zero gradient (dg of a one-token sequence
-        # from a zero state), where the kernels' fp32 rounding (~1e-7) is the whole difference
-        err = (gr.double() - ref[n]).norm().item() / max(ref[n].norm().item(), 1e-3)
+        # from a zero state), where the kernels' fp32 rounding is the whole difference: ~1e-7, and 1.1e-6
+        # with unnormalised K = 64 keys (|dk| ~ 60; hypothesis found T = 1, seed 22684, in session 7)
+        err = (gr.double() - ref[n]).norm().item() / max(ref[n].norm().item(), 1e-2)
         assert err <= 1e-3, (n, err)
