@@ -185,6 +185,12 @@ def fwd_pscores(fused: bool, BV: int, num_seqs: float, Hv: int) -> bool:
     return BV == 32 and num_seqs * Hv <= _PSCORES_MAX_WALKS
 
 
+def _pscores_choices(fused: bool, BV: int) -> list:
+    """Every value :func:`fwd_pscores` can take at this V-block, whatever the walk count (precompile's key
+    enumeration)."""
+    return sorted({fwd_pscores(fused, BV, 1, 1), fwd_pscores(fused, BV, float("inf"), 1)})
+
+
 def fwd_ws_layout(BV: int) -> tuple:
     """(ring slots, Sb / v_new buffers) of the warp-specialised forward at this V-block: the builder's
     choice (what fits shared memory), or ``FLASHQLA_TILELANG_WS="R,nb"`` for experiments."""
@@ -219,12 +225,10 @@ def fwd_variant() -> str:
 
 
 def busy_seqs(varlen) -> float:
-    """How many sequences are in flight, on average, over the longest one's walk: ``sum(len) / max(len)``
-    (the sequence count when they are equal; ~1.14 for 28672 + 4096).  The recurrence's makespan is the
-    longest walk; short sequences' walks end early and leave their SMs idle, so they should not push the
-    V-block up.  None (dense, equal lengths): the caller's count."""
-    if varlen is None:
-        return None
+    """How many sequences of a varlen batch are in flight, on average, over the longest one's walk:
+    ``sum(len) / max(len)`` (the sequence count when they are equal; ~1.14 for 28672 + 4096).  The
+    recurrence's makespan is the longest walk; short sequences' walks end early and leave their SMs idle, so
+    they should not push the V-block up."""
     cu = varlen.cu_seqlens_cpu
     lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
     longest = max(lens, default=0)
@@ -341,6 +345,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
 
     variant = fwd_variant()
     fused = variant == "fused" and not save
+    walk_seqs = meta.busy_seqs or NS
+    bv = fwd_ws_bv(walk_seqs, Hv, V, dev)
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
@@ -350,10 +356,9 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         u = vf
         X = None
         # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
-        # runs stage 1 both ways, the V-block loop below picks per block
-        bv = fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev)
-        pscores = fwd_pscores(True, bv, meta.busy_seqs or NS, Hv)
-        meta_ps = {fwd_pscores(True, b, 1, 1) for b in _meta_bvs(NS, Hv, V, dev)}
+        # runs stage 1 every way a V-block can ask for
+        pscores = fwd_pscores(True, bv, walk_seqs, Hv)
+        meta_ps = {ps for b in _meta_bvs(NS, Hv, V, dev) for ps in _pscores_choices(True, b)}
         for ps in (sorted(meta_ps) if dev.type == "meta" else (pscores,)):
             if ps:
                 scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
@@ -384,14 +389,13 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(*fwd_args)
     elif dev.type == "meta":
         # key enumeration (precompile)
-        for bv in _meta_bvs(NS, Hv, V, dev):
-            for ps in sorted({fwd_pscores(fused, bv, 1, 1), fwd_pscores(fused, bv, NS, Hv)}):
-                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, ps)(
+        for b in _meta_bvs(NS, Hv, V, dev):
+            for ps in _pscores_choices(fused, b):
+                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, b, fused, ps)(
                     *fwd_args, _trace_arg(dev), scores)
     else:
-        bv = fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev)
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused,
-                      fused and pscores)(*fwd_args, _trace_arg(dev), scores)
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores)(
+            *fwd_args, _trace_arg(dev), scores)
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
