@@ -152,7 +152,7 @@ def chunk_gated_delta_rule(
         backend_options: backend-specific switches (documented by each backend).
         context_parallel: exact context parallelism (:mod:`flashqla.cp`): ``False`` (default) off,
             ``"auto"``/``True`` lets the cost model split long sequences, an int forces that many segments.
-            ``explain()`` shows what ``"auto"`` would decide.  An inference forward with CP reads the gates'
+            ``explain()`` shows what ``"auto"`` would decide.  A CP call reads the gates'
             decay bound on the host (one sync) to skip work that cannot change the result in fp32 (windows,
             see :mod:`flashqla.cp`); under CUDA-graph capture it runs the fixed structure instead.
 

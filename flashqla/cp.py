@@ -32,7 +32,7 @@ Forward (``K == V``, the case that must be fast):
 3. ONE backend forward over *all* segments with their true start states: a varlen view of the caller's
    tokens with a finer ``cu_seqlens`` (no gather).  It gives ``o`` and the final states.
 
-Windows (inference forwards, K == V, not under CUDA-graph capture).  ``||M|| <= prod_t exp(g_t)
+Windows (K == V, not under CUDA-graph capture).  ``||M|| <= prod_t exp(g_t)
 max(1, |1 - beta_t ||k_t||^2|)``.  Where that bound over a segment's last few chunks is below
 ``exp(-150)`` for every head, the state entering those chunks cannot reach the segment's end in fp32 (the
 term is under fp32's smallest subnormal for any state of norm below 1e20): the end state is that window's
@@ -268,7 +268,7 @@ def segment_plan(seqlens: Sequence[int], num_heads: int, sm_count: int, *, head_
     ``Hv * num_seqs`` lanes are few against the SMs and sequences are long: then the sequential state scan
     (sequence-long) dominates and segments shorten it.
 
-    ``windowed`` (an inference forward that may take windows, see ``chunk_gated_delta_rule_cp``): the plan
+    ``windowed`` (a call that may take windows, see ``chunk_gated_delta_rule_cp``): the plan
     minimises the windowed cost, among segment lengths whose fixed-structure cost is at most
     ``WINDOWED_FIXED_SLACK`` times the plain call's (the gates may not decay, and then the call runs that
     structure).
@@ -332,8 +332,7 @@ def _resolve_plan(segments, seqlens, spec, device, sm_count, cost, min_segment_l
     if segments is None or (isinstance(segments, int) and not isinstance(segments, bool)):
         # (the plan is pure host arithmetic on these; a repeated call shape skips it)
         sm = sm_count if sm_count is not None else _default_sm_count(device, spec)
-        key = (segments, seqlens, spec, spec.K, spec.V, spec.Hv, str(device), sm, cost, min_segment_len,
-               max_segments, windowed)
+        key = (segments, seqlens, spec, str(device), sm, cost, min_segment_len, max_segments, windowed)
         plan = _PLANS.get(key)
         if plan is None:
             plan = _resolve_plan_uncached(segments, seqlens, spec, device, sm, cost, min_segment_len,
@@ -1348,8 +1347,8 @@ def chunk_gated_delta_rule_cp(
     the fixed pass structure always.
 
     No host sync when the sequence lengths are known on the host (dense inputs, or ``varlen_meta``) and
-    windows are off or not taken (a gradient, or capture); after one call with the same plan (warm-up) the
-    call is CUDA-graph capturable, forward and backward.
+    windows are off or not taken (under capture); after one call with the same plan (warm-up) the call is
+    CUDA-graph capturable, forward and backward.
     """
     spec, scale_f, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
                                    use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta)
@@ -1358,11 +1357,12 @@ def chunk_gated_delta_rule_cp(
     B, T = q.shape[0], q.shape[1]
     plan = None
     declined = None
+    starts: list = []
     if segments is None and B > 0 and T > 0:
         be, _ = select(spec, backend)
         declined = auto_declined(be.name, q.device)
     if B > 0 and T > 0 and declined is None:
-        _, lens = _seq_bounds(B, T, meta)
+        starts, lens = _seq_bounds(B, T, meta)
         plan = _resolve_plan(segments, lens, spec, q.device, sm_count, cost, min_segment_len, max_segments,
                              windowed)
     if plan is None or not plan.enabled:
@@ -1377,7 +1377,6 @@ def chunk_gated_delta_rule_cp(
     if windowed and not _capturing(q.device):
         # the fixed structure is built (not run) as well: a CUDA-graph capture after this warm-up runs it
         _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
-        starts, _ = _seq_bounds(B, T, meta)
         trail, lead = _boundary_windows(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
                                         plan.segments, leading=spec.needs_grad)
         if any(trail.values()):
