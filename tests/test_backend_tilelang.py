@@ -592,6 +592,15 @@ def test_gpu_forward_matches_oracle(case):
 
 
 # every case at the auto V-block (""), four of them at each forced one
+def _gpu_inference_builds(case, monkeypatch, stage1: str, **env):
+    # an inference forward under the environment ``env`` against the oracle; its stage-1 kernel is built
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    from flashqla.backends.tilelang import _compile
+    _gpu_case(case, torch.bfloat16)
+    assert any(name == stage1 for name, _ in _compile.cached_kernels())
+
+
 _FUSED_PARAMS = [pytest.param(c, "", id=f"{c.name}-bvauto") for c in _GPU_FWD_CASES] + [
     pytest.param(c, bv, id=f"{c.name}-bv{bv}") for bv in ("32", "64", "128") for c in _GPU_FWD_CASES
     if c.name in ("dense_h0_ht", "varlen_len1_tail", "varlen_l2norm", "strong_decay")]
@@ -602,12 +611,10 @@ _FUSED_PARAMS = [pytest.param(c, "", id=f"{c.name}-bvauto") for c in _GPU_FWD_CA
 @pytest.mark.parametrize("case,bv", _FUSED_PARAMS)
 def test_gpu_forward_fused_matches_oracle(case, bv, monkeypatch):
     # the fused inference forward (Tb-only stage 1, v_new formed in the recurrence) at every V-block;
-    # run_case's forward needs no gradient, so it takes the fused path
-    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", "fused")
-    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
-    from flashqla.backends.tilelang import _compile
-    _gpu_case(case, torch.bfloat16)
-    assert any(name == "fwd_intra_tb_sm90" for name, _ in _compile.cached_kernels())
+    # run_case's forward needs no gradient, so it takes the fused path.  The options are named: left to
+    # the per-call choice, few walks at BV 32 would take the scores from stage 1 (the next test's form)
+    _gpu_inference_builds(case, monkeypatch, "fwd_intra_tb_sm90", FLASHQLA_TILELANG_FWD="fused",
+                          FLASHQLA_TILELANG_BV=bv, FLASHQLA_TILELANG_WS_OPTS="fastexp,psplit,ostage")
 
 
 @pytest.mark.gpu
@@ -618,11 +625,8 @@ def test_gpu_forward_fused_matches_oracle(case, bv, monkeypatch):
                                                                          "gva_4_16")], ids=lambda c: c.name)
 def test_gpu_forward_pscores_matches_oracle(case, bv, monkeypatch):
     # the scores from stage 1 (pscores), inference forward
-    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,pscores")
-    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
-    from flashqla.backends.tilelang import _compile
-    _gpu_case(case, torch.bfloat16)
-    assert any(name == "fwd_intra_tbs_sm90" for name, _ in _compile.cached_kernels())
+    _gpu_inference_builds(case, monkeypatch, "fwd_intra_tbs_sm90", FLASHQLA_TILELANG_WS_OPTS="fastexp,pscores",
+                          FLASHQLA_TILELANG_BV=bv)
 
 
 @pytest.mark.gpu
@@ -646,6 +650,7 @@ def test_gpu_forward_intra_head_major_matches_oracle(case, monkeypatch):
     # stage 1 launched head-major (FLASHQLA_TILELANG_INTRA_ORDER=head), inference (Tb-only, with and without
     # the scores) and training (w / u) forwards
     monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_ORDER", "head")
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
     _gpu_case(case, torch.bfloat16)
     _gpu_case(case, torch.bfloat16, grads=True)
     monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,pscores,ostage")
