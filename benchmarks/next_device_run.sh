@@ -51,8 +51,13 @@ case "$STEP" in
     TAIL=3 run_step "first call precompiled 4-16" 60 python benchmarks/first_call.py --heads 4/16
     TAIL=3 run_step "first call precompiled again 4-16" 60 python benchmarks/first_call.py --heads 4/16 ;;
   profile)
-    TAIL=80 run_step "profile" 150 python benchmarks/profile_kernels.py --impls ${PROFILE_IMPLS:-triton} \
-        --rows 16/32:1x32768,16/32:4x8192 --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
+    TAIL=${PROFILE_TAIL:-80} run_step "profile" 150 python benchmarks/profile_kernels.py \
+        --impls ${PROFILE_IMPLS:-triton} --rows ${PROFILE_ROWS:-16/32:1x32768,16/32:4x8192} \
+        --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
+  hostprof)
+    # eager host time per call and cProfile's top functions (is an eager call host-bound? where?)
+    TAIL=${HOSTPROF_TAIL:-200} run_step "host profile" 150 python benchmarks/host_profile.py \
+        --impls ${HOSTPROF_IMPLS:-tilelang,tilelang@cpw16} --rows ${HOSTPROF_ROWS:-2/8:1x32768,8/32:1x8192} ;;
   sweep)
     # triton forward: the Tb form of the inference forward (fwd.tb=1, session 6, not measured yet) against the
     # w/u path, with and without the fused output (#3)
@@ -160,7 +165,7 @@ case "$STEP" in
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --with-backward
     save_kcache
     TAIL=45 run_step "flashqla-bwd: tilelang, windowed CP, FlashQLA" 420 python -m flashqla bench \
-        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends tilelang,tilelang@cpw \
+        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
   *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;

@@ -60,19 +60,30 @@ def profile_one(fn, iters: int) -> dict:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    # eager wall time per call: beside the sum of kernel times it says whether the call is host-bound
+    import time
+    t0 = time.perf_counter()
+    for _ in range(max(iters, 20)):
+        fn()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) / max(iters, 20) * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
             fn()
         torch.cuda.synchronize()
     per = defaultdict(float)
     count = defaultdict(int)
+    t_lo, t_hi = float("inf"), 0.0
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             per[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             count[ev.name] += 1
+            t_lo, t_hi = min(t_lo, ev.time_range.start), max(t_hi, ev.time_range.end)
     total = sum(per.values())
     rows = sorted(((k, v / iters / 1e3, count[k] / iters) for k, v in per.items()), key=lambda r: -r[1])
-    return {"total_ms": total / iters / 1e3, "kernels": [{"name": k, "ms": ms, "calls": c} for k, ms, c in rows]}
+    return {"total_ms": total / iters / 1e3, "wall_ms": wall_ms,
+            "gpu_span_ms": (t_hi - t_lo) / iters / 1e3 if t_hi > t_lo else 0.0,
+            "kernels": [{"name": k, "ms": ms, "calls": c} for k, ms, c in rows]}
 
 
 def main(argv=None) -> int:
@@ -100,9 +111,10 @@ def main(argv=None) -> int:
                     r = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
                 r.update(row=row, mode=mode, impl=name)
                 results.append(r)
-                print(f"\n## {row} {mode} {name}: " + (f"{r['total_ms']:.3f} ms (sum of kernels)" if "total_ms" in r
+                print(f"\n## {row} {mode} {name}: " + (f"{r['total_ms']:.3f} ms (sum of kernels), eager wall {r['wall_ms']:.3f} ms, "
+                                                        f"GPU span {r['gpu_span_ms']:.3f} ms" if "total_ms" in r
                                                        else r["error"]))
-                for kk in r.get("kernels", [])[:14]:
+                for kk in r.get("kernels", [])[:int(os.environ.get("PROFILE_TOP", "14"))]:
                     share = 100 * kk["ms"] / r["total_ms"] if r["total_ms"] else 0
                     print(f"   {kk['ms']:8.3f} ms {share:5.1f}%  x{kk['calls']:.0f}  {kk['name'][:110]}")
                 sys.stdout.flush()
