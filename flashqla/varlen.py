@@ -8,6 +8,7 @@ host.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -44,8 +45,9 @@ class VarlenMeta:
     def total_chunks(self) -> int:
         return int(self.chunk_indices.shape[0])
 
-    @property
+    @functools.cached_property
     def max_seqlen(self) -> int:
+        # (cached: read on every call by the launch heuristics, O(N) in Python for N sequences)
         c = self.cu_seqlens_cpu
         return max((c[i + 1] - c[i] for i in range(len(c) - 1)), default=0)
 

@@ -229,10 +229,8 @@ def busy_seqs(varlen) -> float:
     ``sum(len) / max(len)`` (the sequence count when they are equal; ~1.14 for 28672 + 4096).  The
     recurrence's makespan is the longest walk; short sequences' walks end early and leave their SMs idle, so
     they should not push the V-block up."""
-    cu = varlen.cu_seqlens_cpu
-    lens = [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
-    longest = max(lens, default=0)
-    return sum(lens) / longest if longest > 0 else float(len(lens))
+    longest = varlen.max_seqlen
+    return varlen.total_tokens / longest if longest > 0 else float(varlen.num_seqs)
 
 
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
@@ -358,8 +356,11 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
         # runs stage 1 every way a V-block can ask for
         pscores = fwd_pscores(True, bv, walk_seqs, Hv)
-        meta_ps = {ps for b in _meta_bvs(NS, Hv, V, dev) for ps in _pscores_choices(True, b)}
-        for ps in (sorted(meta_ps) if dev.type == "meta" else (pscores,)):
+        if dev.type == "meta":
+            choices = sorted({ps for b in _meta_bvs(NS, Hv, V, dev) for ps in _pscores_choices(True, b)})
+        else:
+            choices = (pscores,)
+        for ps in choices:
             if ps:
                 scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
             q_in = qf if ps else dummy((1, 1, K), dt, dev)

@@ -73,8 +73,8 @@ class Geometry:
             self.N = meta.num_seqs
             # sequences in flight, on average, over the longest one's serial walk (sum(len) / max(len)):
             # what the launch heuristics count, since short sequences' programs finish early
-            lens = [b - a for a, b in zip(meta.cu_seqlens_cpu[:-1], meta.cu_seqlens_cpu[1:])]
-            self.busy = sum(lens) / max(lens) if lens and max(lens) > 0 else float(self.N)
+            longest = meta.max_seqlen
+            self.busy = meta.total_tokens / longest if longest > 0 else float(self.N)
             self.NT = 0                       # unused by varlen kernels
             self.chunks = int(meta.chunk_indices.shape[0])
             self.cu, self.coff, self.cidx = meta.cu_seqlens, meta.chunk_offsets, meta.chunk_indices
