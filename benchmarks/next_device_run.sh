@@ -141,7 +141,7 @@ case "$STEP" in
     # CP (one long sequence), plain tilelang against tilelang with windowed CP, both against FlashQLA (#8, #4)
     TAIL=8 run_step "CP GPU tests" 200 $PYT tests/test_cp.py -k "windows or chunk_bound"
     TAIL=40 run_step "CP rows: plain, windowed CP, FlashQLA" 330 python -m flashqla bench --preset qwen35-fwd \
-        --no-progress --filter "1x32768|28672+4096|1x8192" --backends tilelang,tilelang@cpw,tilelang@cpw16 \
+        --no-progress --filter "${CPW_FILTER:-1x32768|28672+4096|1x8192}" --backends tilelang,tilelang@cpw,tilelang@cpw16 \
         --baselines flashqla --out $OUT/cpw
     # slowly decaying gates (x 0.01): no window is negligible, CP runs its fixed structure (the honest worst case)
     TAIL=8 run_step "CP rows, slow gates" 120 python -m flashqla bench --preset qwen35-fwd --no-progress \

@@ -40,6 +40,13 @@ end state from zero, and M is not needed.  The op reads these window lengths on 
 phase 1 runs the windows and only the M rows that are not negligible.  With decaying gates phase 1 falls
 from about two segments' tokens per boundary to a few chunks; with gates that do not decay (g = 0 heads)
 nothing changes.  The result is the fixed structure's to rounding; ``windows="off"`` turns this off.
+Only the first call of a plan reads the window lengths before it runs.  A read in the middle of the call
+would leave the GPU idle from the moment the queue drains until the host has launched the rest, so a
+repeated call runs with the windows its plan ran with last (kept per plan), computes this call's window
+lengths on the device, copies them to the host behind an event, and checks them after everything is
+launched: the GPU never waits for the host inside the call.  In the rare case the windows do not cover this
+call's gates (a longer window needed, or none exists), the call runs again with the wider configuration
+(the per-row maximum; a row without a window runs in full), which the plan keeps from then on.
 Training calls take them too: M (and M^T in the backward scan) is zero where a segment's trailing window
 is negligible, and where every segment p >= 1 has a leading window (the same bound from its start), the
 backward's first pass (each segment's dh0 with a zero end cotangent) runs a forward and backward of those
@@ -529,30 +536,33 @@ def _window_index(ends, upload):
     return n, upload(idx.reshape(-1), torch.int64)
 
 
-def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading: bool = False):
-    """Window lengths in chunks (0: none) of the split sequences' segments, ``_window_rows(..., last=True)``
-    order.  ``trail[(n, p)]``: the fewest trailing chunks of segment p (at most MAX_WINDOW_CHUNKS) whose map
-    is under ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, rounded up to a power of two and capped at
-    the segment.  Then the segment's true end state equals, to fp32 rounding, that window's end state from a
-    zero start, and its M (forward scan) and M^T (backward scan) are negligible.  ``lead[(n, p)]``
-    (``leading``, p >= 1): the same from the segment's start; then the segment's dh0 with a zero end
-    cotangent comes from that window alone.
-
-    Computed on the device over those end tokens only; ONE device->host copy of a few integers (the pass
-    structure depends on it), so a call with windows is not CUDA-graph capturable (under capture the op runs
-    the fixed structure)."""
+def _window_counts(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading: bool = False):
+    """The device half of :func:`_boundary_windows`: ``(rows, ranges, lead_rows, counts)`` with ``counts`` an
+    int64 device tensor, per trailing row and then per leading row, of the fewest chunks (unrounded) whose
+    bound is under ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, 0 where none of the first
+    MAX_WINDOW_CHUNKS is.  None when no sequence is split.  Nothing is read on the host."""
     rows, ranges = _window_rows(seq_start, seq_segs, last=True)
     if not rows:
-        return {}, {}
+        return None
     lead_rows = [(r, rg) for r, rg in zip(rows, ranges) if r[1] >= 1] if leading else []
     ends = tuple((a, b, True) for a, b in ranges) + tuple((a, b, False) for _, (a, b) in lead_rows)
-    C = CHUNK_SIZE
     n, idx = _device_cached(("cpwin", ends, MAX_WINDOW_CHUNKS), g.device,
                             lambda up: _window_index(ends, up))
-    # [len(ends), n]: the bound of the first j + 1 chunks, the largest over the heads; the one host read
-    cum = chunk_bound_sums(k, g, beta, idx, n, use_qk_l2norm).cumsum(1).amax(-1).tolist()
-    # (NaN compares false: a NaN gate gets no window and runs the fixed structure, as the plain op would)
-    counts = [next((j + 1 for j, c in enumerate(row) if c <= NEGLIGIBLE_LOG_BOUND), 0) for row in cum]
+    # [len(ends), n]: the bound of the first j + 1 chunks, the largest over the heads
+    cum = chunk_bound_sums(k, g, beta, idx, n, use_qk_l2norm).cumsum(1).amax(-1)
+    # (NaN compares false: a NaN gate gets no window and runs the fixed structure, as the plain op would;
+    # argmax gives the first of equal maxima, so this is the first chunk under the bound)
+    below = (cum <= NEGLIGIBLE_LOG_BOUND).to(torch.int32)
+    counts = torch.where(below.amax(1) > 0, below.argmax(1) + 1, torch.zeros((), dtype=torch.int64,
+                                                                          device=cum.device))
+    return rows, ranges, lead_rows, counts
+
+
+def _windows_from_counts(found, counts: Sequence[int]):
+    """The host half of :func:`_boundary_windows`: ``(trail, lead)`` from ``_window_counts``'s result and its
+    counts read on the host."""
+    rows, ranges, lead_rows, _ = found
+    C = CHUNK_SIZE
 
     def rounded(w, rg):
         nc = -(-(rg[1] - rg[0]) // C)
@@ -561,6 +571,92 @@ def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, lead
     trail = {r: rounded(w, rg) for r, rg, w in zip(rows, ranges, counts)}
     lead = {r: rounded(w, rg) for (r, rg), w in zip(lead_rows, counts[len(rows):])}
     return trail, lead
+
+
+def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading: bool = False):
+    """Window lengths in chunks (0: none) of the split sequences' segments, ``_window_rows(..., last=True)``
+    order.  ``trail[(n, p)]``: the fewest trailing chunks of segment p (at most MAX_WINDOW_CHUNKS) whose map
+    is under ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, rounded up to a power of two and capped at
+    the segment.  Then the segment's true end state equals, to fp32 rounding, that window's end state from a
+    zero start, and its M (forward scan) and M^T (backward scan) are negligible.  Any longer window serves
+    too: the state entering the negligible suffix is a true state of the sequence either way.
+    ``lead[(n, p)]`` (``leading``, p >= 1): the same from the segment's start; then the segment's dh0 with a
+    zero end cotangent comes from that window alone.
+
+    Computed on the device over those end tokens only, then ONE device->host copy of a few integers here
+    (the op reads them at the end of a repeated call instead, see the module docstring)."""
+    found = _window_counts(k, g, beta, use_qk_l2norm, seq_start, seq_segs, leading)
+    if found is None:
+        return {}, {}
+    return _read_windows(found)
+
+
+def _read_windows(found) -> tuple:
+    """``(trail, lead)`` of ``_window_counts``'s result, read on the host now (one device->host copy)."""
+    return _windows_from_counts(found, found[3].tolist())
+
+
+# The window configuration each plan ran with last, per (program key, device): the op runs a repeated call
+# with it and checks afterwards (one read at the end of the call, not in the middle; module docstring).
+_WINDOW_MEMO: "OrderedDict[Any, tuple]" = OrderedDict()
+
+
+def clear_window_memo() -> None:
+    """Forget the window configurations of earlier calls (the next call of each plan reads its windows
+    before it runs, as a first call does)."""
+    _WINDOW_MEMO.clear()
+
+
+def _normalise_windows(trail: dict, lead: dict) -> tuple:
+    """(trailing windows or None, leading windows or None) as the program takes them: no trailing window at
+    all is the fixed structure; the leading windows replace a backward pass only when every row has one."""
+    win = trail if any(trail.values()) else None
+    lead_win = lead if lead and all(lead.values()) else None
+    return win, lead_win
+
+
+def _covers(used: tuple, trail: dict, lead: dict) -> bool:
+    """Whether the windows ``used`` (normalised) serve gates whose own windows are ``trail`` / ``lead``: each
+    used window is 0 (that row runs in full) or at least as long as a window that exists."""
+    win, lead_win = used
+    for r, w in (win or {}).items():
+        if w and not (0 < trail.get(r, 0) <= w):
+            return False
+    for r, w in (lead_win or {}).items():
+        if not (0 < lead.get(r, 0) <= w):
+            return False
+    return True
+
+
+def _widen(used: tuple, trail: dict, lead: dict) -> tuple:
+    """The narrowest configuration that covers both ``used`` and these gates' windows: per row the longer
+    window, a row without a window runs in full from then on."""
+    win, lead_win = used
+    old_t = win if win is not None else {r: 0 for r in trail}
+    t = {r: (0 if old_t.get(r, 0) == 0 or trail.get(r, 0) == 0 else max(old_t[r], trail[r])) for r in trail}
+    if lead_win is None or not lead or not all(lead.values()):
+        ld = {}
+    else:
+        ld = {r: max(lead_win.get(r, 0), lead[r]) for r in lead}
+    return _normalise_windows(t, ld)
+
+
+def _start_read(counts: torch.Tensor):
+    """Copy ``counts`` to the host without waiting (pinned memory, an event behind the copy)."""
+    if counts.is_cuda:
+        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        host.copy_(counts, non_blocking=True)
+        ev = torch.cuda.Event()
+        ev.record()
+        return host, ev
+    return counts, None
+
+
+def _finish_read(pending) -> list:
+    host, ev = pending
+    if ev is not None:
+        ev.synchronize()
+    return host.tolist()
 
 
 def _use_windows(windows: str, spec, mode: str) -> bool:
@@ -1343,8 +1439,10 @@ def chunk_gated_delta_rule_cp(
     cannot carry the dropped term; see :func:`_boundary_windows`), its end state comes from its last few
     chunks alone and its M is not computed; with gradients, its dh0 from its first few chunks.  With
     decaying gates phase 1 then shrinks from about two segments' work per boundary to a few chunks, and the
-    backward from two full passes to one.  This reads a few integers on the host (one sync).  ``"off"``:
-    the fixed pass structure always.
+    backward from two full passes to one.  This reads a few integers on the host: before running on a plan's
+    first call, after everything is launched on later calls (which run with the plan's last windows and run
+    again, wider, if this call's gates need more; see the module docstring).  ``"off"``: the fixed pass
+    structure always.
 
     No host sync when the sequence lengths are known on the host (dense inputs, or ``varlen_meta``) and
     windows are off or not taken (under capture); after one call with the same plan (warm-up) the call is
@@ -1373,23 +1471,45 @@ def chunk_gated_delta_rule_cp(
         initial_state is not None and initial_state.dtype == torch.float64)
     has_h0 = initial_state is not None
     key = ("cp", tuple(plan.segments), has_h0, bool(spec.needs_grad), mode)
-    win = lead_win = None
-    if windowed and not _capturing(q.device):
-        # the fixed structure is built (not run) as well: a CUDA-graph capture after this warm-up runs it
-        _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
-        trail, lead = _boundary_windows(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
-                                        plan.segments, leading=spec.needs_grad)
-        if any(trail.values()):
-            win = trail
-        # the leading windows replace a whole backward pass only when every dloc row has one
-        if lead and all(lead.values()):
-            lead_win = lead
-        if win is not None or lead_win is not None:
-            key = key + (tuple(sorted((win or {}).items())), tuple(sorted((lead_win or {}).items())))
-    prog = _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up,
-                                                             windows=win, lead=lead_win))
     eng = _Engine(backend, scale_f, bool(use_qk_l2norm_in_kernel), None, torch.float64 if f64 else torch.float32,
                   base_spec=spec)
-    cfg = _CPConfig(eng, prog, (B, T), bool(output_final_state), spec.needs_grad)
-    o, ht = _CPFunction.apply(q, k, v, g, beta, initial_state, cfg)
+
+    def run(windows: tuple):
+        k2 = key
+        if windows != (None, None):
+            k2 = key + tuple(tuple(sorted((w or {}).items())) for w in windows)
+        prog = _device_cached(k2, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up,
+                                                                windows=windows[0], lead=windows[1]))
+        cfg = _CPConfig(eng, prog, (B, T), bool(output_final_state), spec.needs_grad)
+        return _CPFunction.apply(q, k, v, g, beta, initial_state, cfg)
+
+    if not windowed or _capturing(q.device):
+        o, ht = run((None, None))
+        return o, (ht if output_final_state else None)
+    # the fixed structure is built (not run) as well: a CUDA-graph capture after this warm-up runs it
+    _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
+    found = _window_counts(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
+                           plan.segments, leading=spec.needs_grad)
+    if found is None:
+        o, ht = run((None, None))
+        return o, (ht if output_final_state else None)
+    mkey = (key, str(q.device))
+    used = _WINDOW_MEMO.get(mkey)
+    if used is None:
+        # first call of this plan: read the windows before running
+        used = _normalise_windows(*_read_windows(found))
+        o, ht = run(used)
+    else:
+        # a repeated call: run with the windows the plan ran with last, read these gates'
+        # windows at the end, and run again, wider, in the rare case they do not cover them
+        pending = _start_read(found[3])
+        o, ht = run(used)
+        trail, lead = _windows_from_counts(found, _finish_read(pending))
+        if not _covers(used, trail, lead):
+            used = _widen(used, trail, lead)
+            o, ht = run(used)
+    _WINDOW_MEMO[mkey] = used
+    _WINDOW_MEMO.move_to_end(mkey)
+    if len(_WINDOW_MEMO) > _CACHE_MAX:
+        _WINDOW_MEMO.popitem(last=False)
     return o, (ht if output_final_state else None)

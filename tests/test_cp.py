@@ -49,6 +49,14 @@ def _one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_window_memo():
+    # a plan's first call reads its windows before running, later ones check them afterwards: each test
+    # starts from the first call, whatever ran before it
+    cpmod.clear_window_memo()
+    yield
+
+
 def _oracle(case, inputs, key):
     if key not in _ORACLE:
         _ORACLE[key] = oracle(case, inputs)
@@ -554,6 +562,127 @@ def test_windows_with_gradients(backend, case, segments, leading, monkeypatch):
     _compare(res, ref, TOL, "windows with gradients")
     off = _run(chunk_gated_delta_rule_cp, case, x, backend=backend, segments=segments, windows="off")
     _compare(res, off, TOL, "windows vs off")
+
+
+def _scaled_gates(x, factor):
+    return {**x, "g": x["g"] * factor}
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_repeated_call_checks_its_windows_after_launching(backend, monkeypatch):
+    """A plan's first call reads its window lengths before running; a repeated call runs with the plan's last
+    windows and reads this call's lengths only after every backend pass is launched (no read in the middle),
+    and it matches windows="off" and the oracle."""
+    case = Case("spec_windows", 1, 2, 32, 32, seqlens=(2000, 700))
+    x = make_inputs(case, torch.float32, seed=11)
+    ref = oracle(case, x, grads=False)
+    order = []
+    real_fc, real_read, real_finish = cpmod._Engine.forward_call, cpmod._read_windows, cpmod._finish_read
+    monkeypatch.setattr(cpmod._Engine, "forward_call", lambda self, *a: order.append("pass") or real_fc(self, *a))
+    monkeypatch.setattr(cpmod, "_read_windows", lambda found: order.append("read first") or real_read(found))
+    monkeypatch.setattr(cpmod, "_finish_read", lambda p: order.append("read after") or real_finish(p))
+
+    def call(inputs, windows="auto"):
+        with torch.no_grad(), poisoned_outputs("cpu"):
+            return chunk_gated_delta_rule_cp(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                                             initial_state=inputs["initial_state"], output_final_state=True,
+                                             cu_seqlens=inputs["cu_seqlens"], backend=backend, segments=[4, 2],
+                                             windows=windows)
+
+    first = call(x)
+    assert order == ["read first", "pass", "pass"], order
+    order.clear()
+    again = call(x)
+    assert order == ["pass", "pass", "read after"], order
+    order.clear()
+    off = call(x, windows="off")
+    for a, b, r in zip(again, first, (ref["o"], ref["ht"])):
+        assert rel_l2(a, r) <= TOL and torch.equal(a, b)
+    for a, b in zip(again, off):
+        assert rel_l2(a, b) <= TOL
+
+
+@pytest.mark.parametrize("backend", _backends())
+@pytest.mark.parametrize("second", ["slower", "no_decay_head"])
+def test_repeated_call_runs_again_when_its_windows_fall_short(backend, second, monkeypatch):
+    """A repeated call whose gates need longer windows than the plan's last ones (slower decay), or none at all
+    (a g = 0 head), runs again with the wider configuration: exact (the oracle, windows="off"), and the plan
+    keeps the wider windows, so a call like the first is served without running twice."""
+    case = Case("spec_widen", 1, 2, 32, 32, seqlens=(6000, 300))
+    fast = make_inputs(case, torch.float32, seed=12)
+    fast["g"] = fast["g"] * 4.0 - 1.0                  # about -4 per token: windows of one chunk
+    if second == "slower":
+        # about -0.12 per token: windows of ~20 chunks, where the first call's one-chunk windows would drop
+        # terms of e^-8 (caught by the tolerance)
+        other = _scaled_gates(fast, 0.03)
+    else:
+        other = {**fast, "g": fast["g"].clone()}
+        other["g"][..., 0] = 0.0                      # head 0 never decays: no window anywhere
+    passes = []
+    real_fc = cpmod._Engine.forward_call
+    monkeypatch.setattr(cpmod._Engine, "forward_call", lambda self, *a: passes.append(a[0].shape[1])
+                        or real_fc(self, *a))
+
+    def call(inputs, windows="auto"):
+        with torch.no_grad(), poisoned_outputs("cpu"):
+            return chunk_gated_delta_rule_cp(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                                             initial_state=inputs["initial_state"], output_final_state=True,
+                                             cu_seqlens=inputs["cu_seqlens"], backend=backend, segments=[4, 1],
+                                             windows=windows)
+
+    call(fast)
+    narrow = passes[0]
+    passes.clear()
+    got = call(other)
+    assert len(passes) == 4, passes                   # ran, found its windows short, ran again
+    assert passes[2] > narrow, (passes, narrow)
+    ref = oracle(case, other, grads=False)
+    off = call(other, windows="off")
+    for a, b, r in zip(got, off, (ref["o"], ref["ht"])):
+        assert rel_l2(a, r) <= TOL and rel_l2(a, b) <= TOL
+    passes.clear()
+    again = call(fast)
+    assert len(passes) == 2, passes                   # the wider windows cover the fast gates
+    ref_fast = oracle(case, fast, grads=False)
+    for a, r in zip(again, (ref_fast["o"], ref_fast["ht"])):
+        assert rel_l2(a, r) <= TOL
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_repeated_training_call_widens_its_leading_windows(backend, monkeypatch):
+    """Training: a repeated call whose gates need longer leading and trailing windows runs again (wider)
+    before its backward; outputs and every gradient match windows="off" and the oracle."""
+    case = Case("spec_train", 1, 2, 32, 32, B=1, T=4096)
+    fast = make_inputs(case, torch.float32, seed=13)
+    fast["g"] = fast["g"] * 4.0 - 1.0
+    slow = _scaled_gates(fast, 0.03)
+    widened = []
+    real = cpmod._widen
+    monkeypatch.setattr(cpmod, "_widen", lambda *a: widened.append(real(*a)) or widened[-1])
+    _run(chunk_gated_delta_rule_cp, case, fast, backend=backend, segments=2)
+    assert not widened
+    res = _run(chunk_gated_delta_rule_cp, case, slow, backend=backend, segments=2)
+    assert len(widened) == 1 and widened[0][1] is not None and min(widened[0][1].values()) > 1, widened
+    _compare(res, oracle(case, slow), TOL, "widened windows with gradients")
+    off = _run(chunk_gated_delta_rule_cp, case, slow, backend=backend, segments=2, windows="off")
+    _compare(res, off, TOL, "widened windows vs off")
+
+
+def test_window_configurations_widen_per_row():
+    """_covers / _widen: per row the longer window; a row without a window (0) runs in full from then on; the
+    leading windows are dropped (a full backward pass) as soon as one row has none."""
+    used = ({(0, 0): 2, (0, 1): 4}, {(0, 1): 2})
+    assert cpmod._covers(used, {(0, 0): 1, (0, 1): 4}, {(0, 1): 2})
+    assert not cpmod._covers(used, {(0, 0): 4, (0, 1): 4}, {(0, 1): 2})
+    assert not cpmod._covers(used, {(0, 0): 0, (0, 1): 4}, {(0, 1): 2})
+    assert not cpmod._covers(used, {(0, 0): 1, (0, 1): 1}, {(0, 1): 4})
+    assert cpmod._widen(used, {(0, 0): 4, (0, 1): 1}, {(0, 1): 1}) == ({(0, 0): 4, (0, 1): 4}, {(0, 1): 2})
+    assert cpmod._widen(used, {(0, 0): 0, (0, 1): 8}, {(0, 1): 0}) == ({(0, 0): 0, (0, 1): 8}, None)
+    assert cpmod._widen(used, {(0, 0): 0, (0, 1): 0}, {(0, 1): 1}) == (None, {(0, 1): 2})
+    # a row that runs in full covers anything, and stays in full
+    full = ({(0, 0): 0, (0, 1): 4}, None)
+    assert cpmod._covers(full, {(0, 0): 0, (0, 1): 2}, {})
+    assert cpmod._widen(full, {(0, 0): 1, (0, 1): 2}, {(0, 1): 1}) == ({(0, 0): 0, (0, 1): 4}, None)
 
 
 @pytest.mark.parametrize("backend", _backends())
