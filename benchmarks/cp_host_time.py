@@ -69,19 +69,19 @@ def main() -> int:
 
     print(f"T={T}, Hqk/Hv={Hqk}/{Hv}, K=V={K}, logsigmoid gates (every window negligible), stub backend")
     import flashqla.cp as cpmod
-    real_sums = cpmod.chunk_bound_sums
+    real_counts = cpmod.window_counts
     cached = {}
 
-    def one_launch_sums(k, g, beta, idx, n, l2):
-        # on a GPU the bound is one Triton launch; here: its result, computed once
-        key = (idx.data_ptr(), n, l2)
+    def one_launch_counts(k, g, beta, idx, n, l2, thr):
+        # on a GPU the window counts are one Triton launch; here: its result, computed once
+        key = (idx.data_ptr(), n, l2, thr)
         if key not in cached:
-            cached[key] = real_sums(k, g, beta, idx, n, l2)
+            cached[key] = real_counts(k, g, beta, idx, n, l2, thr)
         return cached[key].clone()
 
     with torch.no_grad():
         for cp in (False, args.segments, "stub"):
-            cpmod.chunk_bound_sums = one_launch_sums if cp == "stub" else real_sums
+            cpmod.window_counts = one_launch_counts if cp == "stub" else real_counts
             if cp == "stub":
                 cp = args.segments
             for _ in range(3):
@@ -94,11 +94,11 @@ def main() -> int:
                 run(cp)
             launches = sum(n for f, n in c.calls.items() if f not in _NO_LAUNCH)
             what = "plain" if cp is False else (f"CP, {cp} segments, windows" +
-                                                ("; bound as one launch" if cpmod.chunk_bound_sums is
-                                                 one_launch_sums else "; bound by torch ops"))
+                                                ("; bound as one launch" if cpmod.window_counts is
+                                                 one_launch_counts else "; bound by torch ops"))
             print(f"{what:52s} {us:8.1f} us per call on the host, {sum(c.calls.values())} torch calls, "
                   f"~{launches} that would launch work on a GPU (plus the backend's kernels)")
-    cpmod.chunk_bound_sums = real_sums
+    cpmod.window_counts = real_counts
     return 0
 
 

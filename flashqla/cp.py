@@ -93,7 +93,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
-from .cp_bounds import chunk_bound_sums
+from .cp_bounds import window_counts
 from .dispatch.registry import FwdInputs, select
 from .dispatch.spec import dtype_name
 from .reference import CHUNK_SIZE, l2norm
@@ -548,13 +548,10 @@ def _window_counts(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading
     ends = tuple((a, b, True) for a, b in ranges) + tuple((a, b, False) for _, (a, b) in lead_rows)
     n, idx = _device_cached(("cpwin", ends, MAX_WINDOW_CHUNKS), g.device,
                             lambda up: _window_index(ends, up))
-    # [len(ends), n]: the bound of the first j + 1 chunks, the largest over the heads
-    cum = chunk_bound_sums(k, g, beta, idx, n, use_qk_l2norm).cumsum(1).amax(-1)
-    # (NaN compares false: a NaN gate gets no window and runs the fixed structure, as the plain op would;
-    # argmax gives the first of equal maxima, so this is the first chunk under the bound)
-    below = (cum <= NEGLIGIBLE_LOG_BOUND).to(torch.int32)
-    counts = torch.where(below.amax(1) > 0, below.argmax(1) + 1, torch.zeros((), dtype=torch.int64,
-                                                                          device=cum.device))
+    # per candidate the first j + 1 whose bound (the largest over the heads) is under the threshold; one
+    # launch on CUDA (NaN compares false: a NaN gate gets no window and runs the fixed structure, as the plain
+    # op would)
+    counts = window_counts(k, g, beta, idx, n, use_qk_l2norm, NEGLIGIBLE_LOG_BOUND)
     return rows, ranges, lead_rows, counts
 
 

@@ -753,6 +753,37 @@ def test_chunk_bound_kernel_matches_torch(dev, l2norm, ratio, dt):
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-4), (got - want).abs().max()
 
 
+@pytest.mark.parametrize("dev", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("l2norm,ratio,dt", [(False, 2, torch.bfloat16), (True, 1, torch.float32)])
+def test_window_count_kernel_matches_torch(dev, l2norm, ratio, dt):
+    """The one-launch window counts (first chunk count under the threshold, the largest head) against the
+    torch ops: rows that find a window early, late and never, a short padded row, a NaN gate (no window from
+    its chunk on, but a window found before it stands)."""
+    if dev == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the CPU run needs the Triton interpreter (TRITON_INTERPRET=1, set on GPU-less machines)")
+    from flashqla.cp_bounds import window_counts, window_counts_ref
+    gen = torch.Generator().manual_seed(5)
+    T, Hqk, K = 900, 2, 32
+    Hv = Hqk * ratio
+    k = (torch.randn(1, T, Hqk, K, generator=gen) * 0.15).to(dt)
+    g = torch.nn.functional.logsigmoid(torch.randn(1, T, Hv, generator=gen)) * 0.5
+    g[0, 600:700] = 0.0                       # no decay at all here: the row over it finds no window
+    g[0, 400, -1] = float("nan")              # a NaN in the last head
+    beta = torch.rand(1, T, Hv, generator=gen).to(dt)
+    beta[0, 800:] = 3.0                       # and here beta ||k||^2 > 2: bounds above 0 (a longer window)
+    k, g, beta = k.to(dev), g.to(dev), beta.to(dev)
+    ends = ((0, 300, True), (300, 600, False), (600, 700, True), (350, 500, False), (420, 900, False),
+            (0, 30, True))
+    n, idx = cpmod._window_index(ends, lambda v, d: v.to(d).to(dev))
+    for thr in (-20.0, -60.0, -150.0):
+        got = window_counts(k, g, beta, idx, n, l2norm, thr, force_kernel=True).cpu()
+        want = window_counts_ref(k, g, beta, idx, n, l2norm, thr).cpu()
+        assert got.dtype == want.dtype == torch.int64 and torch.equal(got, want), (thr, got, want)
+    # the cases are not vacuous: some rows find a window, the flat and the NaN rows do not
+    want = window_counts_ref(k, g, beta, idx, n, l2norm, -20.0).cpu().tolist()
+    assert want[0] > 0 and want[4] > 0 and want[2] == 0 and want[3] == 0 and want[5] == 0, want
+
+
 def test_window_maps_are_below_the_threshold(monkeypatch):
     """The windows a segment gets have maps under exp(threshold) (checked with transition_matrices at a
     threshold float64 can see): the trailing window's, and the leading window's; half of each (before the
