@@ -87,6 +87,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
@@ -638,10 +639,22 @@ def _widen(used: tuple, trail: dict, lead: dict) -> tuple:
     return _normalise_windows(t, ld)
 
 
+_PINNED = threading.local()     # per thread: (numel, dtype) -> a pinned host buffer for the window counts
+
+
 def _start_read(counts: torch.Tensor):
-    """Copy ``counts`` to the host without waiting (pinned memory, an event behind the copy)."""
+    """Copy ``counts`` to the host without waiting (pinned memory, an event behind the copy).  The pinned
+    buffer is reused (per thread and size): every call waits for its copy before it returns."""
     if counts.is_cuda:
-        host = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
+        bufs = getattr(_PINNED, "bufs", None)
+        if bufs is None:
+            bufs = _PINNED.bufs = {}
+        key = (counts.numel(), counts.dtype)
+        host = bufs.get(key)
+        if host is None:
+            if len(bufs) > _CACHE_MAX:
+                bufs.clear()
+            host = bufs[key] = torch.empty(counts.shape, dtype=counts.dtype, pin_memory=True)
         host.copy_(counts, non_blocking=True)
         ev = torch.cuda.Event()
         ev.record()
@@ -1361,8 +1374,14 @@ def _seq_bounds(B: int, T: int, meta: Optional[VarlenMeta]):
 # A forced segment count still runs CP on them.
 AUTO_DECLINED = {
     "triton": "CP on the triton backend measured slower than plain on the H200 (2/8 heads, one 32768-token "
-              "sequence, forward: 1.489 ms plain, 2.29 ms with 8 segments; "
-              "benchmarks/results/h200_2026-12-03_s4run4_check_cp.log)",
+              "sequence, forward: 1.040 ms plain, 1.334 ms with 8 windowed segments, s8 run 2; 1.489 against "
+              "2.29 ms in session 4, benchmarks/results/h200_2026-12-03_s4run4_check_cp.log)",
+    "tilelang": "CP on the tilelang backend measured slower than plain on the H200: its host path (~2 ms per "
+                "call on that machine's CPU) outweighs the kernels it saves (2/8 heads, one 32768-token "
+                "sequence, forward: 0.714 ms plain, 1.218 ms with automatic windowed CP, whose kernels take "
+                "0.28 ms; every long-sequence row of the grid slower or even, "
+                "benchmarks/results/h200_2026-12-03_s8run2_cpw_spec.md and _s8run2_profile_cp.json); forced "
+                "segment counts still run",
 }
 
 
