@@ -40,13 +40,14 @@ end state from zero, and M is not needed.  The op reads these window lengths on 
 phase 1 runs the windows and only the M rows that are not negligible.  With decaying gates phase 1 falls
 from about two segments' tokens per boundary to a few chunks; with gates that do not decay (g = 0 heads)
 nothing changes.  The result is the fixed structure's to rounding; ``windows="off"`` turns this off.
-Only the first call of a plan reads the window lengths before it runs.  A read in the middle of the call
-would leave the GPU idle from the moment the queue drains until the host has launched the rest, so a
-repeated call runs with the windows its plan ran with last (kept per plan), computes this call's window
-lengths on the device, copies them to the host behind an event, and checks them after everything is
-launched: the GPU never waits for the host inside the call.  In the rare case the windows do not cover this
-call's gates (a longer window needed, or none exists), the call runs again with the wider configuration
-(the per-row maximum; a row without a window runs in full), which the plan keeps from then on.
+No call reads the window lengths before it runs: a read in the middle of the call would leave the GPU idle
+from the moment the queue drains until the host has launched the rest.  Every call computes its window
+lengths on the device (one launch) and copies them to the host behind an event; the host checks them after
+everything is launched.  A plan's first call runs the fixed structure (exact for any gates; it also loads
+the kernels a CUDA-graph capture of the call runs) and keeps the windows it read; a repeated call runs with
+the windows its plan kept.  In the rare case they do not cover this call's gates (a longer window needed,
+or none exists), the call runs again with the wider configuration (the per-row maximum; a row without a
+window runs in full), which the plan keeps from then on.
 Training calls take them too: M (and M^T in the backward scan) is zero where a segment's trailing window
 is negligible, and where every segment p >= 1 has a leading window (the same bound from its start), the
 backward's first pass (each segment's dh0 with a zero end cotangent) runs a forward and backward of those
@@ -1455,10 +1456,10 @@ def chunk_gated_delta_rule_cp(
     cannot carry the dropped term; see :func:`_boundary_windows`), its end state comes from its last few
     chunks alone and its M is not computed; with gradients, its dh0 from its first few chunks.  With
     decaying gates phase 1 then shrinks from about two segments' work per boundary to a few chunks, and the
-    backward from two full passes to one.  This reads a few integers on the host: before running on a plan's
-    first call, after everything is launched on later calls (which run with the plan's last windows and run
-    again, wider, if this call's gates need more; see the module docstring).  ``"off"``: the fixed pass
-    structure always.
+    backward from two full passes to one.  This reads a few integers on the host after everything is
+    launched: a plan's first call runs the fixed structure and keeps the windows it read, later calls run
+    with them (and again, wider, if this call's gates need more; see the module docstring).  ``"off"``: the
+    fixed pass structure always.
 
     No host sync when the sequence lengths are known on the host (dense inputs, or ``varlen_meta``) and
     windows are off or not taken (under capture); after one call with the same plan (warm-up) the call is
@@ -1511,14 +1512,16 @@ def chunk_gated_delta_rule_cp(
         return o, (ht if output_final_state else None)
     mkey = (key, str(q.device))
     used = _WINDOW_MEMO.get(mkey)
+    pending = _start_read(found[3])
     if used is None:
-        # first call of this plan: read the windows before running
-        used = _normalise_windows(*_read_windows(found))
-        o, ht = run(used)
+        # a plan's first call runs the fixed structure, which needs no windows: it is exact for any gates, and
+        # it loads that structure's kernels, which a CUDA-graph capture of this call runs (no kernel can be
+        # compiled or loaded during a capture; s8 run 3 failed so after windowed warm-up calls)
+        o, ht = run((None, None))
+        used = _normalise_windows(*_windows_from_counts(found, _finish_read(pending)))
     else:
-        # a repeated call: run with the windows the plan ran with last, read these gates'
-        # windows at the end, and run again, wider, in the rare case they do not cover them
-        pending = _start_read(found[3])
+        # a repeated call: run with the windows the plan ran with last, read these gates' windows at the end,
+        # and run again, wider, in the rare case they do not cover them
         o, ht = run(used)
         trail, lead = _windows_from_counts(found, _finish_read(pending))
         if not _covers(used, trail, lead):
