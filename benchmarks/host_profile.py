@@ -69,7 +69,8 @@ def main(argv=None) -> int:
             s = io.StringIO()
             st = pstats.Stats(pr, stream=s)
             st.sort_stats("tottime").print_stats(args.top)
-            print(f"\n## {row} {args.mode} {name}: isolated call {iso:.3f} ms, back-to-back host {host:.3f} ms per call")
+            print(f"\n## {row} {args.mode} {name}: isolated call {iso:.3f} ms, back-to-back host {host:.3f} ms "
+                  f"per call")
             lines = [ln for ln in s.getvalue().splitlines() if ln.strip()]
             start = next((i for i, ln in enumerate(lines) if "ncalls" in ln), 0)
             for ln in lines[start:start + args.top + 1]:

@@ -139,13 +139,15 @@ case "$STEP" in
   cpw)
     # windowed exact CP (session 7, not measured yet): the CP GPU tests, then the rows where FlashQLA runs its
     # CP (one long sequence), plain tilelang against tilelang with windowed CP, both against FlashQLA (#8, #4)
-    TAIL=8 run_step "CP GPU tests" 200 $PYT tests/test_cp.py -k "windows or chunk_bound"
+    TAIL=8 run_step "CP GPU tests" 200 $PYT tests/test_cp.py -k "windows or chunk_bound or window_count or bench_style"
+    # (session 8: automatic CP is declined on tilelang, so forced counts: @cpwN eager with windows, @cp8 the
+    # fixed structure in a CUDA graph, whose capture failed in s8 run 3 before a plan's first call ran it)
     TAIL=40 run_step "CP rows: plain, windowed CP, FlashQLA" 330 python -m flashqla bench --preset qwen35-fwd \
-        --no-progress --filter "${CPW_FILTER:-1x32768|28672+4096|1x8192}" --backends tilelang,tilelang@cpw,tilelang@cpw16 \
-        --baselines flashqla --out $OUT/cpw
+        --no-progress --filter "${CPW_FILTER:-1x32768|28672+4096|1x8192}" \
+        --backends ${CPW_BACKENDS:-tilelang,tilelang@cpw8,tilelang@cpw16,tilelang@cp8} --baselines flashqla --out $OUT/cpw
     # slowly decaying gates (x 0.01): no window is negligible, CP runs its fixed structure (the honest worst case)
     TAIL=8 run_step "CP rows, slow gates" 120 python -m flashqla bench --preset qwen35-fwd --no-progress \
-        --filter "2/8 1x32768|16/32 1x32768" --g-scale 0.01 --backends tilelang,tilelang@cpw \
+        --filter "2/8 1x32768|16/32 1x32768" --g-scale 0.01 --backends tilelang,tilelang@cpw8 \
         --baselines flashqla --out $OUT/cpw_slow
     # triton: its automatic CP is declined (the fixed structure measured slower, session 4); with windows?
     TAIL=8 run_step "triton CP rows with windows" 120 python -m flashqla bench --preset qwen35-fwd --no-progress \
@@ -165,9 +167,9 @@ case "$STEP" in
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --with-backward
     save_kcache
     TAIL=45 run_step "flashqla-bwd: tilelang, windowed CP, FlashQLA" 420 python -m flashqla bench \
-        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw} \
+        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw8} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done

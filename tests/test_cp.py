@@ -574,6 +574,15 @@ def _scaled_gates(x, factor):
     return {**x, "g": x["g"] * factor}
 
 
+def _infer_cp(inputs, windows="auto", *, backend, segments):
+    """An inference CP call with the final state, outputs poisoned."""
+    with torch.no_grad(), poisoned_outputs("cpu"):
+        return chunk_gated_delta_rule_cp(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+                                         initial_state=inputs["initial_state"], output_final_state=True,
+                                         cu_seqlens=inputs["cu_seqlens"], backend=backend, segments=segments,
+                                         windows=windows)
+
+
 @pytest.mark.parametrize("backend", _backends())
 def test_repeated_call_checks_its_windows_after_launching(backend, monkeypatch):
     """No call reads its window lengths before running: a plan's first call runs the fixed structure, a
@@ -582,22 +591,13 @@ def test_repeated_call_checks_its_windows_after_launching(backend, monkeypatch):
     case = Case("spec_windows", 1, 2, 32, 32, seqlens=(2000, 700))
     x = make_inputs(case, torch.float32, seed=11)
     ref = oracle(case, x, grads=False)
-    order = []
+    order, passes = [], []
     real_fc, real_read, real_finish = cpmod._Engine.forward_call, cpmod._read_windows, cpmod._finish_read
-    monkeypatch.setattr(cpmod._Engine, "forward_call", lambda self, *a: order.append("pass") or real_fc(self, *a))
-    monkeypatch.setattr(cpmod, "_read_windows", lambda found: order.append("read first") or real_read(found))
-    monkeypatch.setattr(cpmod, "_finish_read", lambda p: order.append("read after") or real_finish(p))
-
-    def call(inputs, windows="auto"):
-        with torch.no_grad(), poisoned_outputs("cpu"):
-            return chunk_gated_delta_rule_cp(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-                                             initial_state=inputs["initial_state"], output_final_state=True,
-                                             cu_seqlens=inputs["cu_seqlens"], backend=backend, segments=[4, 2],
-                                             windows=windows)
-
-    passes = []
     monkeypatch.setattr(cpmod._Engine, "forward_call", lambda self, *a: order.append("pass") or
                         passes.append(a[0].shape[1]) or real_fc(self, *a))
+    monkeypatch.setattr(cpmod, "_read_windows", lambda found: order.append("read first") or real_read(found))
+    monkeypatch.setattr(cpmod, "_finish_read", lambda p: order.append("read after") or real_finish(p))
+    call = functools.partial(_infer_cp, backend=backend, segments=[4, 2])
     first = call(x)
     assert order == ["pass", "pass", "read after"], order       # the fixed structure, read at the end
     order.clear()
@@ -632,14 +632,7 @@ def test_repeated_call_runs_again_when_its_windows_fall_short(backend, second, m
     real_fc = cpmod._Engine.forward_call
     monkeypatch.setattr(cpmod._Engine, "forward_call", lambda self, *a: passes.append(a[0].shape[1])
                         or real_fc(self, *a))
-
-    def call(inputs, windows="auto"):
-        with torch.no_grad(), poisoned_outputs("cpu"):
-            return chunk_gated_delta_rule_cp(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
-                                             initial_state=inputs["initial_state"], output_final_state=True,
-                                             cu_seqlens=inputs["cu_seqlens"], backend=backend, segments=[4, 1],
-                                             windows=windows)
-
+    call = functools.partial(_infer_cp, backend=backend, segments=[4, 1])
     call(fast)                                        # the fixed structure; the plan keeps one-chunk windows
     passes.clear()
     call(fast)
