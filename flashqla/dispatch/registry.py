@@ -284,6 +284,40 @@ def _disabled() -> set[str]:
     return {x.strip() for x in raw.split(",") if x.strip()}
 
 
+_RANKINGS: dict = {}
+
+
+def _ranking(spec: CallSpec) -> tuple:
+    """``([(priority, name, backend)] best first, note)``: the declared priorities, reordered by the
+    measured speed table.  Pure in what the key holds, so it is remembered: dispatch runs on every call,
+    and on a slow host this was a large part of an eager call's Python."""
+    from . import speed_table
+    width = max(1, spec.Hv * spec.num_seqs)
+    per_seq = max(1, spec.tokens // max(1, spec.num_seqs))
+    key = (spec.device.arch, spec.device.capability, spec.needs_grad, width, per_seq,
+           tuple((n, id(b), id(b.priorities)) for n, b in _REGISTRY.items()), repr(_EXTRA_PRIORITIES),
+           os.environ.get("FLASHQLA_SPEED_TABLE"), id(speed_table.TABLE))
+    hit = _RANKINGS.get(key)
+    if hit is not None:
+        return hit
+    prios = {name: priority_of(b, spec) for name, b in _REGISTRY.items()}
+    why = ""
+    measured = measured_order(spec)
+    if measured is not None:
+        order, reason = measured
+        present = [n for n in order if prios.get(n) is not None]
+        slots = sorted((prios[n] for n in present), reverse=True)
+        if [prios[n] for n in present] != slots:
+            prios.update(zip(present, slots))
+            why = reason
+    ranked = [(prios[name], name, b) for name, b in _REGISTRY.items()]
+    ranked.sort(key=lambda x: (x[0] is None, -(x[0] or 0), x[1]))
+    if len(_RANKINGS) > 4096:
+        _RANKINGS.clear()
+    _RANKINGS[key] = (ranked, why)
+    return ranked, why
+
+
 def decide(spec: CallSpec, backend: str = "auto") -> Decision:
     """Evaluate every backend for ``spec``; choose one per the rules in the module docstring."""
     _ensure_builtins()
@@ -296,19 +330,9 @@ def decide(spec: CallSpec, backend: str = "auto") -> Decision:
     if requested != "auto" and requested not in _REGISTRY:
         get_backend(requested)  # raises with the list of names
     disabled = _disabled()
-    prios = {name: priority_of(b, spec) for name, b in _REGISTRY.items()}
-    measured = measured_order(spec)
-    if measured is not None:
-        order, why = measured
-        present = [n for n in order if prios.get(n) is not None]
-        slots = sorted((prios[n] for n in present), reverse=True)
-        if [prios[n] for n in present] != slots:
-            prios.update(zip(present, slots))
-            note = (note + "; " if note else "") + why
-    ranked = []
-    for name, b in _REGISTRY.items():
-        ranked.append((prios[name], name, b))
-    ranked.sort(key=lambda x: (x[0] is None, -(x[0] or 0), x[1]))
+    ranked, why = _ranking(spec)
+    if why:
+        note = (note + "; " if note else "") + why
     candidates: list[Candidate] = []
     chosen: Optional[str] = None
     for prio, name, b in ranked:
