@@ -22,6 +22,8 @@
 #                                                 a kernel change)
 #   bash benchmarks/next_device_run.sh cpw        windowed exact CP: GPU tests, then the long-sequence rows against
 #                                                 FlashQLA (#8)
+#   bash benchmarks/next_device_run.sh hostprof   eager host time per call and cProfile's top functions
+#                                                 (HOSTPROF_IMPLS, HOSTPROF_ROWS)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
