@@ -601,8 +601,8 @@ _WINDOW_MEMO: "OrderedDict[Any, tuple]" = OrderedDict()
 
 
 def clear_window_memo() -> None:
-    """Forget the window configurations of earlier calls (the next call of each plan reads its windows
-    before it runs, as a first call does)."""
+    """Forget the window configurations of earlier calls (the next call of each plan runs the fixed structure
+    and keeps the windows it reads, as a first call does)."""
     _WINDOW_MEMO.clear()
 
 
@@ -1503,7 +1503,8 @@ def chunk_gated_delta_rule_cp(
     if not windowed or _capturing(q.device):
         o, ht = run((None, None))
         return o, (ht if output_final_state else None)
-    # the fixed structure is built (not run) as well: a CUDA-graph capture after this warm-up runs it
+    # the fixed structure's program is built on every windowed call (a plan's first call also runs it): a
+    # CUDA-graph capture after this warm-up runs it
     _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
     found = _window_counts(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
                            plan.segments, leading=spec.needs_grad)
