@@ -299,7 +299,7 @@ def _ranking(spec: CallSpec) -> tuple:
            os.environ.get("FLASHQLA_SPEED_TABLE"), id(speed_table.TABLE))
     hit = _RANKINGS.get(key)
     if hit is not None:
-        return hit
+        return hit[0], hit[1]
     prios = {name: priority_of(b, spec) for name, b in _REGISTRY.items()}
     why = ""
     measured = measured_order(spec)
@@ -314,7 +314,8 @@ def _ranking(spec: CallSpec) -> tuple:
     ranked.sort(key=lambda x: (x[0] is None, -(x[0] or 0), x[1]))
     if len(_RANKINGS) > 4096:
         _RANKINGS.clear()
-    _RANKINGS[key] = (ranked, why)
+    # (the entry holds the table and, through ``ranked``, the backends: the ids in its key stay theirs)
+    _RANKINGS[key] = (ranked, why, speed_table.TABLE)
     return ranked, why
 
 
