@@ -24,6 +24,8 @@
 #                                                 FlashQLA (#8)
 #   bash benchmarks/next_device_run.sh hostprof   eager host time per call and cProfile's top functions
 #                                                 (HOSTPROF_IMPLS, HOSTPROF_ROWS)
+#   bash benchmarks/next_device_run.sh cpgraph    the windowed CP passes captured in a CUDA graph, with and without
+#                                                 the input copies and the window check, against eager CP (#8)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
@@ -56,6 +58,11 @@ case "$STEP" in
     TAIL=${PROFILE_TAIL:-80} run_step "profile" 150 python benchmarks/profile_kernels.py \
         --impls ${PROFILE_IMPLS:-triton} --rows ${PROFILE_ROWS:-16/32:1x32768,16/32:4x8192} \
         --modes ${PROFILE_MODES:-fwdbwd} --out $OUT/profile.json ;;
+  cpgraph)
+    # would a CUDA graph of the windowed CP passes beat FlashQLA (0.513 ms eager at 2/8 1x32768)? (#8)
+    TAIL=12 run_step "CP passes in a CUDA graph (probe)" 200 python benchmarks/cp_graph_probe.py \
+        --rows ${CPGRAPH_ROWS:-2/8:1x32768,4/16:1x32768,2/8:1x8192,16/32:1x32768} --segments ${CPGRAPH_SEGS:-16} \
+        --out $OUT/cp_graph_probe.json ;;
   hostprof)
     # eager host time per call and cProfile's top functions (is an eager call host-bound? where?)
     TAIL=${HOSTPROF_TAIL:-200} run_step "host profile" 150 python benchmarks/host_profile.py \
@@ -172,6 +179,6 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw8} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
 esac
 done
