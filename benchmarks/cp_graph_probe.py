@@ -29,20 +29,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
-def _time(fn, reps: int = 50) -> float:
-    """Median ms per call of ``fn`` (CUDA events around each call; no sync between calls)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        fn()
-        ends[i].record()
-    torch.cuda.synchronize()
-    ts = sorted(s.elapsed_time(e) for s, e in zip(starts, ends))
-    return ts[len(ts) // 2]
+def _time(fn) -> float:
+    """Median ms per call of ``fn``, timed eagerly with CUDA events (the bench's timer, no graph of its own)."""
+    from flashqla.cli.bench import time_cuda
+    return time_cuda([fn], 0.05, 50, use_graph=False)["ms"]
 
 
 def probe(row: str, segments: int, backend: str) -> dict:
@@ -135,16 +125,15 @@ def main(argv=None) -> int:
     results = []
     for row in args.rows.split(","):
         try:
-            r = probe(row, args.segments, args.backend)
+            results.append(probe(row, args.segments, args.backend))
         except Exception as exc:  # one row's failure must not lose the others
             import traceback
             traceback.print_exc()
-            r = {"row": row, "error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        results.append(r)
-        print(json.dumps(r), flush=True)
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(results, f, indent=1)
+            results.append({"row": row, "error": f"{type(exc).__name__}: {str(exc)[:300]}"})
+        print(json.dumps(results[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
     return 0
 
 
