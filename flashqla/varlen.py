@@ -51,6 +51,15 @@ class VarlenMeta:
         c = self.cu_seqlens_cpu
         return max((c[i + 1] - c[i] for i in range(len(c) - 1)), default=0)
 
+    @functools.cached_property
+    def busy_seqs(self) -> float:
+        """How many sequences are in flight, on average, over the longest one's serial walk:
+        ``sum(len) / max(len)`` (the sequence count when they are equal; ~1.14 for 28672 + 4096).  A state
+        recurrence's makespan is its longest walk; short sequences finish early and leave their SMs idle, so
+        the GPU backends' launch heuristics (V-block, stages) count this rather than the sequences."""
+        longest = self.max_seqlen
+        return self.total_tokens / longest if longest > 0 else float(self.num_seqs)
+
     @property
     def seqlens(self) -> list[int]:
         c = self.cu_seqlens_cpu

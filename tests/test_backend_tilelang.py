@@ -1134,7 +1134,7 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
     elif fwd == "fused-auto":
         from flashqla.dispatch.device import fake_device
         lens = case.seqlens or (case.T,) * case.B
-        n = sum(lens) / max(lens)           # ops.busy_seqs: the walks in flight over the longest one
+        n = sum(lens) / max(lens)           # VarlenMeta.busy_seqs: the walks in flight over the longest one
         with fake_device("cuda", (9, 0)):
             bv = ops.fwd_ws_bv(n, case.Hv, case.V, torch.device("cpu"))
         first = "fwd_intra_tbs_sm90" if ops.fwd_pscores(True, bv, n, case.Hv) else "fwd_intra_tb_sm90"

@@ -131,8 +131,7 @@ def enumerate_variants(heads, dtypes, beta_dtypes, modes, fixed):
                     varlen = SimpleNamespace(cu_seqlens=torch.empty(3, dtype=i32, device=dev),
                                              chunk_offsets=torch.empty(3, dtype=i32, device=dev),
                                              chunk_indices=torch.empty(2, 2, dtype=i32, device=dev),
-                                             num_seqs=2, total_chunks=2, cu_seqlens_cpu=(0, 64, 128),
-                                             total_tokens=128, max_seqlen=64)
+                                             num_seqs=2, total_chunks=2, busy_seqs=2.0)
                 with _compile.record_keys() as rec_fwd:
                     res = ops.forward(q, k, v, g, beta, 1.0, h0, varlen, f["ht"], f["l2norm"], f["grad"])
                 recs = [("fwd", r) for r in rec_fwd] if "fwd" in modes else []

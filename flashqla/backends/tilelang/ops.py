@@ -44,7 +44,7 @@ class ChunkMeta:
     chunk_indices: torch.Tensor   # int32 [NC, 2]
     num_seqs: int
     num_chunks: int
-    busy_seqs: float = 0.0        # busy_seqs() of a varlen batch (unequal lengths), 0: num_seqs
+    busy_seqs: float = 0.0        # VarlenMeta.busy_seqs of a varlen batch (unequal lengths), 0: num_seqs
 
 
 _META_CACHE: dict = {}
@@ -54,7 +54,7 @@ _DUMMIES: dict = {}
 def chunk_meta(varlen, B: int, T: int, device) -> ChunkMeta:
     if varlen is not None:
         return ChunkMeta(varlen.cu_seqlens, varlen.chunk_offsets, varlen.chunk_indices,
-                         varlen.num_seqs, varlen.total_chunks, busy_seqs(varlen))
+                         varlen.num_seqs, varlen.total_chunks, varlen.busy_seqs)
     key = (B, T, str(device))
     m = _META_CACHE.get(key)
     if m is None:
@@ -224,21 +224,12 @@ def fwd_variant() -> str:
     return _env_choice("FLASHQLA_TILELANG_FWD", ("fused", "ws", "serial"), "fused")
 
 
-def busy_seqs(varlen) -> float:
-    """How many sequences of a varlen batch are in flight, on average, over the longest one's walk:
-    ``sum(len) / max(len)`` (the sequence count when they are equal; ~1.14 for 28672 + 4096).  The
-    recurrence's makespan is the longest walk; short sequences' walks end early and leave their SMs idle, so
-    they should not push the V-block up."""
-    longest = varlen.max_seqlen
-    return varlen.total_tokens / longest if longest > 0 else float(varlen.num_seqs)
-
-
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
     """V-block of the warp-specialised recurrence.  The recurrence is a serial walk per (sequence,
     head, V-block): with few of those, split V further so that more SMs walk in parallel (each walk's
     chain gets shorter GEMMs too); with many, keep whole 128-column blocks (q k^T and the w / q / k
     tiles are then loaded and multiplied once per head instead of V / BV times).  Thresholds at 70% and
-    35% of the SMs (one CTA per SM).  ``num_seqs`` may be :func:`busy_seqs` (unequal lengths: the walks
+    35% of the SMs (one CTA per SM).  ``num_seqs`` may be ``VarlenMeta.busy_seqs`` (unequal lengths: the walks
     in flight over the longest one; the session-7 grid ran 28672+4096 at the V-block of two equal
     sequences: 8/32 1.153 ms against 1.022 for 1x32768 at BV 32).  ``FLASHQLA_TILELANG_BV`` overrides."""
     forced = os.environ.get("FLASHQLA_TILELANG_BV", "").strip()

@@ -71,10 +71,7 @@ class Geometry:
         self.varlen = meta is not None
         if meta is not None:
             self.N = meta.num_seqs
-            # sequences in flight, on average, over the longest one's serial walk (sum(len) / max(len)):
-            # what the launch heuristics count, since short sequences' programs finish early
-            longest = meta.max_seqlen
-            self.busy = meta.total_tokens / longest if longest > 0 else float(self.N)
+            self.busy = meta.busy_seqs        # what the launch heuristics count (see VarlenMeta.busy_seqs)
             self.NT = 0                       # unused by varlen kernels
             self.chunks = int(meta.chunk_indices.shape[0])
             self.cu, self.coff, self.cidx = meta.cu_seqlens, meta.chunk_offsets, meta.chunk_indices
