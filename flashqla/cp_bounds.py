@@ -1,12 +1,14 @@
-"""The decay bound behind CP windows (:mod:`flashqla.cp`): per chunk and value head, the sum over its tokens
-of ``log ||exp(g_t) (I - beta_t k_t k_t^T)||_2``'s upper bound; and (:func:`window_counts`) per window
-candidate the first chunk count at which that sum, the largest over the heads, is under a threshold.
+"""The decay bound behind CP windows (:mod:`flashqla.cp`): per token and value head an upper bound of
+``log ||exp(g_t) (I - beta_t k_t k_t^T)||_2``, and per window candidate (the end chunks of a segment) the
+first chunk count at which the bound summed over those chunks, the largest over the heads, is under a
+threshold.
 
-Grid (Triton, CUDA): ``(ends, chunks)``, one program per 64-token chunk of a window candidate; it gathers
-the chunk's tokens through ``idx`` (-1: padding, bound 0), reads g and beta ``[C, Hv]`` and, without the
-fused L2 norm, ``||k||^2`` of each query/key head ``[C, K]``, and writes ``[Hv]`` sums.  One launch
-replaces the ~20 small torch ops of the same computation: a windowed CP call reads its windows on the host,
-so every launch before that read is latency the GPU waits through.  On the CPU: the torch ops.
+Grid (Triton, CUDA): ``(candidates,)``, one program per window candidate walking its chunks in order; per
+chunk it gathers the 64 tokens through ``idx`` (-1: padding, bound 0), reads g and beta ``[C, Hv]`` and,
+without the fused L2 norm, ``||k||^2`` of each query/key head ``[C, K]``, adds the chunk's ``[Hv]`` sums to a
+running sum and notes the first chunk count under the threshold.  One launch replaces the bound kernel and
+six torch ops of the same computation: a windowed CP call's host time is mostly per-launch overhead.  On the
+CPU: the torch ops.
 """
 
 from __future__ import annotations
@@ -47,60 +49,11 @@ def chunk_bound_sums_ref(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: b
     return ell.reshape(-1, n, CHUNK, ell.shape[-1]).sum(2)
 
 
-_chunk_sum = None     # the kernels' shared jit helper, set by _kernels()
-
-
 @functools.lru_cache(maxsize=None)
-def _kernels():
-    """(per-chunk sums kernel, window-count kernel); defined on first use: importing triton (and the
-    interpreter switch) waits for a call that needs it."""
+def _kernel():
+    # defined on first use: importing triton (and the interpreter switch) waits for a call that needs it
     import triton
     import triton.language as tl
-
-    global _chunk_sum
-
-    @triton.jit
-    def chunk_sum(k_ptr, g_ptr, b_ptr, idx_ptr, chunk, stride_kt, stride_kh, stride_gt, stride_bt,
-                  Hqk: tl.constexpr, RATIO: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr, HV_P: tl.constexpr,
-                  L2: tl.constexpr, C: tl.constexpr):
-        # [HV_P]: the summed token bounds of one 64-token chunk of a candidate (idx -1: padding, bound 0)
-        rows = tl.arange(0, C)
-        tok = tl.load(idx_ptr + chunk * C + rows)
-        valid = tok >= 0
-        tok = tl.where(valid, tok, 0)
-        hv = tl.arange(0, HV_P)
-        m2 = valid[:, None] & (hv < Hv)[None, :]
-        g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=m2, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=m2, other=0.0).to(tl.float32)
-        if L2:
-            kap = tl.full((C, HV_P), 1.0, tl.float32)
-        else:
-            kap = tl.zeros((C, HV_P), tl.float32)
-            cols = tl.arange(0, K)
-            for hq in range(Hqk):
-                kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :],
-                             mask=valid[:, None], other=0.0).to(tl.float32)
-                sq = tl.sum(kt * kt, axis=1)
-                kap = tl.where((hv // RATIO == hq)[None, :], sq[:, None], kap)
-        bk = b * kap
-        f = tl.abs(1.0 - bk) + 0.02 * tl.abs(bk)
-        ell = g + tl.log(tl.maximum(f, 1.0))
-        return tl.sum(tl.where(m2, ell, 0.0), axis=0)
-
-    # (a jit function calls others through its module's globals, not through a closure)
-    _chunk_sum = chunk_sum
-
-    @triton.jit
-    def chunk_bound_kernel(k_ptr, g_ptr, b_ptr, idx_ptr, out_ptr, stride_kt, stride_kh, stride_gt, stride_bt,
-                           Hqk: tl.constexpr, RATIO: tl.constexpr, Hv: tl.constexpr, K: tl.constexpr,
-                           HV_P: tl.constexpr, L2: tl.constexpr, C: tl.constexpr):
-        e = tl.program_id(0)
-        j = tl.program_id(1)
-        n = tl.num_programs(1)
-        hv = tl.arange(0, HV_P)
-        sums = _chunk_sum(k_ptr, g_ptr, b_ptr, idx_ptr, e * n + j, stride_kt, stride_kh, stride_gt, stride_bt,
-                         Hqk, RATIO, Hv, K, HV_P, L2, C)
-        tl.store(out_ptr + (e * n + j) * Hv + hv, sums, mask=hv < Hv)
 
     @triton.jit
     def window_count_kernel(k_ptr, g_ptr, b_ptr, idx_ptr, out_ptr, threshold, stride_kt, stride_kh,
@@ -110,58 +63,39 @@ def _kernels():
         # one program per window candidate: its chunks in order, the running per-head sum, the first chunk
         # count at which the largest head is under the threshold (a NaN head never is, nor after it)
         e = tl.program_id(0)
-        hmask = tl.arange(0, HV_P) < Hv
+        rows = tl.arange(0, C)
+        hv = tl.arange(0, HV_P)
+        hmask = hv < Hv
         cum = tl.zeros((HV_P,), tl.float32)
         found = tl.sum(tl.zeros((HV_P,), tl.int32), axis=0)      # a 0-d int32 (the loop carries a tensor)
         for j in range(0, n):
-            cum += _chunk_sum(k_ptr, g_ptr, b_ptr, idx_ptr, e * n + j, stride_kt, stride_kh, stride_gt,
-                              stride_bt, Hqk, RATIO, Hv, K, HV_P, L2, C)
+            tok = tl.load(idx_ptr + (e * n + j) * C + rows)
+            valid = tok >= 0
+            tok = tl.where(valid, tok, 0)
+            m2 = valid[:, None] & hmask[None, :]
+            g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=m2, other=0.0).to(tl.float32)
+            b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=m2, other=0.0).to(tl.float32)
+            if L2:
+                kap = tl.full((C, HV_P), 1.0, tl.float32)
+            else:
+                kap = tl.zeros((C, HV_P), tl.float32)
+                cols = tl.arange(0, K)
+                for hq in range(Hqk):
+                    kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :],
+                                 mask=valid[:, None], other=0.0).to(tl.float32)
+                    sq = tl.sum(kt * kt, axis=1)
+                    kap = tl.where((hv // RATIO == hq)[None, :], sq[:, None], kap)
+            bk = b * kap
+            f = tl.abs(1.0 - bk) + 0.02 * tl.abs(bk)
+            ell = g + tl.log(tl.maximum(f, 1.0))
+            cum += tl.sum(tl.where(m2, ell, 0.0), axis=0)
             nan = tl.sum(tl.where((cum != cum) & hmask, 1, 0), axis=0)
             top = tl.max(tl.where(hmask, cum, float("-inf")), axis=0)
             hit = (top <= threshold) & (nan == 0) & (found == 0)
             found = tl.where(hit, j + 1, found)
         tl.store(out_ptr + e, found.to(tl.int64))
 
-    return chunk_bound_kernel, window_count_kernel
-
-
-def _launch_args(k, g, beta):
-    """Row-major views of the packed inputs and the launch constants both kernels take."""
-    import triton
-    k0, g0, b0 = k[0], g[0], beta[0]
-    if k0.stride(-1) != 1:
-        k0 = k0.contiguous()
-    if g0.stride(-1) != 1:
-        g0 = g0.contiguous()
-    if b0.stride(-1) != 1:
-        b0 = b0.contiguous()
-    Hqk, Hv = k0.shape[1], g0.shape[1]
-    hv_p = triton.next_power_of_2(Hv)
-    strides = (k0.stride(0), k0.stride(1), g0.stride(0), b0.stride(0))
-    # (the [64, Hv] fp32 tiles g, beta, ||k||^2 and the bound: more warps past 32 heads keep them in registers)
-    consts = dict(Hqk=Hqk, RATIO=Hv // Hqk, Hv=Hv, K=k0.shape[-1], HV_P=hv_p, C=CHUNK,
-                  num_warps=4 if hv_p <= 32 else 8)
-    return (k0, g0, b0), strides, consts
-
-
-def _kernel_path(k, force_kernel: bool) -> bool:
-    K = k.shape[-1]
-    return (k.is_cuda or force_kernel) and not K & (K - 1)      # (tl.arange needs a power-of-two K)
-
-
-def chunk_bound_sums(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool,
-                     force_kernel: bool = False) -> torch.Tensor:
-    """:func:`chunk_bound_sums_ref` in one Triton launch on CUDA (``force_kernel``: also elsewhere, for the
-    interpreter tests)."""
-    if not _kernel_path(k, force_kernel):
-        return chunk_bound_sums_ref(k, g, beta, idx, n, use_qk_l2norm)
-    E, Hv = idx.numel() // (n * CHUNK), g.shape[-1]
-    out = torch.empty(E, n, Hv, dtype=torch.float32, device=g.device)
-    if E == 0:
-        return out
-    tensors, strides, consts = _launch_args(k, g, beta)
-    _kernels()[0][(E, n)](*tensors, idx, out, *strides, L2=bool(use_qk_l2norm), **consts)
-    return out
+    return window_count_kernel
 
 
 def window_counts_ref(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool, threshold: float) -> torch.Tensor:
@@ -177,18 +111,28 @@ def window_counts_ref(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool
 def window_counts(k, g, beta, idx: torch.Tensor, n: int, use_qk_l2norm: bool, threshold: float,
                   force_kernel: bool = False) -> torch.Tensor:
     """:func:`window_counts_ref` in one Triton launch on CUDA (``force_kernel``: also elsewhere, for the
-    interpreter tests).  A windowed CP call's host time is mostly per-launch overhead, so the bound sums,
-    their running sum over the chunks, the largest head and the first chunk under the threshold are one
-    kernel instead of seven torch ops."""
-    if not _kernel_path(k, force_kernel):
+    interpreter tests)."""
+    K = k.shape[-1]
+    if not (k.is_cuda or force_kernel) or K & (K - 1):      # (tl.arange needs a power-of-two K)
         return window_counts_ref(k, g, beta, idx, n, use_qk_l2norm, threshold)
+    import triton
+    k0, g0, b0 = k[0], g[0], beta[0]
+    if k0.stride(-1) != 1:
+        k0 = k0.contiguous()
+    if g0.stride(-1) != 1:
+        g0 = g0.contiguous()
+    if b0.stride(-1) != 1:
+        b0 = b0.contiguous()
+    Hqk, Hv = k0.shape[1], g0.shape[1]
     E = idx.numel() // (n * CHUNK)
     out = torch.empty(E, dtype=torch.int64, device=g.device)
     if E == 0:
         return out
-    tensors, strides, consts = _launch_args(k, g, beta)
+    hv_p = triton.next_power_of_2(Hv)
     # (n, at most MAX_WINDOW_CHUNKS, is a compile-time constant: a few variants, and the interpreter's loops
-    # need a Python bound)
-    _kernels()[1][(E,)](*tensors, idx, out, float(threshold), *strides, n=int(n), L2=bool(use_qk_l2norm),
-                        **consts)
+    # need a Python bound; the [64, Hv] fp32 tiles g, beta, ||k||^2 and the bound: more warps past 32 heads
+    # keep them in registers)
+    _kernel()[(E,)](k0, g0, b0, idx, out, float(threshold), k0.stride(0), k0.stride(1), g0.stride(0),
+                    b0.stride(0), n=int(n), Hqk=Hqk, RATIO=Hv // Hqk, Hv=Hv, K=K, HV_P=hv_p,
+                    L2=bool(use_qk_l2norm), C=CHUNK, num_warps=4 if hv_p <= 32 else 8)
     return out
