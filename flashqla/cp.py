@@ -36,8 +36,8 @@ Windows (K == V, not under CUDA-graph capture).  ``||M|| <= prod_t exp(g_t)
 max(1, |1 - beta_t ||k_t||^2|)``.  Where that bound over a segment's last few chunks is below
 ``exp(-150)`` for every head, the state entering those chunks cannot reach the segment's end in fp32 (the
 term is under fp32's smallest subnormal for any state of norm below 1e20): the end state is that window's
-end state from zero, and M is not needed.  The op reads these window lengths on the host (one sync), then
-phase 1 runs the windows and only the M rows that are not negligible.  With decaying gates phase 1 falls
+end state from zero, and M is not needed.  The op reads these window lengths on the host (one sync, see
+below), and phase 1 runs the windows and only the M rows that are not negligible.  With decaying gates phase 1 falls
 from about two segments' tokens per boundary to a few chunks; with gates that do not decay (g = 0 heads)
 nothing changes.  The result is the fixed structure's to rounding; ``windows="off"`` turns this off.
 No call reads the window lengths before it runs: a read in the middle of the call would leave the GPU idle
@@ -87,7 +87,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -132,9 +131,9 @@ class CPCostModel:
     pass_overhead    fixed cost of each backend pass (launches, tail of the last wave)
     backward_factor  one backward pass costs this many forward passes
     min_gain         CP is used only when the model predicts at least this relative saving
-    window_host      a windowed call's host time the GPU waits through (the read of the window lengths,
-                     then the launches of phase 1; eager calls only): ~0.4 ms of Python and ~50 launches
-                     measured on the CPU with a stub backend, so about 150 chunk steps (uncalibrated)
+    window_host      a windowed call's extra host time (the window launch and its read, the gathers of
+                     phase 1; eager calls only), in chunk steps: 150, uncalibrated (H200, session 8: a
+                     windowed call's host path took ~2 ms against 0.28 ms of kernels)
     """
 
     slots_per_sm: int = 1
@@ -507,14 +506,13 @@ NEGLIGIBLE_LOG_BOUND = -150.0
 _WINDOW_MODES = ("auto", "off")
 
 
-def _window_rows(seq_start, seq_segs, last: bool = False):
-    """(sequence, position) of every non-last segment of the split sequences (``last``: every segment of
-    them), and their token ranges."""
+def _window_rows(seq_start, seq_segs):
+    """(sequence, position) of every segment of the split sequences, and their token ranges."""
     rows, ranges = [], []
     for n, (a, segs) in enumerate(zip(seq_start, seq_segs)):
         if len(segs) < 2:
             continue
-        for p, L in enumerate(segs if last else segs[:-1]):
+        for p, L in enumerate(segs):
             rows.append((n, p))
             ranges.append((a, a + int(L)))
             a += int(L)
@@ -543,7 +541,7 @@ def _window_counts(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading
     int64 device tensor, per trailing row and then per leading row, of the fewest chunks (unrounded) whose
     bound is under ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, 0 where none of the first
     MAX_WINDOW_CHUNKS is.  None when no sequence is split.  Nothing is read on the host."""
-    rows, ranges = _window_rows(seq_start, seq_segs, last=True)
+    rows, ranges = _window_rows(seq_start, seq_segs)
     if not rows:
         return None
     lead_rows = [(r, rg) for r, rg in zip(rows, ranges) if r[1] >= 1] if leading else []
@@ -573,10 +571,10 @@ def _windows_from_counts(found, counts: Sequence[int]):
 
 
 def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, leading: bool = False):
-    """Window lengths in chunks (0: none) of the split sequences' segments, ``_window_rows(..., last=True)``
-    order.  ``trail[(n, p)]``: the fewest trailing chunks of segment p (at most MAX_WINDOW_CHUNKS) whose map
-    is under ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, rounded up to a power of two and capped at
-    the segment.  Then the segment's true end state equals, to fp32 rounding, that window's end state from a
+    """Window lengths in chunks (0: none) of the split sequences' segments, ``_window_rows`` order.
+    ``trail[(n, p)]``: the fewest trailing chunks of segment p (at most MAX_WINDOW_CHUNKS) whose map is under
+    ``exp(NEGLIGIBLE_LOG_BOUND)`` for every value head, rounded up to a power of two and capped at the
+    segment.  Then the segment's true end state equals, to fp32 rounding, that window's end state from a
     zero start, and its M (forward scan) and M^T (backward scan) are negligible.  Any longer window serves
     too: the state entering the negligible suffix is a true state of the sequence either way.
     ``lead[(n, p)]`` (``leading``, p >= 1): the same from the segment's start; then the segment's dh0 with a
@@ -811,16 +809,6 @@ class _Layout:
         return [(self.seg_cu[s], self.seg_cu[s + 1] - self.seg_cu[s]) for s in self.row_segments()]
 
 
-_SELECTED: dict = {}     # (pass spec, backend request, width, tokens per sequence, dispatch state) -> backend
-
-
-def _dispatch_state() -> tuple:
-    from .dispatch import registry as reg
-    return (tuple(reg._REGISTRY.items()), len(reg._RUNTIME_FAILURES), repr(reg._EXTRA_PRIORITIES),
-            os.environ.get("FLASHQLA_BACKEND"), os.environ.get("FLASHQLA_DISABLE"),
-            os.environ.get("FLASHQLA_SPEED_TABLE"))
-
-
 class _Engine:
     """The phases of a segmented call on packed tensors ``[1, T, ...]``, all through one backend name.
 
@@ -835,9 +823,7 @@ class _Engine:
         self.layout = layout
         self.sd = state_dtype
         # the caller's validated spec: every pass's inputs are views or gathers of its tensors (same dtypes,
-        # heads, device, flags), so a pass's spec is derived from it instead of validated again, and its
-        # backend choice is remembered per (spec, shape) (host time: a windowed call's passes run after
-        # its host read, while the GPU waits)
+        # heads, device, flags), so a pass's spec is derived from it instead of validated again
         self.base_spec = base_spec
 
     # -- backend calls --------------------------------------------------------------------------------
@@ -848,23 +834,13 @@ class _Engine:
         if self.base_spec is None:
             spec, scale, meta = validate(q, k, v, g, beta, self.scale, h0, out_final, self.l2norm, None, meta,
                                          needs_grad=needs_grad)
-            be, _ = select(spec, self.backend)
         else:
             spec = dataclasses.replace(
                 self.base_spec, state_dtype=None if h0 is None else dtype_name(h0.dtype), varlen=True,
                 has_initial_state=h0 is not None, output_final_state=bool(out_final), needs_grad=bool(needs_grad),
                 batch=1, tokens=q.shape[1], num_seqs=meta.num_seqs)
             scale = self.scale
-            # (the dispatch order may depend on the shape: width and tokens per sequence are in the key; and
-            # on the registry, its run-time failure records and the dispatch environment variables)
-            key = (spec, self.backend, spec.Hv * spec.num_seqs, spec.tokens // max(1, spec.num_seqs),
-                   _dispatch_state())
-            be = _SELECTED.get(key)
-            if be is None:
-                be, _ = select(spec, self.backend)
-                if len(_SELECTED) > _CACHE_MAX:
-                    _SELECTED.clear()
-                _SELECTED[key] = be
+        be, _ = select(spec, self.backend)
         x = FwdInputs(q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), g=g.contiguous(),
                       beta=beta.contiguous(), scale=scale,
                       initial_state=None if h0 is None else h0.contiguous(), cu_seqlens=meta.cu_seqlens,
@@ -1500,14 +1476,13 @@ def chunk_gated_delta_rule_cp(
         cfg = _CPConfig(eng, prog, (B, T), bool(output_final_state), spec.needs_grad)
         return _CPFunction.apply(q, k, v, g, beta, initial_state, cfg)
 
-    if not windowed or _capturing(q.device):
-        o, ht = run((None, None))
-        return o, (ht if output_final_state else None)
-    # the fixed structure's program is built on every windowed call (a plan's first call also runs it): a
-    # CUDA-graph capture after this warm-up runs it
-    _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
-    found = _window_counts(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
-                           plan.segments, leading=spec.needs_grad)
+    found = None
+    if windowed and not _capturing(q.device):
+        # the fixed structure's program is built on every windowed call (a plan's first call also runs it):
+        # a CUDA-graph capture after this warm-up runs it
+        _device_cached(key, q.device, lambda up: _Program(plan.segments, has_h0, spec.needs_grad, mode, up))
+        found = _window_counts(_pack(k), _pack(g), _pack(beta), bool(use_qk_l2norm_in_kernel), starts,
+                               plan.segments, leading=spec.needs_grad)
     if found is None:
         o, ht = run((None, None))
         return o, (ht if output_final_state else None)

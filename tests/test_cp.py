@@ -812,7 +812,7 @@ def test_window_maps_are_below_the_threshold(monkeypatch):
     x["g"] = x["g"] * 0.2                      # slow enough that windows span several chunks
     segs = (split_even(2000, 4),)
     trail, lead = cpmod._boundary_windows(x["k"], x["g"], x["beta"], False, [0], segs, leading=True)
-    rows, ranges = cpmod._window_rows([0], segs, last=True)
+    rows, ranges = cpmod._window_rows([0], segs)
     assert list(trail) == rows and list(lead) == rows[1:]
     assert all(w > 1 for w in trail.values()) and all(w > 1 for w in lead.values()), (trail, lead)
     wins = {"trail": [(b - trail[r] * 64, trail[r] * 64) for r, (a, b) in zip(rows, ranges)],
