@@ -464,12 +464,15 @@ def test_bad_transitions_argument():
 # Windows: negligible segment maps are not computed (inference forwards)
 # ------------------------------------------------------------------------------------------------------
 
-def _spy_calls(monkeypatch):
+def _spy_calls(monkeypatch, order=None):
+    """The backend passes CP runs (tokens, sequences), in order; each also logged as "pass" in ``order``."""
     calls = []
     real = cpmod._Engine.forward_call
 
     def spy(self, q, k, v, g, beta, cu, h0, out_final, needs_grad):
         calls.append(dict(T=q.shape[1], nseq=len(cu.cu_seqlens_cpu) - 1))
+        if order is not None:
+            order.append("pass")
         return real(self, q, k, v, g, beta, cu, h0, out_final, needs_grad)
 
     monkeypatch.setattr(cpmod._Engine, "forward_call", spy)
@@ -591,10 +594,9 @@ def test_repeated_call_checks_its_windows_after_launching(backend, monkeypatch):
     case = Case("spec_windows", 1, 2, 32, 32, seqlens=(2000, 700))
     x = make_inputs(case, torch.float32, seed=11)
     ref = oracle(case, x, grads=False)
-    order, passes = [], []
-    real_fc, real_read, real_finish = cpmod._Engine.forward_call, cpmod._read_windows, cpmod._finish_read
-    monkeypatch.setattr(cpmod._Engine, "forward_call", lambda self, *a: order.append("pass") or
-                        passes.append(a[0].shape[1]) or real_fc(self, *a))
+    order = []
+    calls = _spy_calls(monkeypatch, order)
+    real_read, real_finish = cpmod._read_windows, cpmod._finish_read
     monkeypatch.setattr(cpmod, "_read_windows", lambda found: order.append("read first") or real_read(found))
     monkeypatch.setattr(cpmod, "_finish_read", lambda p: order.append("read after") or real_finish(p))
     call = functools.partial(_infer_cp, backend=backend, segments=[4, 2])
@@ -603,6 +605,7 @@ def test_repeated_call_checks_its_windows_after_launching(backend, monkeypatch):
     order.clear()
     again = call(x)
     assert order == ["pass", "pass", "read after"], order       # the windows, read at the end
+    passes = [c["T"] for c in calls]
     assert passes[2] * 2 <= passes[0], passes                   # phase 1: the windows alone
     order.clear()
     off = call(x, windows="off")
@@ -628,26 +631,24 @@ def test_repeated_call_runs_again_when_its_windows_fall_short(backend, second, m
     else:
         other = {**fast, "g": fast["g"].clone()}
         other["g"][..., 0] = 0.0                      # head 0 never decays: no window anywhere
-    passes = []
-    real_fc = cpmod._Engine.forward_call
-    monkeypatch.setattr(cpmod._Engine, "forward_call", lambda self, *a: passes.append(a[0].shape[1])
-                        or real_fc(self, *a))
+    calls = _spy_calls(monkeypatch)
     call = functools.partial(_infer_cp, backend=backend, segments=[4, 1])
     call(fast)                                        # the fixed structure; the plan keeps one-chunk windows
-    passes.clear()
+    calls.clear()
     call(fast)
-    narrow = passes[0]
-    passes.clear()
+    narrow = calls[0]["T"]
+    calls.clear()
     got = call(other)
+    passes = [c["T"] for c in calls]
     assert len(passes) == 4, passes                   # ran, found its windows short, ran again
     assert passes[2] > narrow, (passes, narrow)
     ref = oracle(case, other, grads=False)
     off = call(other, windows="off")
     for a, b, r in zip(got, off, (ref["o"], ref["ht"])):
         assert rel_l2(a, r) <= TOL and rel_l2(a, b) <= TOL
-    passes.clear()
+    calls.clear()
     again = call(fast)
-    assert len(passes) == 2, passes                   # the wider windows cover the fast gates
+    assert len(calls) == 2, calls                     # the wider windows cover the fast gates
     ref_fast = oracle(case, fast, grads=False)
     for a, r in zip(again, (ref_fast["o"], ref_fast["ht"])):
         assert rel_l2(a, r) <= TOL
