@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 from collections import defaultdict
 
@@ -61,7 +62,6 @@ def profile_one(fn, iters: int) -> dict:
         fn()
     torch.cuda.synchronize()
     # eager wall time per call: beside the sum of kernel times it says whether the call is host-bound
-    import time
     t0 = time.perf_counter()
     for _ in range(max(iters, 20)):
         fn()

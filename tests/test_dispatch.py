@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 import flashqla
-from flashqla.dispatch import Backend, BackendUnavailableError, fake_device, match_priority, register_backend, \
-    unregister_backend
+from flashqla.dispatch import Backend, BackendUnavailableError, fake_device, get_backend, match_priority, \
+    register_backend, unregister_backend
 from flashqla.reference import chunk_gated_delta_rule_ref
 from flashqla.testing import Case, make_inputs, run_case
 
@@ -282,3 +284,16 @@ def test_compile_failure_names_backend_kernel_and_configuration():
     finally:
         unregister_backend("uncompilable")
         registry._RUNTIME_FAILURES.clear()
+
+
+def test_backends_claimed_for_this_machine_are_available():
+    """The per-backend test files skip themselves when their backend is unavailable; this guard keeps such a
+    skip from hiding a broken backend that the project claims runs here: the reference and the native cpu
+    backend (built by ``pip install -e .``) everywhere, and triton on CUDA or under its interpreter (which
+    tests/conftest.py turns on without a GPU)."""
+    claimed = ["reference", "cpu"]
+    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+        claimed.append("triton")
+    for name in claimed:
+        ok, why = get_backend(name).available()
+        assert ok, f"backend {name!r} is claimed to run on this machine but is unavailable: {why}"
