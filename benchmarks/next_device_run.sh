@@ -126,10 +126,20 @@ case "$STEP" in
         tests/test_reliability.py -k "cutlass" ;;
   memory)
     # FlashQLA's backward kernels compile on first use, minutes per head configuration: warm them first
-    # (FLQ_WARM_ARGS=--with-backward bash benchmarks/next_device_run.sh flqwarm memory)
+    # (bash benchmarks/next_device_run.sh memwarm membwd save, then memfwd in a second call)
     TAIL=30 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd --out $OUT/memfwd
     TAIL=30 run_step "memory fwdbwd" 250 python benchmarks/bench_memory.py --modes fwdbwd --out $OUT/membwd
     save_kcache ;;
+  memwarm)
+    # FlashQLA's forward and backward kernels for the Step 2 heads (the memory grid), without the rekey check
+    TAIL=10 run_step "flashqla fwd+bwd warm-up" ${MEMWARM_S:-300} python benchmarks/warm_flashqla_cache.py \
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${MEM_HEADS:-2/8,4/16,8/32,16/32,16/64} --with-backward ;;
+  memfwd)
+    TAIL=40 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd \
+        --backends ${MEM_BACKENDS:-triton,tilelang} --out $OUT/memfwd ;;
+  membwd)
+    TAIL=40 run_step "memory fwdbwd" 300 python benchmarks/bench_memory.py --modes fwdbwd \
+        --backends ${MEM_BACKENDS:-triton,tilelang} --out $OUT/membwd ;;
   ncu)
     for row in 16/32:4x8192 2/8:1x32768; do
       TAIL=60 run_step "ncu $row" 200 ncu --clock-control none -k regex:gdn_fwd_recurrent_ws --launch-skip 2 \
@@ -179,6 +189,6 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw8} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
