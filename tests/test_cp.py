@@ -23,7 +23,7 @@ import textwrap
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from torch.overrides import TorchFunctionMode
 
@@ -841,6 +841,9 @@ def _cp_window_cases(draw):
 
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(args=_cp_window_cases(), seed=st.integers(0, 2**16))
+# the draw where the plain fp32 op's dg is 1.07e-5 from the float64 oracle (session 8's review)
+@example(args=(Case("hyp_cpw", 1, 1, 16, 16, seqlens=(700,), h0=False, ht=False, l2norm=False), [1], "mixed", True),
+         seed=611)
 def test_random_cp_with_windows_matches_oracle(args, seed):
     """Random varlen partitions, segment counts, gates (decaying, g = 0, g = 0 then decaying, a g = 0 head),
     flags, with and without gradients: CP with windows matches the float64 oracle."""
@@ -855,9 +858,16 @@ def test_random_cp_with_windows_matches_oracle(args, seed):
     cpmod.clear_window_memo()
     if grads:
         ref = oracle(case, x)
+        # CP may not lose accuracy against CP off (issue #8); where the plain fp32 op itself is past TOL (a
+        # strong-decay single head: its dg reached 1.07e-5, the fp32 reference 1.84e-5) that is the bound
+        plain = _run(flashqla.chunk_gated_delta_rule, case, x, backend=backend)
+        tol = {n: max(TOL, 2 * rel_l2(plain[n], ref[n])) for n in NAMES if ref.get(n) is not None}
         for _ in range(2):
             res = _run(chunk_gated_delta_rule_cp, case, x, backend=backend, segments=segments)
-            _compare(res, ref, TOL, f"{case} {segments} {gate_edit}")
+            errs = {n: rel_l2(res[n], ref[n]) for n in tol}
+            bad = {n: (e, tol[n]) for n, e in errs.items() if not e <= tol[n]}
+            assert not bad, f"{case} {segments} {gate_edit}: (rel-L2, bound) {bad}"
+            assert all(t <= 1e-4 for t in tol.values()), f"plain op far from the oracle: {tol}"
         return
     ref = oracle(case, x, grads=False)
     for _ in range(2):
