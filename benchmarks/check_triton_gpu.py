@@ -143,7 +143,7 @@ def run_crash_case() -> int:
             stage("state_bwd", lambda: dict(zip(("dh", "dvn", "dh0"), ops.state_bwd(
                 geo, q, k, res["w"], res["G"], do, dht, True, scale, L2))))
             stage("grads(dqk+wy)", lambda: dict(zip(("dq", "dk", "dv", "dbeta", "dg"), ops.grads(
-                geo, q, k, v, beta, res["G"], res["Tm"], res["w"], res["u"], res["h"], res["dh"], res["vn"],
+                geo, q, k, v, beta, res["G"], res["Tm"], res["w"], res["u"], res["h"], [res["dh"]], res["vn"],
                 res["dvn"], do, scale, L2))))
             stage("state_fwd(fused)", lambda: dict(zip(("o_f", "_", "ht_f"), ops.state_fwd(
                 geo, q, k, res["w"], res["u"], res["G"], h0, True, L2, scale, fuse_output=True))))

@@ -575,7 +575,7 @@ def test_gpu_diagnose_short_sequences(monkeypatch, capsys):
         o_f, _, ht_f = ops.state_fwd(geo, qq, kk, w, u, G, x["initial_state"], True, fused,
                                      128 ** -0.5, fuse_output=True)
         dh, dvn, dh0 = ops.state_bwd(geo, qq, kk, w, G, x["do"], x["dht"], True, 128 ** -0.5, fused)
-        dq, dk, dv, dbeta, dg = ops.grads(geo, qq, kk, x["v"], x["beta"], G, Tm, w, u, h, dh, vn, dvn,
+        dq, dk, dv, dbeta, dg = ops.grads(geo, qq, kk, x["v"], x["beta"], G, Tm, w, u, h, [dh], vn, dvn,
                                           x["do"], 128 ** -0.5, fused)
         torch.cuda.synchronize()
     stages = [("prep(store_t) w", w, False), ("prep(store_t) u", u, False), ("prep Tinv", Tm, True),

@@ -427,6 +427,13 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     bwd_dqk_kernel(dt, K, V, l2norm)(
         q, k, dof, G, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices, dq_h, dkp, dw, dGp,
         float(scale), ratio)
+    # Peak memory is reached in the wy kernel below: drop what it does not read first.  The state
+    # gradients (16-bit [chunks, Hv, K, V], 537 MB at 32 heads x 32k tokens) are done with, and the GVA sum
+    # of dq can happen now (the caching allocator reuses both blocks for the wy kernel's outputs).
+    # (GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.)
+    del dh, state_args
+    dq = dq_h.view(NT, Hqk, ratio, K).sum(2) if ratio > 1 else dq_h
+    del dq_h
 
     dk_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)
     dv = torch.empty(NT, Hv, V, dtype=f32, device=dev)
@@ -435,9 +442,8 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
         k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
         ratio)
+    del dw, dvn, dkp, dGp
 
-    # GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.
-    dq = dq_h.view(NT, Hqk, ratio, K).sum(2) if ratio > 1 else dq_h
     dk = dk_h.view(NT, Hqk, ratio, K).sum(2) if ratio > 1 else dk_h
     return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
             dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)

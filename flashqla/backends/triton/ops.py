@@ -384,37 +384,40 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     return dh, dvn, dh0
 
 
-def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale: float, use_l2: bool):
+def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, do, scale: float, use_l2: bool):
+    """``dh_box``: a one-element list holding the state gradients; it is emptied once the kernel that reads
+    them is launched, so that (with the caller holding no other reference) their block is free before the
+    wy kernel's outputs are allocated: the peak of the backward is in that kernel."""
     from .chunk_bwd_grads import chunk_bwd_dqk_kernel, chunk_bwd_wy_kernel
 
     dev = q.device
     per_vhead = geo.Hv != geo.Hqk
-    if per_vhead:
-        # one slot per value head, summed over the group below (deterministic, no atomics)
-        dq = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev)
-        dk = torch.empty_like(dq)
-    else:
-        dq = torch.empty_like(q)
-        dk = torch.empty_like(k)
+    r = geo.Hv // geo.Hqk
+    # (GVA: one slot per value head, summed over the group after the launch: deterministic, no atomics)
+    dq = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev) if per_vhead else \
+        torch.empty_like(q)
     dk_a = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev)
     dG_a = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
-    dv = torch.empty_like(v)
-    dbeta = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
-    dg = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
     grid = (geo.chunks, geo.Hv)
     common = dict(K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, GRAD_PER_VHEAD=per_vhead,
                   IEEE=geo.ieee)
     cfg = tune("dqk")
     launch(chunk_bwd_dqk_kernel, grid,
-        q, k, G, h, dh, vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
+        q, k, G, h, dh_box.pop(), vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
+    if per_vhead:
+        dq = dq.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
+    dk = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev) if per_vhead else \
+        torch.empty_like(k)
+    dv = torch.empty_like(v)
+    dbeta = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
+    dg = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
     cfg = tune("wy")
     launch(chunk_bwd_wy_kernel, grid,
         k, v, beta, G, Tm, w, u, h, dvn, dk_a, dG_a, dk, dv, dbeta, dg, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     if per_vhead:
-        r = geo.Hv // geo.Hqk
-        dq = dq.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
+        del dk_a, dG_a
         dk = dk.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
     return dq, dk, dv, dbeta, dg
 
@@ -435,5 +438,7 @@ def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
     w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
     h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2)
     dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2)
-    dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh, vn, dvn, do, scale, use_l2)
+    dh_box = [dh]
+    del dh      # (grads frees it after its first launch)
+    dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh_box, vn, dvn, do, scale, use_l2)
     return dq, dk, dv, dg, dbeta, dh0
