@@ -93,7 +93,9 @@ class CpuMeter(TorchDispatchMode):
         super().__init__()
         self.cur = self.peak = 0
         self._refs = {}       # storage key -> [tracked tensors alive, nbytes]
-        self._seen = weakref.WeakSet()
+        # tensors already counted, by id (a WeakSet would compare two tensors with == on a hash match, which
+        # is elementwise: in-place ops such as copy_ return a tensor already seen)
+        self._seen = {}
 
     def _release(self, key):
         ent = self._refs.get(key)
@@ -105,7 +107,8 @@ class CpuMeter(TorchDispatchMode):
             del self._refs[key]
 
     def _track(self, t):
-        if t in self._seen or t.device.type == "meta":
+        ref = self._seen.get(id(t))
+        if (ref is not None and ref() is t) or t.device.type == "meta":
             return
         try:
             st = t.untyped_storage()
@@ -114,7 +117,8 @@ class CpuMeter(TorchDispatchMode):
             return
         if nbytes == 0:
             return
-        self._seen.add(t)
+        tid = id(t)
+        self._seen[tid] = weakref.ref(t, lambda _r, tid=tid, seen=self._seen: seen.pop(tid, None))
         ent = self._refs.get(key)
         if ent is None:
             self._refs[key] = [1, nbytes]
