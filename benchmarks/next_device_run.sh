@@ -134,6 +134,11 @@ case "$STEP" in
     # FlashQLA's forward and backward kernels for the Step 2 heads (the memory grid), without the rekey check
     TAIL=10 run_step "flashqla fwd+bwd warm-up" ${MEMWARM_S:-300} python benchmarks/warm_flashqla_cache.py \
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${MEM_HEADS:-2/8,4/16,8/32,16/32,16/64} --with-backward ;;
+  bwdtests)
+    # after a change to the backwards' host code (session 9: buffers freed before the wy kernel): the tilelang
+    # backward tests and the shared suite on tilelang and triton with gradients
+    TAIL=8 run_step "backward GPU tests" 200 $PYT tests/test_backend_tilelang.py tests/test_correctness.py \
+        -k "backward or (tilelang and grad) or (triton and grad)" ;;
   memfwd)
     TAIL=40 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd \
         --backends ${MEM_BACKENDS:-triton,tilelang} --out $OUT/memfwd ;;
@@ -189,6 +194,6 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw8} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
