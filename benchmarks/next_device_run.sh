@@ -139,7 +139,8 @@ case "$STEP" in
     # backward tests and the shared suite on tilelang and triton with gradients
     # (triton's host change runs under the interpreter in CPU CI; its device compiles would take minutes)
     TAIL=4 run_step "tilelang backward GPU tests" 150 $PYT tests/test_backend_tilelang.py -k backward
-    TAIL=6 run_step "shared suite on tilelang" 150 $PYT tests/test_correctness.py -k "tilelang and cuda" ;;
+    TAIL=6 run_step "shared suite on tilelang" 150 $PYT tests/test_correctness.py -k "tilelang and cuda"
+    TAIL=8 run_step "hostile values on the GPU" 150 $PYT tests/test_reliability.py -k "hostile or nonfinite" ;;
   memfwd)
     TAIL=40 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd \
         --backends ${MEM_BACKENDS:-triton,tilelang} --out $OUT/memfwd ;;

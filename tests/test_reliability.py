@@ -39,12 +39,11 @@ def _run(backend, x, case, grads=False):
     return o, ht, leaves
 
 
-@pytest.mark.parametrize("backend", CPU_BACKENDS)
-@pytest.mark.parametrize("what", ["g_-1e4", "g_0", "beta_0", "beta_1", "zero_qk_l2norm"])
-def test_hostile_finite_values_stay_finite(backend, what):
-    _backend_or_skip(backend)
-    case = Case(what, 1, 2, 64, 64, seqlens=(70, 1, 58), l2norm=(what == "zero_qk_l2norm"))
-    x = make_inputs(case, torch.float32)
+HOSTILE = ["g_-1e4", "g_0", "beta_0", "beta_1", "zero_qk_l2norm"]
+
+
+def _hostile(x, what):
+    """Edit inputs ``x`` in place into the hostile case ``what``."""
     if what == "g_-1e4":
         x["g"][:, ::3] = -1e4
     elif what == "g_0":
@@ -56,6 +55,15 @@ def test_hostile_finite_values_stay_finite(backend, what):
     else:
         x["q"][:, 5:40] = 0.0
         x["k"][:, 10:60] = 0.0
+
+
+@pytest.mark.parametrize("backend", CPU_BACKENDS)
+@pytest.mark.parametrize("what", HOSTILE)
+def test_hostile_finite_values_stay_finite(backend, what):
+    _backend_or_skip(backend)
+    case = Case(what, 1, 2, 64, 64, seqlens=(70, 1, 58), l2norm=(what == "zero_qk_l2norm"))
+    x = make_inputs(case, torch.float32)
+    _hostile(x, what)
     o, ht, leaves = _run(backend, x, case, grads=get_backend(backend).has_backward)
     assert torch.isfinite(o).all() and torch.isfinite(ht).all()
     ref = oracle(case, x, grads=False)
@@ -66,6 +74,51 @@ def test_hostile_finite_values_stay_finite(backend, what):
     if get_backend(backend).has_backward:
         grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
         assert all(torch.isfinite(gr).all() for gr in grads)
+
+
+GPU_BACKENDS = [pytest.param(b, marks=pytest.mark.gpu) for b in ("triton", "tilelang", "cutlass")]
+
+
+def _cuda_backend_or_skip(name):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    return _backend_or_skip(name)
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+@pytest.mark.parametrize("what", HOSTILE)
+def test_gpu_hostile_finite_values_stay_finite(backend, what):
+    """The hostile cases on the GPU backends (K = V = 128, bf16 q/k/v, fp32 g), forward and backward: finite
+    everywhere, and within bf16 tolerances of the float64 oracle (g = -1e4: see the CPU test)."""
+    _cuda_backend_or_skip(backend)
+    case = Case(what, 2, 4, 128, 128, seqlens=(200, 1, 130), l2norm=(what == "zero_qk_l2norm"))
+    x = make_inputs(case, torch.bfloat16)        # the oracle reads the same rounded values
+    _hostile(x, what)
+    ref = oracle(case, x, grads=True)
+    xd = {n: None if t is None else t.cuda() for n, t in x.items()}
+    o, ht, leaves = _run(backend, xd, case, grads=True)
+    grads = torch.autograd.grad([o, ht], leaves, [xd["do"], xd["dht"]])
+    torch.cuda.synchronize()
+    assert torch.isfinite(o).all() and torch.isfinite(ht).all()
+    assert all(torch.isfinite(gr).all() for gr in grads)
+    tol = 2e-2 if what == "g_-1e4" else 5e-3
+    assert rel_l2(o, ref["o"]) <= tol and rel_l2(ht, ref["ht"]) <= tol
+    for n, gr in zip(("dq", "dk", "dv"), grads):
+        assert rel_l2(gr, ref[n]) <= (5e-2 if what == "g_-1e4" else 1e-2), n
+
+
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_nonfinite_input_stays_in_its_sequence(backend):
+    _cuda_backend_or_skip(backend)
+    case = Case("nan", 2, 4, 128, 128, seqlens=(150, 200, 70))
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    clean_o, clean_ht, _ = _run(backend, x, case)
+    x["v"][0, 160, 1, 3] = float("nan")  # inside sequence 1 (tokens 150..349)
+    o, ht, _ = _run(backend, x, case)
+    torch.cuda.synchronize()
+    assert torch.equal(o[:, :150], clean_o[:, :150]) and torch.equal(o[:, 350:], clean_o[:, 350:])
+    assert torch.equal(ht[[0, 2]], clean_ht[[0, 2]])
+    assert not torch.isfinite(ht[1]).all()
 
 
 @pytest.mark.parametrize("backend", CPU_BACKENDS)
