@@ -152,9 +152,10 @@ def chunk_gated_delta_rule(
         backend_options: backend-specific switches (documented by each backend).
         context_parallel: exact context parallelism (:mod:`flashqla.cp`): ``False`` (default) off,
             ``"auto"``/``True`` lets the cost model split long sequences, an int forces that many segments.
-            ``explain()`` shows what ``"auto"`` would decide.  A CP call reads the gates'
-            decay bound on the host (one sync) to skip work that cannot change the result in fp32 (windows,
-            see :mod:`flashqla.cp`); under CUDA-graph capture it runs the fixed structure instead.
+            ``explain()`` shows what ``"auto"`` would decide.  A CP call computes on the device how much of
+            each segment can change the result in fp32 (windows, see :mod:`flashqla.cp`) and reads those
+            lengths on the host once, after its kernels are launched (one sync per call); a plan's first call
+            and calls under CUDA-graph capture run the fixed structure instead.
 
     Returns:
         ``o`` ``[B, T, Hv, V]`` in v's dtype, and the final state (None unless ``output_final_state``).
