@@ -20,12 +20,23 @@ run_step() {
   grep -v "TileLang:tilelang.jit.kernel:INFO" "$log" | tail -${TAIL:-25}
 }
 save_kcache() {
-  tar cf - -C /tmp/kcache --exclude=.restored --exclude=./triton . | xz -T16 -6 > "$OUT/kcache.tar.xz"
-  ls -la "$OUT/kcache.tar.xz"
+  # files come back at most 16 MiB each (session 9: a 19.7 MiB cache was left out): past 15 MiB the archive
+  # comes back in parts, kcache.tar.xz.part-aa, -ab, ...; copy them (or the one file) into .gpu/
+  tar cf - -C /tmp/kcache --exclude=.restored --exclude=./triton . | xz -T16 -6 > /tmp/kcache.tar.xz
+  if [ "$(stat -c %s /tmp/kcache.tar.xz)" -gt $((15 * 1024 * 1024)) ]; then
+    split -b 15M /tmp/kcache.tar.xz "$OUT/kcache.tar.xz.part-"
+  else
+    cp /tmp/kcache.tar.xz "$OUT/kcache.tar.xz"
+  fi
+  ls -la "$OUT"/kcache.tar.xz*
   echo "total $(( $(date +%s) - START ))s"
 }
-if [ -f .gpu/kcache.tar.xz ] && [ ! -f /tmp/kcache/.restored ]; then
-  tar xJf .gpu/kcache.tar.xz -C /tmp/kcache && touch /tmp/kcache/.restored
+if [ ! -f /tmp/kcache/.restored ]; then
+  if ls .gpu/kcache.tar.xz.part-* > /dev/null 2>&1; then
+    cat .gpu/kcache.tar.xz.part-* | tar xJf - -C /tmp/kcache && touch /tmp/kcache/.restored
+  elif [ -f .gpu/kcache.tar.xz ]; then
+    tar xJf .gpu/kcache.tar.xz -C /tmp/kcache && touch /tmp/kcache/.restored
+  fi
 fi
 # whichever bundles this call carried (.gpu: tilelang + peers; .gpu_cute: the CuTe DSL)
 for _d in .gpu .gpu_cute; do [ -f "$_d/setup.sh" ] && source "$_d/setup.sh"; done
