@@ -53,6 +53,18 @@ is negligible, and where every segment p >= 1 has a leading window (the same bou
 backward's first pass (each segment's dh0 with a zero end cotangent) runs a forward and backward of those
 windows only, from the saved inputs, instead of a backward over every token.
 
+Next (not built; H200, session 9, ``benchmarks/cp_graph_probe.py``).  At 2/8 heads x one 32k sequence the
+windowed passes take 0.231 ms in a CUDA graph and 1.16 ms eagerly (FlashQLA: 0.254 eager): the host path is
+the limit, and the per-call read of the window lengths is what keeps the call out of a graph.  Copying the
+inputs into a graph of our own and checking the windows costs 0.72 ms, so that does not pay.  What would:
+windows that never leave the device.  The plan fixes a window cap W per segment (from the memo: the widest
+seen), so the windowed pass has host-known ranges; the window-count kernel sets a device flag when a segment
+needs more than W; the fixed structure's passes (full-segment S and M) are launched too, with kernels that
+return at once while the flag is clear, and the scan takes S and M from whichever ran (``torch.where`` on the
+flag).  No host read at all, exact for any gates, capturable by the caller; the flag, read a call later
+without a sync, widens W for the next calls.  Cost when the windows hold: the windowed kernels plus a few
+empty launches.  It needs an early-exit flag argument in each backend's forward kernels.
+
 For ``K != V`` the ``M`` come from :func:`transition_matrices` (torch ops; also the test oracle), or with
 ``transitions="kernel"`` from a separate backend forward with ``V' = K``.
 
