@@ -26,6 +26,10 @@
 #                                                 (HOSTPROF_IMPLS, HOSTPROF_ROWS)
 #   bash benchmarks/next_device_run.sh cpgraph    the windowed CP passes captured in a CUDA graph, with and without
 #                                                 the input copies and the window check, against eager CP (#8)
+#   bash benchmarks/next_device_run.sh bwdtests memfwd   the tilelang backward GPU tests and the hostile-value GPU tests
+#                                                 (session 9's changes), then the forward memory table (#11)
+#   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
+#                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
@@ -144,8 +148,10 @@ case "$STEP" in
     TAIL=40 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd \
         --backends ${MEM_BACKENDS:-triton,tilelang} --out $OUT/memfwd ;;
   membwd)
-    TAIL=40 run_step "memory fwdbwd" 300 python benchmarks/bench_memory.py --modes fwdbwd \
-        --backends ${MEM_BACKENDS:-triton,tilelang} --out $OUT/membwd ;;
+    # (session 9: the 2/8 rows took 131 s with their compiles, then a FlashQLA variant the warm-up had not listed
+    # compiled for minutes at 4/16; MEM_FILTER, e.g. "4/16", measures a part)
+    TAIL=40 run_step "memory fwdbwd" ${MEMBWD_S:-300} python benchmarks/bench_memory.py --modes fwdbwd \
+        --backends ${MEM_BACKENDS:-triton,tilelang} ${MEM_FILTER:+--filter "$MEM_FILTER"} --out $OUT/membwd ;;
   ncu)
     for row in 16/32:4x8192 2/8:1x32768; do
       TAIL=60 run_step "ncu $row" 200 ncu --clock-control none -k regex:gdn_fwd_recurrent_ws --launch-skip 2 \
