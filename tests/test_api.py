@@ -66,3 +66,30 @@ def test_context_parallel_flag_and_explain():
     assert rel_l2(o2, o1) <= 1e-5 and rel_l2(h2, h1) <= 1e-5
     d = flashqla.explain(*args, **kw)
     assert "context_parallel='auto' would" in str(d)
+
+
+def test_inference_calls_skip_the_autograd_node(monkeypatch):
+    """A call with nothing to differentiate runs the backend directly (the autograd node was ~20% of a small
+    call's host time); one with inputs that require grad still builds the node, and both agree."""
+    import flashqla.api as api
+    entered = []
+    orig = api._ChunkGatedDeltaRule.forward
+
+    def spy(ctx, *a):
+        entered.append(1)
+        return orig(ctx, *a)
+
+    monkeypatch.setattr(api._ChunkGatedDeltaRule, "forward", staticmethod(spy))
+    case = Case("nograd", 1, 2, 16, 16, B=1, T=70)
+    x = make_inputs(case, torch.float32)
+    args = [x[n] for n in ("q", "k", "v", "g", "beta")]
+    with torch.no_grad():
+        o, ht = flashqla.chunk_gated_delta_rule(*args, initial_state=x["initial_state"], output_final_state=True,
+                                                backend="reference")
+    o2, ht2 = flashqla.chunk_gated_delta_rule(*args, output_final_state=False, backend="reference")
+    assert not entered and o.grad_fn is None and o2.grad_fn is None and ht2 is None
+    leaves = [t.clone().requires_grad_() for t in args]
+    o3, ht3 = flashqla.chunk_gated_delta_rule(*leaves, initial_state=x["initial_state"], output_final_state=True,
+                                              backend="reference")
+    assert entered and o3.grad_fn is not None
+    assert torch.equal(o3.detach(), o) and torch.equal(ht3.detach(), ht)
