@@ -93,3 +93,16 @@ def test_inference_calls_skip_the_autograd_node(monkeypatch):
                                               backend="reference")
     assert entered and o3.grad_fn is not None
     assert torch.equal(o3.detach(), o) and torch.equal(ht3.detach(), ht)
+
+
+def test_api_host_time_script_runs(capsys):
+    """benchmarks/api_host_time.py (the host-time loop quoted in the session-9 notes) runs here."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "api_host_time.py"
+    spec = importlib.util.spec_from_file_location("api_host_time", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--calls", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "op, no grad" in out and "us/call" in out
