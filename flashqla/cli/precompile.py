@@ -199,9 +199,11 @@ def _dir_stats(path):
 
 def _compile_one(name, builder, key):
     """Compile one variant (in this or a worker process); its seconds."""
+    from .._build_notice import quiet
     from ..backends.tilelang import _compile
     t0 = time.perf_counter()
-    _compile.get_kernel(name, builder, key)
+    with quiet():       # this command prints a line per kernel itself
+        _compile.get_kernel(name, builder, key)
     return time.perf_counter() - t0
 
 

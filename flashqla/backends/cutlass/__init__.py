@@ -48,6 +48,7 @@ from pathlib import Path
 import torch
 
 from ...dispatch.registry import Backend, register_backend
+from ..._build_notice import build_notice
 
 log = logging.getLogger("flashqla")
 
@@ -177,8 +178,9 @@ def compile_kernel(kind: str, key: tuple, arch: str = ARCH, keep_dir=None):
             log.warning("flashqla cutlass: cannot keep artifacts in %s (%s)", out, exc)
         log.info("flashqla cutlass: compiling %s %s for %s", kind, key, arch)
         try:
-            kernel = _make_kernel(kind, key)
-            fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
+            with build_notice("cutlass", kind, key):
+                kernel = _make_kernel(kind, key)
+                fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
         except Exception as exc:
             from ...dispatch.registry import KernelBuildError
             raise KernelBuildError("cutlass", kind, (arch,) + tuple(key), exc) from exc

@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any, Callable
 
+from ..._build_notice import build_notice
+
 # Kernels are compiled for Hopper with the architecture-specific features (wgmma, TMA, setmaxnreg)
 # enabled; "sm_90a" also lets the kernels compile on a machine without a GPU.
 TARGET = {"kind": "cuda", "arch": "sm_90a"}
@@ -74,8 +76,9 @@ def get_kernel(name: str, builder: Callable[..., Any], key: tuple):
             try:
                 import tilelang
 
-                func = builder(*key)
-                kern = tilelang.compile(func, out_idx=None, target=TARGET)
+                with build_notice("tilelang", name, key):
+                    func = builder(*key)
+                    kern = tilelang.compile(func, out_idx=None, target=TARGET)
             except Exception as exc:
                 from ...dispatch.registry import KernelBuildError
                 raise KernelBuildError("tilelang", name, key, exc) from exc
