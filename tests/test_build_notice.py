@@ -68,3 +68,29 @@ def test_tilelang_compile_cache_announces_a_slow_build(monkeypatch, capsys):
     assert kern == ("compiled", ("built", ("x", 1)))
     err = capsys.readouterr().err
     assert "building tilelang kernel notice_probe ('x', 1)" in err and "built after" in err
+
+
+def test_triton_first_launch_of_a_signature_gets_the_notice(monkeypatch, capsys):
+    """triton compiles inside a launch: the first launch of a (kernel, constexprs) pair is wrapped, later ones
+    are not (a stand-in kernel whose first call is slow)."""
+    ops = pytest.importorskip("flashqla.backends.triton.ops")
+    monkeypatch.setenv("FLASHQLA_BUILD_NOTICE_S", "0.02")
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
+    calls = []
+
+    class FakeKernel:
+        __name__ = "fake_chunk_kernel"
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                calls.append(kwargs)
+                if len(calls) == 1:
+                    time.sleep(0.2)     # the compile
+            return run
+
+    k = FakeKernel()
+    ops.launch(k, (1,), 1, 2, BV=64, num_warps=4)
+    ops.launch(k, (1,), 1, 2, BV=64, num_warps=4)
+    err = capsys.readouterr().err
+    assert err.count("building triton kernel fake_chunk_kernel") == 1 and "built after" in err
+    assert len(calls) == 2

@@ -25,6 +25,7 @@ import torch
 import triton
 from triton.runtime.errors import OutOfResources
 
+from ..._build_notice import build_notice
 from .common import CHUNK
 
 
@@ -147,11 +148,27 @@ def _launch(cfg: dict, geo: "Geometry" = None) -> dict:
     return out
 
 
+# (kernel, constexprs and launch options) launched before.  The first launch of a new one may compile, and
+# gets the build notice, which prints only if it runs past FLASHQLA_BUILD_NOTICE_S.  Best effort, kept cheap
+# (no sort, no scan of the tensor arguments): a second dtype of a known signature compiles without a notice.
+_LAUNCHED: set = set()
+
+
 def launch(kernel, grid, *args, **kwargs):
     """``kernel[grid](*args, **kwargs)``, retried with one pipeline stage if the compiled kernel needs
     more shared memory than this GPU has (the error is raised before anything runs)."""
+    sig = (id(kernel), tuple(kwargs.items()))
     try:
-        return kernel[grid](*args, **kwargs)
+        if sig in _LAUNCHED:
+            return kernel[grid](*args, **kwargs)
+        if interpreting():          # nothing compiles
+            _LAUNCHED.add(sig)
+            return kernel[grid](*args, **kwargs)
+        name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+        with build_notice("triton", name, tuple(sorted(kwargs.items()))):
+            out = kernel[grid](*args, **kwargs)
+        _LAUNCHED.add(sig)
+        return out
     except OutOfResources as exc:
         if kwargs.get("num_stages", 2) <= 1:
             raise RuntimeError(f"flashqla triton backend: {kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel} "
