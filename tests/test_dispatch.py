@@ -297,3 +297,23 @@ def test_backends_claimed_for_this_machine_are_available():
     for name in claimed:
         ok, why = get_backend(name).available()
         assert ok, f"backend {name!r} is claimed to run on this machine but is unavailable: {why}"
+
+
+def test_select_checks_only_what_it_needs_and_explain_checks_all(toy, monkeypatch):
+    """On every call ``select`` stops at the backend it picks and checks no other when one is named (host
+    time); ``explain`` still evaluates every backend, and an auto call no backend serves still lists all."""
+    from flashqla.dispatch.registry import select
+    from flashqla.validation import validate
+    checked = []
+    monkeypatch.setattr(ToyBackend, "supports", lambda self, spec: (checked.append(1), (False, "toy: no"))[1])
+    args = _inputs()
+    with fake_device("cuda", (12, 0)):      # where toy has a priority, so a complete decision checks it
+        spec = validate(*args)[0]
+        be, d = select(spec, "reference")
+        assert be.name == "reference" and not checked and [c.name for c in d.candidates] == ["reference"]
+        d = flashqla.explain(*args, backend="reference")
+        assert checked and "toy: no" in d.reasons()["toy"]
+        # auto: toy (first by priority) is checked and rejected, the next one serves, the rest are not checked
+        be, d = select(spec, "auto")
+        names = [c.name for c in d.candidates]
+        assert names[0] == "toy" and d.chosen == be.name == names[-1]

@@ -319,8 +319,12 @@ def _ranking(spec: CallSpec) -> tuple:
     return ranked, why
 
 
-def decide(spec: CallSpec, backend: str = "auto") -> Decision:
-    """Evaluate every backend for ``spec``; choose one per the rules in the module docstring."""
+def decide(spec: CallSpec, backend: str = "auto", complete: bool = True) -> Decision:
+    """Evaluate every backend for ``spec``; choose one per the rules in the module docstring.
+
+    ``complete=False`` (:func:`select`, on every call): stop at the chosen backend, and check no backend
+    other than a requested one; the candidates list then holds only what was checked.  ``explain()``
+    always evaluates every backend."""
     _ensure_builtins()
     if not isinstance(backend, str):
         raise TypeError(f"backend must be a string ('auto' or a backend name), got {type(backend).__name__}")
@@ -337,7 +341,11 @@ def decide(spec: CallSpec, backend: str = "auto") -> Decision:
     candidates: list[Candidate] = []
     chosen: Optional[str] = None
     for prio, name, b in ranked:
+        if not complete and chosen is not None:
+            break
         if requested != "auto" and name != requested:
+            if not complete:
+                continue
             ok, why = _check(b, spec) if prio is not None else (False, f"no priority for {spec.device.arch}")
             candidates.append(Candidate(name, prio, "not requested", why if not ok else "would serve"))
             continue
@@ -363,7 +371,9 @@ def decide(spec: CallSpec, backend: str = "auto") -> Decision:
 
 def select(spec: CallSpec, backend: str = "auto") -> tuple[Backend, Decision]:
     """The backend that serves ``spec``; raises ``BackendUnavailableError`` saying why when none does."""
-    d = decide(spec, backend)
+    d = decide(spec, backend, complete=False)
+    if d.chosen is None and d.requested == "auto":
+        d = decide(spec, backend)       # the error lists every backend and why it cannot serve
     if d.chosen is None:
         if d.requested != "auto":
             why = next(c.reason for c in d.candidates if c.name == d.requested)
