@@ -8,7 +8,9 @@
 # Every step gets a timeout from what is left, so the cache is always packed before the 10-minute limit.
 START=$(date +%s); BUDGET_S=${BUDGET_S:-560}; DEADLINE=$((START + BUDGET_S))
 left() { echo $((DEADLINE - $(date +%s))); }
-mkdir -p "$OUT/logs" /tmp/kcache
+KCACHE=${KCACHE:-/tmp/kcache}         # the compile caches (setup.sh points TileLang's and flashqla's here)
+KCACHE_SPLIT=${KCACHE_SPLIT:-15M}     # a packed cache above this comes back in parts (16 MiB per file)
+mkdir -p "$OUT/logs" "$KCACHE"
 run_step() {
   local name=$1 want=$2; shift 2
   local t=$(( $(left) - 40 )); [ "$t" -gt "$want" ] && t=$want
@@ -22,20 +24,20 @@ run_step() {
 save_kcache() {
   # files come back at most 16 MiB each (session 9: a 19.7 MiB cache was left out): past 15 MiB the archive
   # comes back in parts, kcache.tar.xz.part-aa, -ab, ...; copy them (or the one file) into .gpu/
-  tar cf - -C /tmp/kcache --exclude=.restored --exclude=./triton . | xz -T16 -6 > /tmp/kcache.tar.xz
-  if [ "$(stat -c %s /tmp/kcache.tar.xz)" -gt $((15 * 1024 * 1024)) ]; then
-    split -b 15M /tmp/kcache.tar.xz "$OUT/kcache.tar.xz.part-"
+  tar cf - -C "$KCACHE" --exclude=.restored --exclude=./triton . | xz -T16 -6 > "$KCACHE.tar.xz"
+  if [ "$(stat -c %s "$KCACHE.tar.xz")" -gt "$(numfmt --from=iec "$KCACHE_SPLIT")" ]; then
+    split -b "$KCACHE_SPLIT" "$KCACHE.tar.xz" "$OUT/kcache.tar.xz.part-"
   else
-    cp /tmp/kcache.tar.xz "$OUT/kcache.tar.xz"
+    cp "$KCACHE.tar.xz" "$OUT/kcache.tar.xz"
   fi
   ls -la "$OUT"/kcache.tar.xz*
   echo "total $(( $(date +%s) - START ))s"
 }
-if [ ! -f /tmp/kcache/.restored ]; then
+if [ ! -f "$KCACHE/.restored" ]; then
   if ls .gpu/kcache.tar.xz.part-* > /dev/null 2>&1; then
-    cat .gpu/kcache.tar.xz.part-* | tar xJf - -C /tmp/kcache && touch /tmp/kcache/.restored
+    cat .gpu/kcache.tar.xz.part-* | tar xJf - -C "$KCACHE" && touch "$KCACHE/.restored"
   elif [ -f .gpu/kcache.tar.xz ]; then
-    tar xJf .gpu/kcache.tar.xz -C /tmp/kcache && touch /tmp/kcache/.restored
+    tar xJf .gpu/kcache.tar.xz -C "$KCACHE" && touch "$KCACHE/.restored"
   fi
 fi
 # whichever bundles this call carried (.gpu: tilelang + peers; .gpu_cute: the CuTe DSL)

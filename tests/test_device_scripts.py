@@ -1,0 +1,54 @@
+"""The device-run shell helpers (benchmarks/device_lib.sh, next_device_run.sh) on this machine: syntax, and the
+compile cache's round trip, which must come back in parts when it is larger than one returned file may be."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LIB = ROOT / "benchmarks" / "device_lib.sh"
+
+pytestmark = pytest.mark.skipif(not (shutil.which("bash") and shutil.which("xz") and shutil.which("split")
+                                     and shutil.which("numfmt")), reason="needs bash, xz, split and numfmt")
+
+
+def test_scripts_parse():
+    for name in ("device_lib.sh", "next_device_run.sh"):
+        r = subprocess.run(["bash", "-n", str(ROOT / "benchmarks" / name)], capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+
+def _bash(script: str, cwd: Path, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "-c", script], cwd=cwd, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=300)
+
+
+@pytest.mark.parametrize("split", ["64K", "16M"])
+def test_kcache_round_trip_whole_or_in_parts(tmp_path, split):
+    """save_kcache packs the cache (whole, or in parts past KCACHE_SPLIT); sourcing device_lib.sh in a fresh
+    checkout with those files in .gpu/ restores the same bytes."""
+    cache, out, repo = tmp_path / "kcache", tmp_path / "out", tmp_path / "repo"
+    (cache / "tilelang").mkdir(parents=True)
+    blob = os.urandom(300_000)                  # incompressible: 300 kB > 64K, so that case splits
+    (cache / "tilelang" / "kernel.bin").write_bytes(blob)
+    (repo / ".gpu").mkdir(parents=True)
+    env = {"OUT": str(out), "KCACHE": str(cache), "KCACHE_SPLIT": split, "BUDGET_S": "60"}
+    r = _bash(f"source {LIB} && save_kcache", repo, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    parts = sorted(p.name for p in out.iterdir() if p.name.startswith("kcache"))
+    assert parts == (["kcache.tar.xz"] if split == "16M" else
+                     [f"kcache.tar.xz.part-a{c}" for c in "abcdefghij"[:len(parts)]]), parts
+    assert split == "16M" or len(parts) >= 2
+    for p in parts:
+        shutil.copy(out / p, repo / ".gpu" / p)
+    fresh = tmp_path / "fresh"
+    r = _bash(f"source {LIB}", repo, {**env, "KCACHE": str(fresh)})
+    assert r.returncode == 0, r.stdout + r.stderr
+    got = (fresh / "tilelang" / "kernel.bin").read_bytes()
+    assert hashlib.sha1(got).digest() == hashlib.sha1(blob).digest() and (fresh / ".restored").exists()
