@@ -329,3 +329,26 @@ def test_bench_cp_names_and_filter_alternatives(tmp_path, capsys):
                  "--filter", f"{labels[0]}|{labels[-1]}", "--no-plot", "--out", str(tmp_path)]) == 0
     rows = json.loads((tmp_path / "bench_quick_fwd.json").read_text())["rows"]
     assert [r["label"] for r in rows] == [labels[0], labels[-1]]
+
+
+def test_bench_eager_too_columns():
+    """--eager-too (timing on CUDA only): the table shows each graph-timed implementation's eager time and its
+    eager-vs-eager speedup over eagerly timed baselines, besides the graph numbers."""
+    impls = [bench_mod.Impl("tilelang", "backend"), bench_mod.Impl("flashqla", "baseline", op=lambda *a: None)]
+    rec = {"Hqk": 2, "Hv": 8, "label": "2/8 1x32768", "tokens": 32768, "flops": 4.8e10, "bytes": 1.7e8,
+           "floor_ms": 0.06,
+           "results": {"tilelang": {"status": "ok", "ms": 0.5, "method": "graph", "eager_ms": 0.8,
+                                    "pct_roofline": 12.0},
+                       "flashqla": {"status": "ok", "ms": 0.6, "method": "eager", "pct_roofline": 10.0,
+                                    "note": "host planning"}},
+           "speedup": {"tilelang": {"flashqla": 1.2}}, "speedup_eager": {"tilelang": {"flashqla": 0.75}}}
+    headers, body = bench_mod.table_rows([rec], impls)
+    row = dict(zip(headers, body[0]))
+    assert row["tilelang eager ms"] == "0.800" and row["tilelang eager vs flashqla x"] == "0.75"
+    assert row["tilelang vs flashqla x"] == "1.20" and "flashqla eager ms" not in row
+    # without --eager-too nothing changes
+    for r in rec["results"].values():
+        r.pop("eager_ms", None)
+    rec.pop("speedup_eager")
+    headers, _ = bench_mod.table_rows([rec], impls)
+    assert not any("eager" in h for h in headers)

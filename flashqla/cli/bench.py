@@ -7,7 +7,9 @@ the time is the median over many replays, each timed by a pair of CUDA events.  
 that cannot be captured (a host sync inside, e.g. FlashQLA's automatic CP planning) is timed the same
 way without the graph, and the row says ``eager``.  When one call's data fits in L2 (under 3x its
 size) the graph holds calls on several input copies in turn, so every call reads from HBM; the time
-is per call.  On the CPU: wall-clock medians.
+is per call.  On the CPU: wall-clock medians.  ``--eager-too`` also times every graph-timed implementation
+without the graph (its host time included, as an eager caller sees it) and compares that with the baselines
+that are timed eagerly anyway.
 
 Baselines: ``fla`` (flash-linear-attention's Triton ``chunk_gated_delta_rule``, imported with
 ``FLA_FLASH_QLA=0`` so it does not route to FlashQLA) and ``flashqla`` (the ``flash_qla`` package,
@@ -547,6 +549,9 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
                 r.update(time_cuda(fns, min_time, max_reps, use_graph=not args.no_graph and not im.eager_reason))
                 if im.eager_reason and not args.no_graph:
                     r["method"], r["note"] = "eager", im.eager_reason
+                if getattr(args, "eager_too", False) and r["method"] == "graph":
+                    # the same calls back to back without the graph: what an eager caller gets, host included
+                    r["eager_ms"] = time_cuda(fns, min_time, max_reps, use_graph=False)["ms"]
             else:
                 r.update(time_cpu(fns, min_time, max_reps))
             r["pct_roofline"] = 100.0 * floor / r["ms"] if r["ms"] > 0 else float("nan")
@@ -575,6 +580,9 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
             rb = rec["results"].get(bl.name, {})
             if "baseline" in bl.kind and bl.name != im.name and rb.get("status") == "ok":
                 rec["speedup"].setdefault(im.name, {})[bl.name] = rb["ms"] / ri["ms"]
+                if "eager_ms" in ri and rb.get("method") == "eager":
+                    # eager against eager (the baseline was timed eagerly: it cannot be captured)
+                    rec.setdefault("speedup_eager", {}).setdefault(im.name, {})[bl.name] = rb["ms"] / ri["eager_ms"]
     prog.write(_row_line(rec, impls))
     return rec
 
@@ -598,14 +606,25 @@ def _pairs(impls):
 def table_rows(results, impls):
     shown = [im for im in impls if not im.skip_reason]
     pairs = _pairs(impls)
+    # (--eager-too) the graph-timed implementations timed eagerly as well, and eager against eager baselines
+    eager = [im for im in shown if any("eager_ms" in rec["results"].get(im.name, {}) for rec in results)]
+    epairs = [(a, b) for a, b in pairs if any(b in rec.get("speedup_eager", {}).get(a, {}) for rec in results)]
     headers = ["heads", "seqlens", "tokens"] + [f"{im.name} ms" for im in shown] + \
-              [f"{a} vs {b} x" for a, b in pairs] + ["GFLOP", "MB", "floor ms"] + [f"{im.name} %roof" for im in shown]
+              [f"{im.name} eager ms" for im in eager] + [f"{a} vs {b} x" for a, b in pairs] + \
+              [f"{a} eager vs {b} x" for a, b in epairs] + ["GFLOP", "MB", "floor ms"] + \
+              [f"{im.name} %roof" for im in shown]
     body = []
     for rec in results:
         row = [f"{rec['Hqk']}/{rec['Hv']}", rec["label"].split(" ", 1)[1], rec["tokens"]]
         row += [_fmt_ms(rec["results"].get(im.name)) for im in shown]
+        for im in eager:
+            e = rec["results"].get(im.name, {}).get("eager_ms")
+            row.append("-" if e is None else f"{e:.3f}")
         for a, b in pairs:
             s = rec["speedup"].get(a, {}).get(b)
+            row.append("-" if s is None else f"{s:.2f}")
+        for a, b in epairs:
+            s = rec.get("speedup_eager", {}).get(a, {}).get(b)
             row.append("-" if s is None else f"{s:.2f}")
         row += [f"{rec['flops'] / 1e9:.1f}", f"{rec['bytes'] / 1e6:.1f}", f"{rec['floor_ms']:.3f}"]
         for im in shown:
@@ -679,7 +698,7 @@ def render_markdown(meta, results, impls) -> str:
 
 
 CSV_FIELDS = ["preset", "mode", "label", "Hqk", "Hv", "seqlens", "tokens", "num_seqs", "impl", "kind", "version",
-              "status", "ms", "min_ms", "reps", "method", "first_call_s", "flops", "bytes", "floor_ms",
+              "status", "ms", "min_ms", "reps", "method", "eager_ms", "first_call_s", "flops", "bytes", "floor_ms",
               "pct_roofline", "tflops", "gbps", "agree", "agree_with", "speedups", "error"]
 
 
@@ -701,6 +720,7 @@ def write_outputs(out_dir: Path, stem: str, meta, results, impls, plot: bool) ->
                     "num_seqs": rec["num_seqs"], "impl": name, "kind": kinds.get(name, ("", ""))[0],
                     "version": kinds.get(name, ("", ""))[1], "status": r.get("status"), "ms": r.get("ms"),
                     "min_ms": r.get("min_ms"), "reps": r.get("reps"), "method": r.get("method"),
+                    "eager_ms": r.get("eager_ms"),
                     "first_call_s": r.get("first_call_s"), "flops": rec["flops"], "bytes": rec["bytes"],
                     "floor_ms": rec["floor_ms"], "pct_roofline": r.get("pct_roofline"), "tflops": r.get("tflops"),
                     "gbps": r.get("gbps"), "agree": r.get("agree"), "agree_with": r.get("agree_with"),
@@ -777,6 +797,9 @@ def add_parser(sub) -> None:
     p.add_argument("--min-time", type=float, default=None, help="seconds of timing per (row, impl)")
     p.add_argument("--max-reps", type=int, default=None)
     p.add_argument("--no-graph", action="store_true", help="time eager calls, no CUDA graph")
+    p.add_argument("--eager-too", action="store_true",
+                   help="also time every graph-timed implementation eagerly (columns 'NAME eager ms' and "
+                        "'A eager vs B x' against eagerly timed baselines): what a caller without graphs gets")
     p.add_argument("--g-scale", type=float, default=1.0,
                    help="gates g = logsigmoid(randn) x this (default 1; e.g. 0.01 for slowly decaying heads, "
                         "where windowed CP finds no negligible map and runs its fixed structure)")
