@@ -118,7 +118,12 @@ case "$STEP" in
     save_kcache ;;
   fwdbench)
     TAIL=40 run_step "qwen35-fwd preset, both baselines" 480 python -m flashqla bench --preset qwen35-fwd \
-        --no-progress --backends tilelang,triton --baselines fla,flashqla --out $OUT/fwd ;;
+        --no-progress --backends tilelang,triton --baselines fla,flashqla ${FWD_EAGER:+--eager-too} --out $OUT/fwd ;;
+  eagerbench)
+    # our plain op timed eagerly beside its graph time, against FlashQLA (always eager): what a caller without
+    # CUDA graphs gets (session 9's host trims: no autograd node without grad, a shorter dispatch)
+    TAIL=30 run_step "qwen35-fwd, eager too" 300 python -m flashqla bench --preset qwen35-fwd --no-progress \
+        --filter "${EAGER_FILTER:-1x8192|1024x8}" --backends tilelang --baselines flashqla --eager-too --out $OUT/eager ;;
   cutlassaot)
     # carry [".gpu_cute"]: the cutlass first call of a fresh process (it compiles: no disk cache in CuTe DSL 4.3.5),
     # then the TVM-FFI AOT probe (compile, export, link, load, run against the JIT kernels) (#5, #7)
@@ -201,6 +206,6 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw8} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
