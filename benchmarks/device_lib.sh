@@ -5,6 +5,7 @@
 #                                        # its last $TAIL lines (default 25) printed
 #   save_kcache                          # the TileLang/flashqla cache as $OUT/kcache.tar.xz (triton's left
 #                                        # out: it outgrows the return limit); carry it as .gpu/kcache.tar.xz
+#   pack_results                         # everything else in $OUT as one results.tar.xz (8 files come back)
 # Every step gets a timeout from what is left, so the cache is always packed before the 10-minute limit.
 START=$(date +%s); BUDGET_S=${BUDGET_S:-560}; DEADLINE=$((START + BUDGET_S))
 left() { echo $((DEADLINE - $(date +%s))); }
@@ -43,3 +44,11 @@ fi
 # whichever bundles this call carried (.gpu: tilelang + peers; .gpu_cute: the CuTe DSL)
 for _d in .gpu .gpu_cute; do [ -f "$_d/setup.sh" ] && source "$_d/setup.sh"; done
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
+pack_results() {
+  # at most 8 files come back from $OUT (session 9 lost its logs to that): everything but the compile cache
+  # goes back as one results.tar.xz (unpack it here with tar xJf); the originals are removed only once packed
+  ( cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name 'kcache.tar.xz*' ! -name results.tar.xz -print0 \
+      | tar cJf results.tar.xz --null -T - ) || return
+  find "$OUT" -mindepth 1 -maxdepth 1 ! -name 'kcache.tar.xz*' ! -name results.tar.xz -exec rm -rf {} +
+  ls -la "$OUT"
+}

@@ -52,3 +52,18 @@ def test_kcache_round_trip_whole_or_in_parts(tmp_path, split):
     assert r.returncode == 0, r.stdout + r.stderr
     got = (fresh / "tilelang" / "kernel.bin").read_bytes()
     assert hashlib.sha1(got).digest() == hashlib.sha1(blob).digest() and (fresh / ".restored").exists()
+
+
+def test_pack_results_keeps_the_cache_and_packs_the_rest(tmp_path):
+    out, repo = tmp_path / "out", tmp_path / "repo"
+    (out / "cpw").mkdir(parents=True)
+    repo.mkdir()
+    for name in ("cpw/bench.json", "cpw/bench.md", "probe.json"):
+        (out / name).write_text(name)
+    (out / "kcache.tar.xz.part-aa").write_bytes(b"x")
+    env = {"OUT": str(out), "KCACHE": str(tmp_path / "kcache"), "BUDGET_S": "60"}
+    r = _bash(f"source {LIB} && pack_results", repo, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["kcache.tar.xz.part-aa", "results.tar.xz"]
+    listing = subprocess.run(["tar", "tJf", str(out / "results.tar.xz")], capture_output=True, text=True).stdout
+    assert {"./cpw/bench.json", "./cpw/bench.md", "./probe.json", "./logs/"} <= set(listing.split()), listing
