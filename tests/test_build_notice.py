@@ -94,3 +94,28 @@ def test_triton_first_launch_of_a_signature_gets_the_notice(monkeypatch, capsys)
     err = capsys.readouterr().err
     assert err.count("building triton kernel fake_chunk_kernel") == 1 and "built after" in err
     assert len(calls) == 2
+
+
+def test_triton_compile_error_names_the_kernel_and_its_constexprs(monkeypatch):
+    """#11 item 6 for triton, whose kernels compile inside the launch: a compile error becomes a
+    KernelBuildError naming the backend, the kernel and its constexprs (dispatch adds the call's shape)."""
+    import ast
+    ops = pytest.importorskip("flashqla.backends.triton.ops")
+    from triton.compiler.errors import CompilationError
+
+    from flashqla.dispatch.registry import KernelBuildError
+    monkeypatch.setattr(ops, "interpreting", lambda: False)
+
+    class BrokenKernel:
+        __name__ = "broken_chunk_kernel"
+
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                raise CompilationError(None, ast.parse("x").body[0], "unsupported tile shape")
+            return run
+
+    with pytest.raises(KernelBuildError) as ei:
+        ops.launch(BrokenKernel(), (1,), 1, BV=48, num_warps=4)
+    msg = str(ei.value)
+    assert "triton kernel broken_chunk_kernel failed to compile" in msg and "('BV', 48)" in msg
+    assert "unsupported tile shape" in msg

@@ -55,9 +55,10 @@ class KernelBuildError(RuntimeError):
 
     def __init__(self, backend: str, kernel: str, key, exc: BaseException):
         self.backend, self.kernel, self.key = backend, kernel, key
-        msg = str(exc).strip().splitlines()
+        # (the whole message on one line, cut at 400 characters: a compiler's first line is often only where)
+        msg = " | ".join(x.strip() for x in str(exc).strip().splitlines() if x.strip())
         super().__init__(f"{backend} kernel {kernel} failed to compile for key {key}: {type(exc).__name__}: "
-                         f"{msg[0][:400] if msg else '(no message)'}")
+                         f"{msg[:400] if msg else '(no message)'}")
 
 
 def record_runtime_failure(name: str, spec: CallSpec, exc: BaseException) -> str:

@@ -23,6 +23,7 @@ import os
 
 import torch
 import triton
+from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from ..._build_notice import build_notice
@@ -165,8 +166,13 @@ def launch(kernel, grid, *args, **kwargs):
             _LAUNCHED.add(sig)
             return kernel[grid](*args, **kwargs)
         name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
-        with build_notice("triton", name, tuple(sorted(kwargs.items()))):
-            out = kernel[grid](*args, **kwargs)
+        try:
+            with build_notice("triton", name, tuple(sorted(kwargs.items()))):
+                out = kernel[grid](*args, **kwargs)
+        except CompilationError as exc:
+            # name the kernel and its constexprs (dispatch then names the backend and the call's shape)
+            from ...dispatch.registry import KernelBuildError
+            raise KernelBuildError("triton", name, tuple(sorted(kwargs.items())), exc) from exc
         _LAUNCHED.add(sig)
         return out
     except OutOfResources as exc:
