@@ -110,7 +110,7 @@ def emulate_forward(q, k, v, g, beta, scale, h0, cu, l2norm, dt, save=False):
 
 
 def emulate_backward(q, k, v, g, beta, scale, h0, cu, l2norm, dt, do, dht, saved):
-    """Mirror of chunk_bwd_state_sm90 + chunk_bwd_dqk_sm90 + chunk_bwd_wy_sm90, fed with the forward
+    """Mirror of chunk_bwd_state_sm90 + chunk_bwd_dqk_v2_sm90 + chunk_bwd_wy_v2_sm90, fed with the forward
     emulation's saved chunk quantities.  Returns (dq, dk, dv, dg, dbeta, dh0)."""
     cd = torch.float64 if dt is None else torch.float32
     B, Tn, Hqk, K = q.shape
@@ -370,10 +370,6 @@ def _bwd_variants():
         ("bwd_state", ("bfloat16", 128, 128, 64, False, False, False)),
         ("bwd_state", ("bfloat16", 128, 128, 64, True, True, True)),
         ("bwd_state", ("float16", 128, 128, 64, True, False, True)),
-        ("bwd_dqk", ("bfloat16", 128, 128, False)),
-        ("bwd_dqk", ("float16", 128, 128, True)),
-        ("bwd_wy", ("bfloat16", "bfloat16", 128, 128, False)),
-        ("bwd_wy", ("float16", "float32", 128, 128, True)),
     ]
 
 
@@ -439,17 +435,14 @@ def test_kernels_lower_for_sm90a(kind, args):
         pytest.skip("tilelang is not importable here")
     import tilelang
     from flashqla.backends.tilelang._compile import TARGET
-    from flashqla.backends.tilelang.chunk_bwd_dqk_sm90 import build_bwd_dqk
     from flashqla.backends.tilelang.chunk_bwd_state_sm90 import build_bwd_state
     from flashqla.backends.tilelang.chunk_bwd_state_ws_sm90 import build_bwd_state_ws
-    from flashqla.backends.tilelang.chunk_bwd_wy_sm90 import build_bwd_wy
     from flashqla.backends.tilelang.chunk_fwd_sm90 import build_fwd
     from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
     from flashqla.backends.tilelang.chunk_intra_sm90 import build_intra
 
     builder = {"intra": build_intra, "fwd": build_fwd, "fwd_ws": build_fwd_ws, "bwd_state": build_bwd_state,
-               "bwd_state_ws": build_bwd_state_ws,
-               "bwd_dqk": build_bwd_dqk, "bwd_wy": build_bwd_wy}[kind]
+               "bwd_state_ws": build_bwd_state_ws}[kind]
     kern = tilelang.compile(builder(*args), out_idx=None, target=TARGET)
     src = kern.get_kernel_source()
     assert "wgmma" in src, "no wgmma in the generated source"
@@ -457,7 +450,7 @@ def test_kernels_lower_for_sm90a(kind, args):
     usage = resource_usage(kern)
     print(f"{kind}{args}: {usage}")
     assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
-    if kind in ("fwd", "bwd_state", "bwd_dqk") or (kind == "fwd_ws" and (args[3] > 64 or (len(args) > 11 and args[11]))):
+    if kind in ("fwd", "bwd_state") or (kind == "fwd_ws" and (args[3] > 64 or (len(args) > 11 and args[11]))):
         # warp-specialised pipelines: a TMA producer branch and setmaxnreg on the consumer side
         assert "warpgroup_reg_alloc" in src or "setmaxnreg" in src
     if kind == "fwd_ws":
@@ -1068,7 +1061,6 @@ def _sim_fwd_ws(key, *args):
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
-               "bwd_dqk_sm90": _sim_bwd_dqk, "bwd_wy_sm90": _sim_bwd_wy,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}
 
 
@@ -1166,8 +1158,6 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
     if variant == "fused":
         variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
-    # "serial" pairs with the first per-chunk backward kernels, "ws" with the default (v2) ones
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v1" if variant == "serial" else "v2")
     be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=True)
     ok, why = be.supports(spec)
     assert ok, why
@@ -1176,9 +1166,8 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
     sfx = "_ws" if variant == "ws" else ""
-    par = "" if variant == "serial" else "_v2"
     assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",
-                                 f"bwd_dqk{par}_sm90", f"bwd_wy{par}_sm90"]
+                                 "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]
     errs = {"o": rel_l2(o, ref["o"])}
     if case.ht:
         errs["ht"] = rel_l2(ht, ref["ht"])

@@ -1,8 +1,9 @@
-"""v2 of the per-chunk backward kernels (``FLASHQLA_TILELANG_BWD_PAR=v2``): lowering for sm_90a, the
-host path with simulated kernels, and CPU proofs of the v2 rewrites of the math:
+"""The per-chunk backward kernels (``chunk_bwd_dqk_v2_sm90``, ``chunk_bwd_wy_v2_sm90``; their first version
+was retired in session 9): lowering for sm_90a, the host path with simulated kernels, and CPU proofs of the
+rewrites of the math in this second version:
 
 * wy: ``rowsum(dA * KKn * beta)_r = beta_r rowsum(dA * KKn)_r`` (one reduction fewer) and the in-kernel
-  order of the dg / dbeta terms, against the v1 formulas in float64;
+  order of the dg / dbeta terms, against the first version's formulas in float64;
 * dqk: the last row's gate term ``exp(G_last) sum_a sdr_a + sum_t D_t dD_t`` as the kernel splits it
   over 32 lanes (4 + 2 terms per lane, then a butterfly ``warp_reduce_sum``), against a float64 sum;
 * wy: the W tile's row stride 65 makes the transposed read of ``W + W^T`` bank-conflict free (the
@@ -76,8 +77,6 @@ def test_host_path_v2_with_simulated_kernels(monkeypatch):
         return run
 
     monkeypatch.setattr(ops, "get_kernel", fake_get_kernel)
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v2")
-    assert ops.bwd_par_variant() == "v2"
     from flashqla.testing import rel_l2, poisoned_outputs, TOLERANCES
 
     case = tb._HOST_CASES[0]
@@ -90,15 +89,6 @@ def test_host_path_v2_with_simulated_kernels(monkeypatch):
     for name, t in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads):
         if name in ref:
             assert rel_l2(t, ref[name]) <= tol[name], name
-
-
-def test_env_switch_rejects_unknown(monkeypatch):
-    from flashqla.backends.tilelang import ops
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_PAR", "v3")
-    with pytest.raises(ValueError):
-        ops.bwd_par_variant()
-    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_PAR")
-    assert ops.bwd_par_variant() == "v2"   # the default since H200 run 8
 
 
 def _chunk(seed, ragged):

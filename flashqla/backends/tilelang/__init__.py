@@ -15,7 +15,7 @@ are symbolic, so new shapes never recompile (``_compile.compile_count()`` counts
 kernels are cached in memory and on disk by TileLang (``TILELANG_CACHE_DIR``).
 
 Backward = three kernels: ``chunk_bwd_state_sm90`` (reverse state-gradient recurrence),
-``chunk_bwd_dqk_sm90`` (per-chunk gradients that need the chunk states) and ``chunk_bwd_wy_sm90``
+``chunk_bwd_dqk_v2_sm90`` (per-chunk gradients that need the chunk states) and ``chunk_bwd_wy_v2_sm90``
 (back through the WY representation, the gate cumsum and the L2 norm).  With ``needs_grad`` the forward
 also writes the 16-bit chunk states, ``v_new`` and the fp32 ``(I + A)^-1`` for them.
 

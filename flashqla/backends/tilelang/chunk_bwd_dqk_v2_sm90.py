@@ -1,8 +1,29 @@
-"""Backward stage 2 (Hopper), v2: same contract as ``chunk_bwd_dqk_sm90.build_bwd_dqk`` (same arguments,
-same outputs, same math -- see that module's docstring); ``FLASHQLA_TILELANG_BWD_PAR=v2`` selects it.
+"""Backward stage 2 (Hopper): per-chunk gradients that need the chunk states.
 
-Why v1 is slow (H200, 16/32 heads, 32k tokens: 1.80 ms for 512 x 32 CTAs; each moves ~220 KB, a memory
-floor of ~0.8 ms at this contract's fp32 dq / dk^p outputs):
+Grid: ``(total_chunks, Hv)``, 256 threads (two warpgroups).  CTA ``(c, h)`` takes chunk ``c`` of value head
+``h`` (query/key head ``h // ratio``) and contracts over V, with ``S = h[c]`` the forward chunk state and
+``dS = dh[c]`` its gradient (stage 1)::
+
+    dOS  = dO S^T          [64, K]        dPm = dO v_new^T    [64, 64]
+    vdS  = v_new dS^T      [64, K]        dw  = -dv_new S^T   [64, K]
+
+plus ``<S, dS>``.  dO rows past the sequence end (the next sequence's rows) are masked at every use.  Then,
+with ``M`` the causal mask (j <= r, r < eos), ``E = exp(G_r - G_j)`` on M only, and the L2-norm row factors
+nq, nk (1 without the option)::
+
+    dQK  = scale * dPm * E * M                     (gradient w.r.t. q^ k^T)
+    dq^  = scale exp(G) * dOS + (dQK diag(nk)) k   -> dq (L2-norm Jacobian applied; per value head)
+    dk^p = diag(exp(G_last - G)) vdS + (diag(nq) dQK)^T q          (partial: stage 3 adds the WY part)
+    dG_r = scale exp(G_r) nq_r q_r.dOS_r + rowsum(Z)_r - colsum(Z)_r - D_r dD_r
+           (+ exp(G_last) <S, dS> + sum_r D_r dD_r on the last row),
+    Z = dQK * (q k^T) nq nk,  D = exp(G_last - G),  dD_r = nk_r k_r . vdS_r.
+
+Outputs: dq [NT, Hv, K] fp32 (rows < eos), and chunk-major for stage 3: dk^p [NC, Hv, 64, K] fp32,
+dw [NC, Hv, 64, K] (input dtype), dG [NC, Hv, 64] fp32.
+
+Why this form.  Its first version (retired in session 9) was slow (H200, 16/32 heads, 32k tokens:
+1.80 ms for 512 x 32 CTAs; each moves ~220 KB, a memory floor of ~0.8 ms at this contract's fp32
+dq / dk^p outputs):
 
 * its loads are serialised: the q tile is loaded and waited for, then the k tile, and only then does
   the T.Pipelined producer start the V-block stream -- three load latencies in a row per CTA;
@@ -11,14 +32,14 @@ floor of ~0.8 ms at this contract's fp32 dq / dk^p outputs):
   255 threads wait at the final barrier;
 * one CTA per SM (145 KB of shared memory, 168 registers x 384 threads), so nothing hides either.
 
-What v2 changes:
+What this form does instead:
 
 * every tile (q, k, dO, S, dS, v_new, dv_new: 144 KB) is requested with TMA at the start, on two
   mbarriers (q/k and the V-side tiles), by one elected thread; no producer warpgroup (256 threads);
 * the four V-contractions run once each on whole 128-wide tiles (wgmma K-loop of 8 instead of two
   pipelined 4-step halves);
-* ``<S, dS>`` is accumulated over two 64-column halves into one [K, 64] fragment (as v1 per V-block);
-  the K-sum and ``sum_t D_t dD_t`` of the last row's gate term are warp shuffles (``warp_reduce_sum``
+* ``<S, dS>`` is accumulated over two 64-column halves into one [K, 64] fragment (the first version: per
+  V-block); the K-sum and ``sum_t D_t dD_t`` of the last row's gate term are warp shuffles (``warp_reduce_sum``
   over 4 resp. 2 values per lane) instead of the serial loop.
 """
 

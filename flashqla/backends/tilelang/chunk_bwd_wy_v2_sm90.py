@@ -1,13 +1,32 @@
-"""Backward stage 3 (Hopper), v2: same contract as ``chunk_bwd_wy_sm90.build_bwd_wy`` (same arguments,
-same outputs, same math -- see that module's docstring); ``FLASHQLA_TILELANG_BWD_PAR=v2`` selects it.
+"""Backward stage 3 (Hopper): back through the WY representation, the gate cumsum and the L2 norm.
 
-Why v1 is slow (H200, 16/32 heads, 32k tokens: 1.51 ms for a grid of 512 x 32 CTAs that each move
-~176 KB, a ~0.7 ms memory floor): 132 registers x 256 threads round to 34816 registers per CTA, so
-only ONE CTA fits an SM (65536 registers) although its 105 KB of shared memory would allow two; with
-one CTA per SM every load latency (TMA tiles, X, dk^p) and every ``__syncthreads`` of the ~12
-cross-warpgroup row reductions is exposed, nothing overlaps it.
+Grid: ``(total_chunks, Hv)``, 256 threads (two warpgroups), no loop.  CTA ``(c, h)`` takes chunk ``c``
+of value head ``h``; inputs are the forward's ``X = (I + A)^-1`` (fp32), stage 2's ``dw``, ``dk^p``,
+``dG`` and stage 1's ``dv_new`` (= du).  With ``Bw = diag(beta exp(G) nk) k`` and ``Bu = diag(beta) v``
+(so ``w = X Bw``, ``u = X Bu``) and ``Xb`` the 16-bit copy of X::
 
-What v2 changes (same wgmma products, same rounding points):
+    dX   = dw Bw^T + du Bu^T
+    dA   = -(Xb^T dX) Xb^T                 strictly lower part
+    A    = beta_r nk_r nk_j (k k^T) exp(G_r - G_j)   (j < r)
+    W    = dA beta_r exp(G_r - G_j)
+    dBw  = Xb^T dw,  dBu = Xb^T du
+    dv   = diag(beta) dBu
+    dk^  = dk^p + diag(beta exp(G)) dBw + ((W + W^T) diag(nk)) k   -> dk (L2-norm Jacobian)
+    dbeta_r = exp(G_r) nk_r dBw_r . k_r + dBu_r . v_r + sum_j dA_rj nk_r nk_j (k k^T)_rj exp(G_r - G_j)
+    dG_r += beta_r exp(G_r) nk_r dBw_r . k_r + rowsum(dA * A)_r - colsum(dA * A)_r
+    dg   = reverse cumsum of dG within the chunk
+
+Rows past the sequence end have beta = 0, so every WY term vanishes there; outputs are written for
+rows < eos only.  ``nk`` comes from the diagonal of ``k k^T`` (fp32 accumulators).  Outputs per value
+head, fp32: dk [NT, Hv, K], dv [NT, Hv, V], dg, dbeta [NT, Hv] (GVA sums over value heads on the host).
+
+Why this form.  Its first version (retired in session 9) was slow (H200, 16/32 heads, 32k tokens:
+1.51 ms for a grid of 512 x 32 CTAs that each move ~176 KB, a ~0.7 ms memory floor): 132 registers x
+256 threads round to 34816 registers per CTA, so only ONE CTA fits an SM (65536 registers) although its
+105 KB of shared memory would allow two; with one CTA per SM every load latency (TMA tiles, X, dk^p) and
+every ``__syncthreads`` of the ~12 cross-warpgroup row reductions is exposed, nothing overlaps it.
+
+What this form does instead (same wgmma products, same rounding points):
 
 * ``__launch_bounds__(256, 2)`` (``T.annotate_min_blocks_per_sm(2)``) and an order of work that fits
   128 registers without spilling: ``dBu = Xb^T du`` is finished (dv stored, ``dBu . v`` reduced, the

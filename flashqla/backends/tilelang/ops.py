@@ -15,10 +15,10 @@ import torch
 
 from ...dispatch.device import detect
 from ._compile import get_kernel
-from .chunk_bwd_dqk_sm90 import build_bwd_dqk
+from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
 from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
-from .chunk_bwd_wy_sm90 import build_bwd_wy
+from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
 from .chunk_fwd_sm90 import build_fwd
 from .chunk_fwd_ws_sm90 import build_fwd_ws, ws_layout
 from .chunk_intra_sm90 import build_intra
@@ -267,25 +267,13 @@ def bwd_variant() -> str:
 BWD_WS_BVS = (32, 64)
 
 
-def bwd_par_variant() -> str:
-    """Per-chunk backward kernels (dqk, wy): ``v2`` (default; H200 run 8: 1.24x per kernel at 16/32 x 32k
-    tokens, dq/dk/dv bitwise equal to v1) or ``v1``; ``FLASHQLA_TILELANG_BWD_PAR`` overrides."""
-    return _env_choice("FLASHQLA_TILELANG_BWD_PAR", ("v1", "v2"), "v2")
-
-
 def bwd_dqk_kernel(dtype, K, V, l2norm):
-    if bwd_par_variant() == "v2":
-        from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
-        return get_kernel("bwd_dqk_v2_sm90", build_bwd_dqk_v2, (_tl_dtype(dtype), K, V, bool(l2norm)))
-    return get_kernel("bwd_dqk_sm90", build_bwd_dqk, (_tl_dtype(dtype), K, V, bool(l2norm)))
+    # (the "_v2" names keep the compile keys of the kernels' second version, the only one since session 9)
+    return get_kernel("bwd_dqk_v2_sm90", build_bwd_dqk_v2, (_tl_dtype(dtype), K, V, bool(l2norm)))
 
 
 def bwd_wy_kernel(dtype, beta_dtype, K, V, l2norm):
-    if bwd_par_variant() == "v2":
-        from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
-        return get_kernel("bwd_wy_v2_sm90", build_bwd_wy_v2,
-                          (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
-    return get_kernel("bwd_wy_sm90", build_bwd_wy,
+    return get_kernel("bwd_wy_v2_sm90", build_bwd_wy_v2,
                       (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
 
 
