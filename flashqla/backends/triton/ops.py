@@ -160,7 +160,11 @@ def launch(kernel, grid, *args, **kwargs):
     more shared memory than this GPU has (the error is raised before anything runs)."""
     sig = (id(kernel), tuple(kwargs.items()))
     try:
-        if sig in _LAUNCHED:
+        hash(sig)
+    except TypeError:           # an unhashable launch option: no notice, just the launch
+        sig = None
+    try:
+        if sig is None or sig in _LAUNCHED:
             return kernel[grid](*args, **kwargs)
         if interpreting():          # nothing compiles
             _LAUNCHED.add(sig)
