@@ -592,16 +592,12 @@ def _boundary_windows(k, g, beta, use_qk_l2norm: bool, seq_start, seq_segs, lead
     ``lead[(n, p)]`` (``leading``, p >= 1): the same from the segment's start; then the segment's dh0 with a
     zero end cotangent comes from that window alone.
 
-    Computed on the device over those end tokens only, then ONE device->host copy of a few integers here
-    (the op reads them at the end of a repeated call instead, see the module docstring)."""
+    Computed on the device over those end tokens only, then ONE device->host copy of a few integers here.
+    The op does not call this: it reads the same lengths after every pass is launched (``_start_read`` /
+    ``_finish_read``, see the module docstring)."""
     found = _window_counts(k, g, beta, use_qk_l2norm, seq_start, seq_segs, leading)
     if found is None:
         return {}, {}
-    return _read_windows(found)
-
-
-def _read_windows(found) -> tuple:
-    """``(trail, lead)`` of ``_window_counts``'s result, read on the host now (one device->host copy)."""
     return _windows_from_counts(found, found[3].tolist())
 
 

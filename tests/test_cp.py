@@ -596,8 +596,8 @@ def test_repeated_call_checks_its_windows_after_launching(backend, monkeypatch):
     ref = oracle(case, x, grads=False)
     order = []
     calls = _spy_calls(monkeypatch, order)
-    real_read, real_finish = cpmod._read_windows, cpmod._finish_read
-    monkeypatch.setattr(cpmod, "_read_windows", lambda found: order.append("read first") or real_read(found))
+    real_read, real_finish = cpmod._boundary_windows, cpmod._finish_read
+    monkeypatch.setattr(cpmod, "_boundary_windows", lambda *a, **kw: order.append("read first") or real_read(*a, **kw))
     monkeypatch.setattr(cpmod, "_finish_read", lambda p: order.append("read after") or real_finish(p))
     call = functools.partial(_infer_cp, backend=backend, segments=[4, 2])
     first = call(x)

@@ -317,3 +317,10 @@ def test_select_checks_only_what_it_needs_and_explain_checks_all(toy, monkeypatc
         be, d = select(spec, "auto")
         names = [c.name for c in d.candidates]
         assert names[0] == "toy" and d.chosen == be.name == names[-1]
+        # auto with nothing left to serve: the error lists every backend and why
+        others = [n for n in flashqla.list_backends() if n != "toy"]
+        monkeypatch.setenv("FLASHQLA_DISABLE", ",".join(others))
+        with pytest.raises(BackendUnavailableError) as ei:
+            select(spec, "auto")
+        msg = str(ei.value)
+        assert "toy: no" in msg and all(n in msg for n in others) and "disabled by FLASHQLA_DISABLE" in msg

@@ -549,7 +549,7 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
                 r.update(time_cuda(fns, min_time, max_reps, use_graph=not args.no_graph and not im.eager_reason))
                 if im.eager_reason and not args.no_graph:
                     r["method"], r["note"] = "eager", im.eager_reason
-                if getattr(args, "eager_too", False) and r["method"] == "graph":
+                if args.eager_too and r["method"] == "graph":
                     # the same calls back to back without the graph: what an eager caller gets, host included
                     r["eager_ms"] = time_cuda(fns, min_time, max_reps, use_graph=False)["ms"]
             else:

@@ -372,9 +372,9 @@ def decide(spec: CallSpec, backend: str = "auto", complete: bool = True) -> Deci
 
 def select(spec: CallSpec, backend: str = "auto") -> tuple[Backend, Decision]:
     """The backend that serves ``spec``; raises ``BackendUnavailableError`` saying why when none does."""
+    # (under "auto" the partial decision stops only at a choice: when none serves, it has checked every
+    # backend, and the error below lists them all)
     d = decide(spec, backend, complete=False)
-    if d.chosen is None and d.requested == "auto":
-        d = decide(spec, backend)       # the error lists every backend and why it cannot serve
     if d.chosen is None:
         if d.requested != "auto":
             why = next(c.reason for c in d.candidates if c.name == d.requested)

@@ -170,13 +170,14 @@ def launch(kernel, grid, *args, **kwargs):
             _LAUNCHED.add(sig)
             return kernel[grid](*args, **kwargs)
         name = getattr(getattr(kernel, "fn", kernel), "__name__", str(kernel))
+        key = tuple(sorted(kwargs.items()))
         try:
-            with build_notice("triton", name, tuple(sorted(kwargs.items()))):
+            with build_notice("triton", name, key):
                 out = kernel[grid](*args, **kwargs)
         except CompilationError as exc:
             # name the kernel and its constexprs (dispatch then names the backend and the call's shape)
             from ...dispatch.registry import KernelBuildError
-            raise KernelBuildError("triton", name, tuple(sorted(kwargs.items())), exc) from exc
+            raise KernelBuildError("triton", name, key, exc) from exc
         _LAUNCHED.add(sig)
         return out
     except OutOfResources as exc:
