@@ -333,10 +333,11 @@ def write_outputs(out_dir: Path, meta: dict, results: list, impls) -> None:
 def grid(modes, filt=None) -> list:
     """[(mode, BenchRow)] of the Step 2 grid (the CPU gets the same rows: use --filter / --max-rows)."""
     ps = presets("cuda")
+    alts = [a for a in (filt or "").split("|") if a]       # "|" separates alternatives, as in bench
     out = []
     for mode in modes:
         for row in ps[PRESET_OF_MODE[mode]].rows:
-            if filt is None or filt in row.name():
+            if not alts or any(a in row.name() for a in alts):
                 out.append((mode, row))
     return out
 
@@ -370,7 +371,7 @@ def parse_args(argv=None):
                     help="comma list from fla, flashqla, a flashqla backend, or 'none' (default: fla,flashqla on "
                          "cuda, none on the cpu)")
     ap.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
-    ap.add_argument("--filter", default=None, help="only rows whose label (e.g. '16/32 1x32768') contains this")
+    ap.add_argument("--filter", default=None, help="only rows whose label (e.g. '16/32 1x32768') contains this ('|' separates alternatives)")
     ap.add_argument("--max-rows", type=int, default=None, help="at most this many rows (after --filter)")
     ap.add_argument("--out", default=None, help="directory for bench_memory.json and bench_memory.md")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)

@@ -150,8 +150,8 @@ case "$STEP" in
     TAIL=4 run_step "tilelang backward GPU tests" 150 $PYT tests/test_backend_tilelang.py -k backward
     TAIL=8 run_step "hostile values on the GPU" 150 $PYT tests/test_reliability.py -k "hostile or nonfinite" ;;
   memfwd)
-    TAIL=40 run_step "memory fwd" 250 python benchmarks/bench_memory.py --modes fwd \
-        --backends ${MEM_BACKENDS:-triton,tilelang} --out $OUT/memfwd ;;
+    TAIL=40 run_step "memory fwd" ${MEMFWD_S:-250} python benchmarks/bench_memory.py --modes fwd \
+        --backends ${MEM_BACKENDS:-triton,tilelang} ${MEMFWD_FILTER:+--filter "$MEMFWD_FILTER"} --out $OUT/memfwd ;;
   membwd)
     # (session 9: the 2/8 rows took 131 s with their compiles, then a FlashQLA variant the warm-up had not listed
     # compiled for minutes at 4/16; MEM_FILTER, e.g. "4/16", measures a part)
@@ -196,14 +196,16 @@ case "$STEP" in
         --mode fwd --rows 16/64:4x8192,16/32:4x8192,16/64:1x32768,8/32:8x1024,2/8:1x32768 \
         --out $OUT/sweep_intra_order.json --variants "default;FLASHQLA_TILELANG_INTRA_ORDER=head" ;;
   bwdbench)
-    # the backward grid (#4: FlashQLA's, 16/32 .. 2/4 x 8k/32k x 1..8 sequences), plain tilelang and tilelang with
-    # windowed CP (session 7: the backward's first CP pass runs over leading windows), against FlashQLA.  Its
-    # backward kernels compile on first use: warm them for these heads first.  BWD_FILTER picks rows.
-    TAIL=10 run_step "flashqla bwd warm-up" 300 python benchmarks/warm_flashqla_cache.py \
-        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --with-backward
+    # the backward grid (#4: FlashQLA's, 16/32 .. 2/4 x 8k/32k x 1..8 random sequences): tilelang against FlashQLA
+    # (BWD_BACKENDS adds others, e.g. tilelang@cpw8).  FlashQLA's backward kernels compile on first use, and the
+    # preset's random splits pick variants the qwen35-bwd rows do not: warm exactly its rows first.
+    # BWD_FILTER picks rows.
+    TAIL=10 run_step "flashqla bwd warm-up" ${BWDWARM_S:-300} python benchmarks/warm_flashqla_cache.py \
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --seqs none \
+        --bwd-preset flashqla-bwd
     save_kcache
-    TAIL=45 run_step "flashqla-bwd: tilelang, windowed CP, FlashQLA" 420 python -m flashqla bench \
-        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang,tilelang@cpw8} \
+    TAIL=45 run_step "flashqla-bwd grid against FlashQLA" 420 python -m flashqla bench \
+        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
   *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;

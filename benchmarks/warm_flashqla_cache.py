@@ -78,6 +78,9 @@ def parse_args(argv=None):
                    help="also the forward+backward rows of the qwen35-bwd preset (training-mode kernels)")
     p.add_argument("--bwd-seqs", default=None, help="forward+backward rows, same syntax as --seqs "
                                                     "(default: the qwen35-bwd preset rows)")
+    p.add_argument("--bwd-preset", default=None,
+                   help="forward+backward rows from this bench preset instead (e.g. flashqla-bwd, whose random "
+                        "splits choose other FlashQLA variants than the qwen35-bwd rows)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="q/k/v and beta dtype")
     p.add_argument("--sm-count", type=int, default=132, help="SM count FlashQLA sees (H200: 132)")
     p.add_argument("--flash-qla-path", default=None,
@@ -113,6 +116,16 @@ def parse_seqs(s):
             lens += [int(n)] * (int(rep) if rep else 1)
         rows.append(tuple(lens))
     return rows
+
+
+def preset_rows(name):
+    """The distinct packed sequence lengths of one bench preset (flashqla.cli.cases)."""
+    sys.path.insert(0, ROOT)
+    from flashqla.cli.cases import presets
+    ps = presets("cuda")
+    if name not in ps:
+        raise SystemExit(f"--bwd-preset: unknown preset {name!r} (one of {sorted(ps)})")
+    return sorted({tuple(r.seqlens) for r in ps[name].rows})
 
 
 def preset_seqs():
@@ -475,8 +488,12 @@ def main(argv=None) -> int:
 
     heads = parse_heads(args.heads)
     fwd_default, bwd_default = preset_seqs()
-    rows = [("fwd", s) for s in (parse_seqs(args.seqs) if args.seqs else fwd_default)]
-    if args.with_backward:
+    # --seqs none: no forward rows (a backward-only warm-up)
+    rows = [] if args.seqs == "none" else \
+        [("fwd", s) for s in (parse_seqs(args.seqs) if args.seqs else fwd_default)]
+    if args.bwd_preset:
+        bwd_default = preset_rows(args.bwd_preset)
+    if args.with_backward or args.bwd_preset:
         rows += [("fwdbwd", s) for s in (parse_seqs(args.bwd_seqs) if args.bwd_seqs else bwd_default)]
 
     t0 = time.perf_counter()
