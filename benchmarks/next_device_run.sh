@@ -28,6 +28,8 @@
 #                                                 the input copies and the window check, against eager CP (#8)
 #   bash benchmarks/next_device_run.sh bwdtests memfwd   the tilelang backward GPU tests and the hostile-value GPU tests
 #                                                 (session 9's changes), then the forward memory table (#11)
+#   bash benchmarks/next_device_run.sh bwdcheck   after a tilelang backward change: its GPU tests and determinism,
+#                                                 part of the backward grid against FlashQLA, the profile
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
 #                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
@@ -149,6 +151,17 @@ case "$STEP" in
     # (triton's host change runs under the interpreter in CPU CI; its device compiles would take minutes)
     TAIL=4 run_step "tilelang backward GPU tests" 150 $PYT tests/test_backend_tilelang.py -k backward
     TAIL=8 run_step "hostile values on the GPU" 150 $PYT tests/test_reliability.py -k "hostile or nonfinite" ;;
+  bwdcheck)
+    # after a change to the tilelang backward (session 10: dv / dbeta written in their final dtype by the wy
+    # kernel, the GVA sum and cast in one pass): its GPU tests and 100-run determinism, then part of the
+    # backward grid against FlashQLA (kcache from a bwdbench run) and the per-kernel profile
+    TAIL=4 run_step "tilelang backward GPU tests" 150 $PYT tests/test_backend_tilelang.py \
+        tests/test_reliability.py -k "backward or (deterministic and tilelang)"
+    TAIL=22 run_step "flashqla-bwd rows against FlashQLA" ${BWDCHECK_S:-150} python -m flashqla bench \
+        --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:-16/32|4/8 32k}" --backends tilelang \
+        --baselines flashqla --out $OUT/bwd
+    TAIL=30 run_step "profile fwd+bwd" 90 python benchmarks/profile_kernels.py --impls tilelang \
+        --rows ${PROFILE_ROWS:-16/32:32768,4/8:32768} --modes fwdbwd --out $OUT/profile.json ;;
   memfwd)
     TAIL=40 run_step "memory fwd" ${MEMFWD_S:-250} python benchmarks/bench_memory.py --modes fwd \
         --backends ${MEM_BACKENDS:-triton,tilelang} ${MEMFWD_FILTER:+--filter "$MEMFWD_FILTER"} --out $OUT/memfwd ;;
@@ -208,7 +221,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

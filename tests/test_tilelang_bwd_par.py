@@ -174,3 +174,31 @@ def test_wy_v2_transposed_w_read_is_conflict_free():
                 banks = word % 32
                 worst = max(worst, int(torch.bincount(banks, minlength=32).max()))
         assert (worst == 1) == want_free, (pad, worst)
+
+
+@pytest.mark.parametrize("ratio", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gva_sum_is_the_group_sum_rounded_once(ratio, dtype):
+    """``ops.gva_sum`` (session 10: the backward's GVA sum and cast in one pass) against the float64 sum of
+    each query head's value heads, rounded once to the output dtype; x itself is left as it was."""
+    from flashqla.backends.tilelang.ops import gva_sum
+
+    g = torch.Generator().manual_seed(ratio)
+    NT, Hqk, D = 37, 3, 16
+    x = torch.randn(NT, Hqk * ratio, D, generator=g) * torch.logspace(-3, 3, D)
+    before = x.clone()
+    out = gva_sum(x, ratio, dtype)
+    assert out.dtype == dtype and out.shape == (NT, Hqk, D)
+    ref = x.double().view(NT, Hqk, ratio, D).sum(2)
+    # one rounding to dtype after an fp32 sum: within one unit of the dtype's last place of the exact sum
+    # (fp32 adds of <= 4 terms are far below that), and exactly the rounded fp32 sum at ratio <= 2
+    assert torch.equal(x, before)
+    # (atol: fp16's subnormals below its smallest normal number have coarser absolute spacing)
+    torch.testing.assert_close(out.double(), ref, rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).tiny)
+    if ratio <= 2:
+        assert torch.equal(out, x.view(NT, Hqk, ratio, D).sum(2).to(dtype))
+    # value head h belongs to query head h // ratio (a transposed grouping would fail here)
+    if ratio > 1:
+        y = torch.zeros(NT, Hqk * ratio, D)
+        y[:, ratio] = 1.0                           # the first value head of query head 1
+        assert gva_sum(y, ratio, dtype)[:, 1].eq(1).all() and gva_sum(y, ratio, dtype)[:, 0].eq(0).all()

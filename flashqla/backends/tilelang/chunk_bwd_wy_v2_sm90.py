@@ -18,7 +18,10 @@ of value head ``h``; inputs are the forward's ``X = (I + A)^-1`` (fp32), stage 2
 
 Rows past the sequence end have beta = 0, so every WY term vanishes there; outputs are written for
 rows < eos only.  ``nk`` comes from the diagonal of ``k k^T`` (fp32 accumulators).  Outputs per value
-head, fp32: dk [NT, Hv, K], dv [NT, Hv, V], dg, dbeta [NT, Hv] (GVA sums over value heads on the host).
+head: dk [NT, Hv, K] and dg [NT, Hv] in fp32 (the host sums dk over each GVA group and casts it), dv
+[NT, Hv, V] in the inputs' dtype and dbeta [NT, Hv] in beta's: nothing is added to those two afterwards,
+so they are rounded here once, as the cast on the host did (session 10: the fp32 dv and its cast pass cost
+0.2 ms and 2 units of [T, Hv, V] fp32 memory at the backward's peak, 16/32 heads x 32k tokens).
 
 Why this form.  Its first version (retired in session 9) was slow (H200, 16/32 heads, 32k tokens:
 1.51 ms for a grid of 512 x 32 CTAs that each move ~176 KB, a ~0.7 ms memory floor): 132 registers x
@@ -68,9 +71,9 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
         dk_out: T.Tensor((NT, Hv, K), acc),
-        dv_out: T.Tensor((NT, Hv, V), acc),
+        dv_out: T.Tensor((NT, Hv, V), dtype),
         dg_out: T.Tensor((NT, Hv), acc),
-        db_out: T.Tensor((NT, Hv), acc),
+        db_out: T.Tensor((NT, Hv), beta_dtype),
         ratio: T.int32,
     ):
         with T.Kernel(NC, Hv, threads=threads) as (c, hv):
@@ -164,7 +167,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
             T.gemm(Xb_s, du_s, dBu_f, transpose_A=True, clear_accum=True)
             for r, d in T.Parallel(C, V):
                 if bos + r < eos:
-                    dv_out[bos + r, hv, d] = dBu_f[r, d] * b_s[r]
+                    dv_out[bos + r, hv, d] = T.cast(dBu_f[r, d] * b_s[r], dtype)
             for r, d in T.Parallel(C, V):
                 dBu_f[r, d] = dBu_f[r, d] * T.cast(v_s[r, d], acc)
             T.reduce_sum(dBu_f, red_f, dim=1)
@@ -198,7 +201,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
             for r in T.Parallel(C):
                 dG_s[r] = dG_s[r] + b_s[r] * bk_s[r] + b_s[r] * bA_s[r] - cA_s[r]
                 if bos + r < eos:
-                    db_out[bos + r, hv] = bk_s[r] + bv_s[r] + bA_s[r]
+                    db_out[bos + r, hv] = T.cast(bk_s[r] + bv_s[r] + bA_s[r], beta_dtype)
             T.cumsum(dG_s, dim=0, reverse=True)
             for r in T.Parallel(C):
                 if bos + r < eos:

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ...dispatch.device import detect
+from ..gva import gva_sum
 from ._compile import get_kernel
 from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
 from .chunk_bwd_state_sm90 import build_bwd_state
@@ -385,7 +386,9 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
 def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: float, l2norm: bool,
              has_h0: bool, do, dht):
     """Gradients from the forward's saved tensors (flattened q/k/v/beta, chunk-major w, G, X, chunk
-    states hs and v_new).  Returns fp32 (dq, dk, dv, dg, dbeta, dh0 or None) in the input shapes."""
+    states hs and v_new).  Returns (dq, dk, dv, dg, dbeta, dh0 or None) in the input shapes: dq, dk and dv
+    in the inputs' dtype, dbeta in beta's, dg and dh0 in fp32 (the kernels accumulate in fp32 and round
+    each gradient once, where it is final)."""
     B, T, Hqk, Hv, K, V = shape
     NT, NC, NS = B * T, meta.num_chunks, meta.num_seqs
     dev, dt = q.device, q.dtype
@@ -420,18 +423,19 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     # of dq can happen now (the caching allocator reuses both blocks for the wy kernel's outputs).
     # (GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.)
     del dh, state_args
-    dq = dq_h.view(NT, Hqk, ratio, K).sum(2) if ratio > 1 else dq_h
+    dq = gva_sum(dq_h, ratio, dt)
     del dq_h
 
     dk_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)
-    dv = torch.empty(NT, Hv, V, dtype=f32, device=dev)
+    dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
-    db = torch.empty(NT, Hv, dtype=f32, device=dev)
+    db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
     bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
         k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
         ratio)
     del dw, dvn, dkp, dGp
 
-    dk = dk_h.view(NT, Hqk, ratio, K).sum(2) if ratio > 1 else dk_h
+    dk = gva_sum(dk_h, ratio, dt)
+    del dk_h
     return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
             dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)

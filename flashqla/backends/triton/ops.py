@@ -27,6 +27,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from ..._build_notice import build_notice
+from ..gva import gva_sum
 from .common import CHUNK
 
 
@@ -412,10 +413,12 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     return dh, dvn, dh0
 
 
-def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, do, scale: float, use_l2: bool):
+def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, do, scale: float, use_l2: bool,
+          gva_dtype=None):
     """``dh_box``: a one-element list holding the state gradients; it is emptied once the kernel that reads
     them is launched, so that (with the caller holding no other reference) their block is free before the
-    wy kernel's outputs are allocated: the peak of the backward is in that kernel."""
+    wy kernel's outputs are allocated: the peak of the backward is in that kernel.  ``gva_dtype``: the dtype
+    of dq and dk after the GVA group sum (default q's; fp32 when the L2 norm's backward follows)."""
     from .chunk_bwd_grads import chunk_bwd_dqk_kernel, chunk_bwd_wy_kernel
 
     dev = q.device
@@ -434,7 +437,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
         q, k, G, h, dh_box.pop(), vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     if per_vhead:
-        dq = dq.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
+        dq = gva_sum(dq.view(geo.TT, geo.Hv, geo.K), r, gva_dtype or q.dtype).view(geo.B, geo.T, geo.Hqk, geo.K)
     dk = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev) if per_vhead else \
         torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -446,7 +449,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     if per_vhead:
         del dk_a, dG_a
-        dk = dk.view(geo.B, geo.T, geo.Hqk, r, geo.K).sum(3)
+        dk = gva_sum(dk.view(geo.TT, geo.Hv, geo.K), r, gva_dtype or k.dtype).view(geo.B, geo.T, geo.Hqk, geo.K)
     return dq, dk, dv, dbeta, dg
 
 
@@ -456,17 +459,18 @@ def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
     with _device_guard(q):
         if use_l2 and l2_mode() == "separate":
             dqn, dkn, dv, dg, dbeta, dh0 = _backward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0,
-                                                     meta, do, dht, False)
+                                                     meta, do, dht, False, gva_dtype=torch.float32)
             return _l2_backward(q, dqn), _l2_backward(k, dkn), dv, dg, dbeta, dh0
         return _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2)
 
 
-def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
+def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, gva_dtype=None):
     geo = Geometry(q, v, meta)
     w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
     h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2)
     dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2)
     dh_box = [dh]
     del dh      # (grads frees it after its first launch)
-    dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh_box, vn, dvn, do, scale, use_l2)
+    dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh_box, vn, dvn, do, scale, use_l2,
+                                  gva_dtype)
     return dq, dk, dv, dg, dbeta, dh0
