@@ -162,6 +162,9 @@ case "$STEP" in
         --baselines flashqla --out $OUT/bwd
     TAIL=30 run_step "profile fwd+bwd" 90 python benchmarks/profile_kernels.py --impls tilelang \
         --rows ${PROFILE_ROWS:-16/32:32768,4/8:32768} --modes fwdbwd --out $OUT/profile.json ;;
+  gvasum)
+    # the Triton GVA-sum kernel (backends/gva.py) on the GPU: bitwise against the torch forms, and their times
+    TAIL=12 run_step "GVA sum kernel" 60 python benchmarks/check_gva_sum.py --out $OUT/gva_sum.json ;;
   memfwd)
     TAIL=40 run_step "memory fwd" ${MEMFWD_S:-250} python benchmarks/bench_memory.py --modes fwd \
         --backends ${MEM_BACKENDS:-triton,tilelang} ${MEMFWD_FILTER:+--filter "$MEMFWD_FILTER"} --out $OUT/memfwd ;;
@@ -221,7 +224,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -176,15 +176,23 @@ def test_wy_v2_transposed_w_read_is_conflict_free():
         assert (worst == 1) == want_free, (pad, worst)
 
 
+@pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("ratio", [1, 2, 3, 4])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_gva_sum_is_the_group_sum_rounded_once(ratio, dtype):
-    """``ops.gva_sum`` (session 10: the backward's GVA sum and cast in one pass) against the float64 sum of
-    each query head's value heads, rounded once to the output dtype; x itself is left as it was."""
-    from flashqla.backends.tilelang.ops import gva_sum
+def test_gva_sum_is_the_group_sum_rounded_once(ratio, dtype, impl):
+    """``backends.gva.gva_sum`` (session 10: the backwards' GVA sum and cast in one pass; its Triton kernel
+    under the interpreter here) against the float64 sum of each query head's value heads, rounded once to the
+    output dtype; x itself is left as it was."""
+    import functools
+    import os
+
+    from flashqla.backends import gva
+    if impl == "triton" and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        pytest.skip("the Triton kernel runs on the CPU only under TRITON_INTERPRET=1")
+    gva_sum = functools.partial(gva.gva_sum, use_triton=impl == "triton")
 
     g = torch.Generator().manual_seed(ratio)
-    NT, Hqk, D = 37, 3, 16
+    NT, Hqk, D = 37, 3, 16          # NT * Hqk = 111 rows: not a multiple of the kernel's row block
     x = torch.randn(NT, Hqk * ratio, D, generator=g) * torch.logspace(-3, 3, D)
     before = x.clone()
     out = gva_sum(x, ratio, dtype)
@@ -195,7 +203,9 @@ def test_gva_sum_is_the_group_sum_rounded_once(ratio, dtype):
     assert torch.equal(x, before)
     # (atol: fp16's subnormals below its smallest normal number have coarser absolute spacing)
     torch.testing.assert_close(out.double(), ref, rtol=torch.finfo(dtype).eps, atol=torch.finfo(dtype).tiny)
-    if ratio <= 2:
+    # (Triton's interpreter narrows fp32 to bf16 by truncation, whatever the rounding asked for; compiled
+    # kernels round to nearest even, like torch: the bound above holds for both)
+    if ratio <= 2 and not (impl == "triton" and dtype == torch.bfloat16):
         assert torch.equal(out, x.view(NT, Hqk, ratio, D).sum(2).to(dtype))
     # value head h belongs to query head h // ratio (a transposed grouping would fail here)
     if ratio > 1:
