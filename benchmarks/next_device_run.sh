@@ -164,6 +164,7 @@ case "$STEP" in
         --rows ${PROFILE_ROWS:-16/32:32768,4/8:32768} --modes fwdbwd --out $OUT/profile.json ;;
   gvasum)
     # the Triton GVA-sum kernel (backends/gva.py) on the GPU: bitwise against the torch forms, and their times
+    # (then make it the default in backends/gva.py if it is bitwise equal and faster)
     TAIL=12 run_step "GVA sum kernel" 60 python benchmarks/check_gva_sum.py --out $OUT/gva_sum.json ;;
   memfwd)
     TAIL=40 run_step "memory fwd" ${MEMFWD_S:-250} python benchmarks/bench_memory.py --modes fwd \

@@ -212,3 +212,23 @@ def test_gva_sum_is_the_group_sum_rounded_once(ratio, dtype, impl):
         y = torch.zeros(NT, Hqk * ratio, D)
         y[:, ratio] = 1.0                           # the first value head of query head 1
         assert gva_sum(y, ratio, dtype)[:, 1].eq(1).all() and gva_sum(y, ratio, dtype)[:, 0].eq(0).all()
+
+
+def test_gva_sum_switch(monkeypatch):
+    """FLASHQLA_GVA_SUM picks the form (torch by default until the kernel has run on a GPU); a bad value
+    raises naming the variable."""
+    from flashqla.backends import gva
+
+    calls = []
+    monkeypatch.setattr(gva, "_torch_sum", lambda x, r, dt: calls.append("torch") or x[:, ::r].to(dt))
+    x = torch.randn(5, 4, 8)
+    monkeypatch.delenv("FLASHQLA_GVA_SUM", raising=False)
+    gva.gva_sum(x, 2, torch.bfloat16)
+    assert calls == ["torch"]
+    monkeypatch.setenv("FLASHQLA_GVA_SUM", "triton")
+    if gva._triton_ok(x):
+        gva.gva_sum(x, 2, torch.bfloat16)
+        assert calls == ["torch"]
+    monkeypatch.setenv("FLASHQLA_GVA_SUM", "cuda")
+    with pytest.raises(ValueError, match="FLASHQLA_GVA_SUM"):
+        gva.gva_sum(x, 2, torch.bfloat16)

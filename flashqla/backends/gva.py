@@ -5,14 +5,16 @@ and dk once per value head (fp32, no atomics) and the host sums each group: ``x 
 ``[NT * Hqk, ratio, D]`` (contiguous), summed over the middle axis in fp32 and rounded once to the output
 dtype.
 
-On a CUDA device (or under ``TRITON_INTERPRET=1``) one Triton kernel does it, the sum and the cast in a
-single pass: each program reads ``ratio`` contiguous ``[BLOCK_M, D]`` tiles and writes one.  Why a kernel:
+With ``FLASHQLA_GVA_SUM=triton``, on a CUDA device (or under ``TRITON_INTERPRET=1``), one Triton kernel
+does it, the sum and the cast in a single pass: each program reads ``ratio`` contiguous ``[BLOCK_M, D]``
+tiles and writes one.  The default (``torch``) stays the PyTorch form until the kernel has run on a GPU
+(``bash benchmarks/next_device_run.sh gvasum``: bitwise against the PyTorch forms, and the times); it is
+correct under the interpreter (``tests/test_tilelang_bwd_par.py``).  Why a kernel:
 the tilelang backward at 16/32 heads x 32k tokens (H200, session 10) spent 0.29 + 0.09 ms per gradient
 in ``x.view(...).sum(2)`` and the cast (a strided reduction at ~1.9 TB/s, then a pass of its own), and
 still 0.31 ms in one ``torch.add(a, b, out=bf16)`` over the strided views, which runs torch's generic,
 unvectorised elementwise loop (run 4 profile).  The 537 MB read and 134 MB write of that case take
-~0.16 ms at the H200's 4.2 TB/s.  Elsewhere (no Triton, CPU tensors outside the interpreter) the same
-sum runs in PyTorch.  Both are deterministic (fixed order, no atomics).
+~0.16 ms at the H200's 4.2 TB/s.  Both forms are deterministic (fixed order, no atomics).
 """
 
 from __future__ import annotations
@@ -22,6 +24,14 @@ import os
 import torch
 
 _BLOCK_ELEMS = 4096          # elements of one [BLOCK_M, D] tile per load
+
+
+def gva_sum_impl() -> str:
+    """``FLASHQLA_GVA_SUM``: ``torch`` (default) or ``triton``."""
+    m = os.environ.get("FLASHQLA_GVA_SUM", "torch").strip().lower() or "torch"
+    if m not in ("torch", "triton"):
+        raise ValueError(f"FLASHQLA_GVA_SUM must be 'torch' or 'triton', got {m!r}")
+    return m
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
@@ -76,12 +86,12 @@ def _torch_sum(x: torch.Tensor, ratio: int, dtype: torch.dtype) -> torch.Tensor:
 def gva_sum(x: torch.Tensor, ratio: int, dtype: torch.dtype, use_triton=None) -> torch.Tensor:
     """``x`` fp32 ``[NT, Hv, D]`` (one gradient per value head) -> ``[NT, Hv // ratio, D]`` in ``dtype``: the
     sum over the ``ratio`` value heads that share a query/key head, in fp32, rounded once.  ``use_triton``:
-    None picks (see the module docstring); True / False force it (tests)."""
+    None follows ``FLASHQLA_GVA_SUM`` (see the module docstring); True / False force it (tests)."""
     if ratio == 1:
         return x.to(dtype)
     NT, Hv, D = x.shape
     if use_triton is None:
-        use_triton = _triton_ok(x) and x.is_contiguous() and D & (D - 1) == 0
+        use_triton = gva_sum_impl() == "triton" and _triton_ok(x) and x.is_contiguous() and D & (D - 1) == 0
     if not use_triton:
         return _torch_sum(x, ratio, dtype)
     import triton
