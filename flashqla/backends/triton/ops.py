@@ -392,6 +392,9 @@ def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2
                              from_tb=from_tb)
         return o, ht
     h, vn, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, from_tb=from_tb)
+    # the output pass reads neither: free them before o is allocated (the backward recomputes its own), so
+    # the forward's peak is max(w + u, o) + h + v_new instead of w + u + h + v_new + o
+    del w, u
     o = output(geo, q, k, G, h, vn, scale, use_l2, v.dtype)
     return o, ht
 
