@@ -1,9 +1,9 @@
 """Backward stage 3 (Hopper): back through the WY representation, the gate cumsum and the L2 norm.
 
 Grid: ``(total_chunks, Hv)``, 256 threads (two warpgroups), no loop.  CTA ``(c, h)`` takes chunk ``c``
-of value head ``h``; inputs are the forward's ``X = (I + A)^-1`` (fp32), stage 2's ``dw``, ``dk^p``,
-``dG`` and stage 1's ``dv_new`` (= du).  With ``Bw = diag(beta exp(G) nk) k`` and ``Bu = diag(beta) v``
-(so ``w = X Bw``, ``u = X Bu``) and ``Xb`` the 16-bit copy of X::
+of value head ``h``; inputs are the forward's ``X = (I + A)^-1`` (``Xb``: X rounded to the inputs' 16-bit
+dtype, as stage 1 of the forward saves it), stage 2's ``dw``, ``dk^p``, ``dG`` and stage 1's ``dv_new``
+(= du).  With ``Bw = diag(beta exp(G) nk) k`` and ``Bu = diag(beta) v`` (so ``w = X Bw``, ``u = X Bu``)::
 
     dX   = dw Bw^T + du Bu^T
     dA   = -(Xb^T dX) Xb^T                 strictly lower part
@@ -63,7 +63,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
         v: T.Tensor((NT, Hv, V), dtype),
         beta: T.Tensor((NT, Hv), beta_dtype),
         G: T.Tensor((NC, Hv, C), acc),
-        X: T.Tensor((NC, Hv, C, C), acc),
+        X: T.Tensor((NC, Hv, C, C), dtype),
         dw: T.Tensor((NC, Hv, C, K), dtype),
         du: T.Tensor((NC, Hv, C, V), dtype),
         dkp: T.Tensor((NC, Hv, C, K), acc),

@@ -48,7 +48,8 @@ input dtype, ``[NC, Hv, 64, 64]``, and G.  The fused recurrence forms v_new from
 Outputs, chunk-major so that stage 2 reads whole tiles with TMA and the padded tail rows of a last
 chunk are well defined (zero in w and u, ``G = G_last`` in G): ``w [NC, Hv, 64, K]``, ``u [NC, Hv, 64,
 V]`` in the input dtype, ``G [NC, Hv, 64]`` fp32 and, when the backward needs it, ``X [NC, Hv, 64,
-64]`` fp32.
+64]`` in the input dtype (session 10; it was fp32, but its one reader, the backward's wy kernel, rounds it to
+16 bits on load anyway: the same bits, half the bytes).
 
 Budget (bf16/fp16, K = V = 128, ptxas for sm_90a): shared memory k 16 KB, v 16 KB (also the w / u
 staging), A 18 KB and X 18 KB (fp32, padded), the two 16-bit X copies 8 KB each (TileLang places them
@@ -261,7 +262,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         w_out: T.Tensor((NC, Hv, C, K), dtype),
         u_out: T.Tensor((NC, Hv, C, V), dtype),
         G_out: T.Tensor((NC, Hv, C), acc),
-        X_out: T.Tensor((XN, XH, C, C), acc),
+        X_out: T.Tensor((XN, XH, C, C), dtype),
         ratio: T.int32,
     ):
         with T.Kernel(*grid(), threads=threads) as bx:
@@ -290,7 +291,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
 
             if save_x:
                 for r, j in T.Parallel(C, C):
-                    X_out[c, h, r, j] = X_s[r, j]
+                    X_out[c, h, r, j] = T.cast(X_s[r, j], dtype)
             for r, j in T.Parallel(C, C):
                 Xw_s[r, j] = T.cast(X_s[r, j] * cw_s[j], dtype)
                 Xu_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)

@@ -349,8 +349,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     else:
         w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
         u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=torch.float32, device=dev) if save else \
-            dummy((1, 1, CHUNK, CHUNK), torch.float32, dev)
+        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev) if save else \
+            dummy((1, 1, CHUNK, CHUNK), dt, dev)
         intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
             kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
 
