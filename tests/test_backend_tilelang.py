@@ -222,7 +222,8 @@ def emulate_backward(q, k, v, g, beta, scale, h0, cu, l2norm, dt, do, dht, saved
                 dqc, dkc = dqh, dkh
             nv = int(valid.sum())
             sl = slice(bos, bos + nv)
-            dq[sl] = dqc[:, :nv].transpose(0, 1); dk[sl] = dkc[:, :nv].transpose(0, 1)
+            # (per value head in 16 bits, then the GVA sum in fp32: chunk_bwd_dqk_v2 / chunk_bwd_wy_v2 + gva.py)
+            dq[sl] = R(dqc[:, :nv].transpose(0, 1)); dk[sl] = R(dkc[:, :nv].transpose(0, 1))
             dv[sl] = dvc[:, :nv].transpose(0, 1); dg[sl] = dgc[:, :nv].T; db[sl] = dbc[:, :nv].T
     dq = dq.reshape(NT, Hqk, ratio, K).sum(2).reshape(B, Tn, Hqk, K)
     dk = dk.reshape(NT, Hqk, ratio, K).sum(2).reshape(B, Tn, Hqk, K)

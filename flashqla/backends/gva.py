@@ -1,7 +1,8 @@
 """The GVA group sum of per-value-head gradients, shared by the GPU backends' backwards.
 
 With Hv = ratio * Hqk value heads, value head ``h`` reads query/key head ``h // ratio``; the kernels write dq
-and dk once per value head (fp32, no atomics) and the host sums each group: ``x [NT, Hv, D]`` seen as
+and dk once per value head (no atomics; fp32 in triton, the inputs' 16-bit dtype in tilelang) and the host
+sums each group: ``x [NT, Hv, D]`` seen as
 ``[NT * Hqk, ratio, D]`` (contiguous), summed over the middle axis in fp32 and rounded once to the output
 dtype.
 
@@ -62,9 +63,9 @@ def _kernel():
             cols = tl.arange(0, D)
             mask = (rows < M)[:, None]
             src = x + (rows * (RATIO * D))[:, None] + cols[None, :]
-            acc = tl.load(src, mask=mask, other=0.0)
+            acc = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             for j in tl.static_range(1, RATIO):
-                acc += tl.load(src + j * D, mask=mask, other=0.0)
+                acc += tl.load(src + j * D, mask=mask, other=0.0).to(tl.float32)
             tl.store(out + (rows * D)[:, None] + cols[None, :], acc.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
         _KERNEL = gva_sum_kernel
@@ -77,15 +78,16 @@ def _torch_sum(x: torch.Tensor, ratio: int, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(NT, Hv // ratio, D, dtype=dtype, device=x.device)
     if ratio == 2:
         return torch.add(parts[0], parts[1], out=out)
-    acc = parts[0] + parts[1]
+    acc = parts[0].float() + parts[1]         # fp32 partial sums, one rounding at the end
     for part in parts[2:-1]:
         acc += part
     return torch.add(acc, parts[-1], out=out)
 
 
 def gva_sum(x: torch.Tensor, ratio: int, dtype: torch.dtype, use_triton=None) -> torch.Tensor:
-    """``x`` fp32 ``[NT, Hv, D]`` (one gradient per value head) -> ``[NT, Hv // ratio, D]`` in ``dtype``: the
-    sum over the ``ratio`` value heads that share a query/key head, in fp32, rounded once.  ``use_triton``:
+    """``x`` ``[NT, Hv, D]`` (one gradient per value head; fp32, or 16-bit as the tilelang backward writes
+    them) -> ``[NT, Hv // ratio, D]`` in ``dtype``: the sum over the ``ratio`` value heads that share a
+    query/key head, in fp32, rounded once.  ``use_triton``:
     None follows ``FLASHQLA_GVA_SUM`` (see the module docstring); True / False force it (tests)."""
     if ratio == 1:
         return x.to(dtype)

@@ -18,7 +18,9 @@ nq, nk (1 without the option)::
            (+ exp(G_last) <S, dS> + sum_r D_r dD_r on the last row),
     Z = dQK * (q k^T) nq nk,  D = exp(G_last - G),  dD_r = nk_r k_r . vdS_r.
 
-Outputs: dq [NT, Hv, K] fp32 (rows < eos), and chunk-major for stage 3: dk^p [NC, Hv, 64, K] fp32,
+Outputs: dq [NT, Hv, K] in the input dtype (rows < eos; per value head, summed over each GVA group in
+fp32 by ``backends/gva.py``: FlashQLA's rounding point, session 10, half the bytes of the fp32 form it
+replaced), and chunk-major for stage 3: dk^p [NC, Hv, 64, K] fp32,
 dw [NC, Hv, 64, K] (input dtype), dG [NC, Hv, 64] fp32.
 
 Why this form.  Its first version (retired in session 9) was slow (H200, 16/32 heads, 32k tokens:
@@ -71,7 +73,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
         dvn: T.Tensor((NC, Hv, C, V), dtype),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
-        dq_out: T.Tensor((NT, Hv, K), acc),
+        dq_out: T.Tensor((NT, Hv, K), dtype),
         dkp_out: T.Tensor((NC, Hv, C, K), acc),
         dw_out: T.Tensor((NC, Hv, C, K), dtype),
         dG_out: T.Tensor((NC, Hv, C), acc),
@@ -193,7 +195,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
                     dOS_f[r, d] = nq_s[r] * (dOS_f[r, d] - qdq_s[r] * T.cast(q_s[r, d], acc))
             for r, d in T.Parallel(C, K):
                 if bos + r < eos:
-                    dq_out[bos + r, hv, d] = dOS_f[r, d]
+                    dq_out[bos + r, hv, d] = T.cast(dOS_f[r, d], dtype)
 
             # partial dk
             for r, d in T.Parallel(C, K):

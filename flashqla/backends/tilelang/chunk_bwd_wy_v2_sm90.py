@@ -18,10 +18,11 @@ dtype, as stage 1 of the forward saves it), stage 2's ``dw``, ``dk^p``, ``dG`` a
 
 Rows past the sequence end have beta = 0, so every WY term vanishes there; outputs are written for
 rows < eos only.  ``nk`` comes from the diagonal of ``k k^T`` (fp32 accumulators).  Outputs per value
-head: dk [NT, Hv, K] and dg [NT, Hv] in fp32 (the host sums dk over each GVA group and casts it), dv
-[NT, Hv, V] in the inputs' dtype and dbeta [NT, Hv] in beta's: nothing is added to those two afterwards,
-so they are rounded here once, as the cast on the host did (session 10: the fp32 dv and its cast pass cost
-0.2 ms and 2 units of [T, Hv, V] fp32 memory at the backward's peak, 16/32 heads x 32k tokens).
+head: dg [NT, Hv] in fp32; dv [NT, Hv, V] in the inputs' dtype and dbeta [NT, Hv] in beta's: nothing is
+added to those two afterwards, so they are rounded here once, as the cast on the host did (session 10: the
+fp32 dv and its cast pass cost 0.2 ms and 2 units of [T, Hv, V] fp32 memory at the backward's peak, 16/32
+heads x 32k tokens); dk [NT, Hv, K] in the inputs' dtype too, per value head, summed over each GVA group in
+fp32 on the host (``backends/gva.py``; the same rounding point as dq's, as in FlashQLA).
 
 Why this form.  Its first version (retired in session 9) was slow (H200, 16/32 heads, 32k tokens:
 1.51 ms for a grid of 512 x 32 CTAs that each move ~176 KB, a ~0.7 ms memory floor): 132 registers x
@@ -70,7 +71,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
         dGp: T.Tensor((NC, Hv, C), acc),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
-        dk_out: T.Tensor((NT, Hv, K), acc),
+        dk_out: T.Tensor((NT, Hv, K), dtype),
         dv_out: T.Tensor((NT, Hv, V), dtype),
         dg_out: T.Tensor((NT, Hv), acc),
         db_out: T.Tensor((NT, Hv), beta_dtype),
@@ -195,7 +196,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
                     dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
             for r, d in T.Parallel(C, K):
                 if bos + r < eos:
-                    dk_out[bos + r, hv, d] = dBw_f[r, d]
+                    dk_out[bos + r, hv, d] = T.cast(dBw_f[r, d], dtype)
 
             # dbeta, dg
             for r in T.Parallel(C):

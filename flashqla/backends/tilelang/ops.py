@@ -387,8 +387,9 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
              has_h0: bool, do, dht):
     """Gradients from the forward's saved tensors (flattened q/k/v/beta, chunk-major w, G, X, chunk
     states hs and v_new).  Returns (dq, dk, dv, dg, dbeta, dh0 or None) in the input shapes: dq, dk and dv
-    in the inputs' dtype, dbeta in beta's, dg and dh0 in fp32 (the kernels accumulate in fp32 and round
-    each gradient once, where it is final)."""
+    in the inputs' dtype, dbeta in beta's, dg and dh0 in fp32.  The kernels accumulate in fp32 and round
+    dv and dbeta once, where they are final; dq and dk are rounded per value head and summed over each GVA
+    group in fp32 before their last rounding (exact at ratio 1)."""
     B, T, Hqk, Hv, K, V = shape
     NT, NC, NS = B * T, meta.num_chunks, meta.num_seqs
     dev, dt = q.device, q.dtype
@@ -411,7 +412,7 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
         bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
 
-    dq_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)
+    dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
     dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
     dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
     dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
@@ -426,7 +427,7 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     dq = gva_sum(dq_h, ratio, dt)
     del dq_h
 
-    dk_h = torch.empty(NT, Hv, K, dtype=f32, device=dev)
+    dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
     db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
