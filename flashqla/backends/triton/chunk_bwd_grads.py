@@ -25,7 +25,8 @@ chunk start state, ``dSn`` the gradient of the state at the chunk end, ``Tinv = 
     dg    = reverse cumsum of dG within the chunk
 
 The L2-norm Jacobian: ``dx = rsqrt(|x|^2 + eps) (dx_hat - x_hat (x_hat . dx_hat))``.  Under GVA each value
-head writes its own dq/dk slot ``[B, T, Hv, K]`` (fp32) and the host sums the group: deterministic.
+head writes its own dq/dk slot ``[B, T, Hv, K]`` (in the output dtype, fp32 when the L2 norm's backward
+follows on the host) and the host sums the group in fp32 (``backends/gva.py``): deterministic.
 """
 
 from __future__ import annotations

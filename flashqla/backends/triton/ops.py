@@ -428,7 +428,10 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
     per_vhead = geo.Hv != geo.Hqk
     r = geo.Hv // geo.Hqk
     # (GVA: one slot per value head, summed over the group after the launch: deterministic, no atomics)
-    dq = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev) if per_vhead else \
+    # per value head in the output dtype (fp32 only when the L2 norm's backward follows), summed over each
+    # group in fp32 by gva_sum: half the bytes of fp32 slots, FlashQLA's rounding point (session 10)
+    slot_dtype = gva_dtype or q.dtype
+    dq = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=slot_dtype, device=dev) if per_vhead else \
         torch.empty_like(q)
     dk_a = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev)
     dG_a = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
@@ -441,7 +444,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     if per_vhead:
         dq = gva_sum(dq.view(geo.TT, geo.Hv, geo.K), r, gva_dtype or q.dtype).view(geo.B, geo.T, geo.Hqk, geo.K)
-    dk = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=torch.float32, device=dev) if per_vhead else \
+    dk = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=slot_dtype, device=dev) if per_vhead else \
         torch.empty_like(k)
     dv = torch.empty_like(v)
     dbeta = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
