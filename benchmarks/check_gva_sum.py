@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The backwards' GVA group sum on the GPU: the Triton kernel of ``flashqla/backends/gva.py`` against the
 PyTorch forms it replaces (``view(...).sum(2)`` + cast, session 9; ``torch.add(a, b, out=...)``, session 10
-run 4), bitwise, and their times (CUDA events, median of 50 after warm-up).
+run 4), bitwise, and their times (``triton.testing.do_bench``, median).
 
     python benchmarks/check_gva_sum.py [--rows 32768x32:2,32768x32:4,8192x8:2] [--out FILE.json]
 """
@@ -10,26 +10,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
 
 from flashqla.backends.gva import _torch_sum, gva_sum
 
 
-def timed(fn, iters=50):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b))
-    return statistics.median(ts)
+def timed(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
 
 
 def main():

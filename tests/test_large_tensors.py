@@ -930,6 +930,18 @@ def test_bench_memory_cli_on_cpu(tmp_path):
     assert (tmp_path / "merged" / "bench_memory.md").read_text().count("| 1/2 | 1x64 | 64 |") == 4
 
 
+def _small_triton_inputs(T, Hv, K, Hqk=1):
+    """A small packed-free GVA call (seeded) for the CPU memory-meter tests of the triton backend."""
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    q = torch.randn(1, T, Hqk, K)
+    k = F.normalize(torch.randn(1, T, Hqk, K), dim=-1)
+    v = torch.randn(1, T, Hv, K)
+    g = F.logsigmoid(torch.randn(1, T, Hv))
+    beta = torch.rand(1, T, Hv)
+    return q, k, v, g, beta
+
+
 def test_bench_memory_cpu_meter_under_the_triton_interpreter():
     """The CPU meter counts the triton backend's buffers under the interpreter, whose launches copy_ into
     tensors the meter has already seen (it raised there: a WeakSet compares tensors with ==), and the
@@ -939,14 +951,8 @@ def test_bench_memory_cpu_meter_under_the_triton_interpreter():
     bm = _bench_memory()
     if not flashqla.get_backend("triton").available()[0]:
         pytest.skip("triton backend unavailable here")
-    import torch.nn.functional as F
-    torch.manual_seed(0)
-    T, Hqk, Hv, K = 256, 1, 2, 64
-    q = torch.randn(1, T, Hqk, K)
-    k = F.normalize(torch.randn(1, T, Hqk, K), dim=-1)
-    v = torch.randn(1, T, Hv, K)
-    g = F.logsigmoid(torch.randn(1, T, Hv))
-    beta = torch.rand(1, T, Hv)
+    T, Hv, K = 256, 2, 64
+    q, k, v, g, beta = _small_triton_inputs(T, Hv, K)
     leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta)]
     o, _ = flashqla.chunk_gated_delta_rule(*leaves, backend="triton")
     do = torch.randn_like(o)
@@ -966,15 +972,9 @@ def test_triton_unfused_forward_frees_w_and_u_before_the_output(monkeypatch):
     bm = _bench_memory()
     if not flashqla.get_backend("triton").available()[0]:
         pytest.skip("triton backend unavailable here")
-    import torch.nn.functional as F
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.fuse=0")
-    torch.manual_seed(0)
-    T, Hqk, Hv, K = 256, 1, 2, 64
-    q = torch.randn(1, T, Hqk, K)
-    k = F.normalize(torch.randn(1, T, Hqk, K), dim=-1)
-    v = torch.randn(1, T, Hv, K)
-    g = F.logsigmoid(torch.randn(1, T, Hv))
-    beta = torch.rand(1, T, Hv)
+    T, Hv, K = 256, 2, 64
+    q, k, v, g, beta = _small_triton_inputs(T, Hv, K)
     with torch.no_grad(), bm.CpuMeter() as m:
         o, ht = flashqla.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=True, backend="triton")
     unit = T * Hv * K * 4
