@@ -164,6 +164,14 @@ case "$STEP" in
         --baselines flashqla --out $OUT/bwd
     TAIL=30 run_step "profile fwd+bwd" 90 python benchmarks/profile_kernels.py --impls tilelang \
         --rows ${PROFILE_ROWS:-16/32:32768,4/8:32768} --modes fwdbwd --out $OUT/profile.json ;;
+  bwdcp)
+    # the existing op-level exact CP on the backward's single-sequence 32k rows, captured in a CUDA graph (fixed
+    # structure) and eager with windows: does splitting the latency-bound state-gradient walk pay at few
+    # walks (4/8 1x32k: bwd_state_ws 1.67 of 3.58 ms, session 10 run 3)?  (#4, #8)
+    TAIL=22 run_step "flashqla-bwd 1-sequence rows with CP" ${BWDCP_S:-240} python -m flashqla bench \
+        --preset flashqla-bwd --no-progress --filter "${BWDCP_FILTER:-32k in 1 }" \
+        --backends ${BWDCP_BACKENDS:-tilelang,tilelang@cp4,tilelang@cp8,tilelang@cpw8} --baselines flashqla \
+        --out $OUT/bwdcp ;;
   gvasum)
     # the Triton GVA-sum kernel (backends/gva.py) on the GPU: bitwise against the torch forms, and their times
     # (then make it the default in backends/gva.py if it is bitwise equal and faster)
@@ -227,7 +235,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
