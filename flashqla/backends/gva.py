@@ -1,25 +1,26 @@
 """The GVA group sum of per-value-head gradients, shared by the GPU backends' backwards.
 
-With Hv = ratio * Hqk value heads, value head ``h`` reads query/key head ``h // ratio``; the kernels write dq
-and dk once per value head (no atomics; fp32 in triton, the inputs' 16-bit dtype in tilelang) and the host
-sums each group: ``x [NT, Hv, D]`` seen as
-``[NT * Hqk, ratio, D]`` (contiguous), summed over the middle axis in fp32 and rounded once to the output
-dtype.
+With Hv = ratio * Hqk value heads, value head ``h`` reads query/key head ``h // ratio``.  The kernels write
+dq and dk once per value head (no atomics; in the output dtype, or fp32 where the triton backward's L2-norm
+Jacobian follows), and the host sums each group: ``x [NT, Hv, D]`` seen as ``[NT * Hqk, ratio, D]``
+(contiguous), summed over the middle axis in fp32 and rounded once to the output dtype.
 
-With ``FLASHQLA_GVA_SUM=triton``, on a CUDA device (or under ``TRITON_INTERPRET=1``), one Triton kernel
-does it, the sum and the cast in a single pass: each program reads ``ratio`` contiguous ``[BLOCK_M, D]``
-tiles and writes one.  The default (``torch``) stays the PyTorch form until the kernel has run on a GPU
+With ``FLASHQLA_GVA_SUM=triton``, on a CUDA device (or under ``TRITON_INTERPRET=1``), one Triton kernel does
+it, the sum and the cast in a single pass: each program reads ``ratio`` contiguous ``[BLOCK_M, D]`` tiles
+and writes one.  The default (``torch``) stays the PyTorch form until the kernel has run on a GPU
 (``bash benchmarks/next_device_run.sh gvasum``: bitwise against the PyTorch forms, and the times); it is
-correct under the interpreter (``tests/test_tilelang_bwd_par.py``).  Why a kernel:
-the tilelang backward at 16/32 heads x 32k tokens (H200, session 10) spent 0.29 + 0.09 ms per gradient
-in ``x.view(...).sum(2)`` and the cast (a strided reduction at ~1.9 TB/s, then a pass of its own), and
-still 0.31 ms in one ``torch.add(a, b, out=bf16)`` over the strided views, which runs torch's generic,
-unvectorised elementwise loop (run 4 profile).  The 537 MB read and 134 MB write of that case take
-~0.16 ms at the H200's 4.2 TB/s.  Both forms are deterministic (fixed order, no atomics).
+correct under the interpreter (``tests/test_tilelang_bwd_par.py``).  Why a kernel: with fp32 slots, the
+tilelang backward at 16/32 heads x 32k tokens (H200, session 10) spent 0.29 + 0.09 ms per gradient in
+``x.view(...).sum(2)`` and the cast (a strided reduction at ~1.9 TB/s, then a pass of its own), and still
+0.31 ms in one ``torch.add(a, b, out=bf16)`` over the strided views, which runs torch's generic,
+unvectorised elementwise loop (run 4 profile); the 537 MB read and 134 MB write of that case take ~0.16 ms
+at the H200's 4.2 TB/s.  (Since then the tilelang slots are 16-bit: half the bytes to read.)  Both forms are
+deterministic (fixed order, no atomics).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -36,9 +37,7 @@ def gva_sum_impl() -> str:
 
 
 def _triton_ok(x: torch.Tensor) -> bool:
-    if x.is_cuda:
-        pass
-    elif os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
         return False
     try:
         import triton  # noqa: F401
@@ -66,7 +65,8 @@ def _kernel():
             acc = tl.load(src, mask=mask, other=0.0).to(tl.float32)
             for j in tl.static_range(1, RATIO):
                 acc += tl.load(src + j * D, mask=mask, other=0.0).to(tl.float32)
-            tl.store(out + (rows * D)[:, None] + cols[None, :], acc.to(out.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+            y = acc.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+            tl.store(out + (rows * D)[:, None] + cols[None, :], y, mask=mask)
 
         _KERNEL = gva_sum_kernel
     return _KERNEL
@@ -87,8 +87,8 @@ def _torch_sum(x: torch.Tensor, ratio: int, dtype: torch.dtype) -> torch.Tensor:
 def gva_sum(x: torch.Tensor, ratio: int, dtype: torch.dtype, use_triton=None) -> torch.Tensor:
     """``x`` ``[NT, Hv, D]`` (one gradient per value head; fp32, or 16-bit as the tilelang backward writes
     them) -> ``[NT, Hv // ratio, D]`` in ``dtype``: the sum over the ``ratio`` value heads that share a
-    query/key head, in fp32, rounded once.  ``use_triton``:
-    None follows ``FLASHQLA_GVA_SUM`` (see the module docstring); True / False force it (tests)."""
+    query/key head, in fp32, rounded once.  ``use_triton``: None follows ``FLASHQLA_GVA_SUM`` (see the module
+    docstring); True / False force it (tests)."""
     if ratio == 1:
         return x.to(dtype)
     NT, Hv, D = x.shape
@@ -102,14 +102,7 @@ def gva_sum(x: torch.Tensor, ratio: int, dtype: torch.dtype, use_triton=None) ->
     M = NT * (Hv // ratio)
     block_m = max(1, _BLOCK_ELEMS // D)
     if M:
-        with (torch.cuda.device(x.device) if x.is_cuda else _nullcontext()):
+        with (torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()):
             _kernel()[(triton.cdiv(M, block_m),)](x, out, M, RATIO=ratio, D=D, BLOCK_M=block_m, num_warps=4)
     return out
 
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
