@@ -423,9 +423,52 @@ def _fwd_variants():
 
 
 def _bwd_ws_variants():
-    return [("bwd_state_ws", ("bfloat16", 128, 128, 64, False, False, False)),
-            ("bwd_state_ws", ("bfloat16", 128, 128, 32, True, True, True)),
-            ("bwd_state_ws", ("float16", 128, 128, 64, True, True, False))]
+    out = [("bwd_state_ws", ("bfloat16", 128, 128, 64, False, False, False)),
+           ("bwd_state_ws", ("bfloat16", 128, 128, 32, True, True, True)),
+           ("bwd_state_ws", ("float16", 128, 128, 64, True, True, False))]
+    # pipe2 (FLASHQLA_TILELANG_BWD_WS_OPTS=pipe2): both V-blocks (3 ring slots at 32), both dtypes, every flag
+    for dt, bv, l2, dht, dh0 in [("bfloat16", 32, False, False, False), ("bfloat16", 32, True, True, True),
+                                 ("bfloat16", 64, True, False, True), ("bfloat16", 64, False, True, False),
+                                 ("float16", 32, True, True, False), ("float16", 64, False, False, True)]:
+        out.append(("bwd_state_ws", (dt, 128, 128, bv, l2, dht, dh0, True)))
+    return out
+
+
+# the most shared memory one CTA may hold on sm_90 (227 KB, static and dynamic together)
+_SM90_SMEM = 232448
+
+
+def _smem_bytes(kernel, usage: str) -> int:
+    """Static + dynamic shared memory of a compiled kernel (the dynamic size from the host stub, as
+    resource_usage reads it)."""
+    dyn = re.findall(r"v_int64\) = \(\(int64_t\)(\d+)\);\s*\(\(\(TVMFFIAny\*\)stack_ffi_any\)\[\d+\]"
+                     r"\.type_index\) = 0;", kernel.get_host_source())
+    static = re.search(r"SHARED:(\d+)", usage)
+    return (int(dyn[-1]) if dyn else 0) + (int(static.group(1)) if static else 0)
+
+
+def _mbarrier_waits(src: str, bar: str) -> list:
+    """(slot index, parity) of every wait on the mbarrier array ``bar`` in the CUDA source, loop variables
+    renamed to ``i``."""
+    found = re.findall(rf"(?<!\w){bar}\[\((.*?)\)\]\.wait\((.*?)\);", src)
+    return [tuple(re.sub(r"\bi_\d+\b", "i", x) for x in f) for f in found]
+
+
+def _check_bwd_ws_pipe2(src: str, BV: int):
+    # the barrier table of chunk_bwd_state_ws_sm90's docstring, as generated: (i // R) % 2 on the ring,
+    # (i // 2) % 2 / (i // 2 + 1) % 2 on the two aux buffers
+    slot, par, free_par = (("i % 3", "((i % 6) / 3)", "(((i / 3) + 1) & 1)") if BV == 32 else
+                           ("i & 1", "((i & 3) >> 1)", "(((i >> 1) + 1) & 1)"))
+    assert _mbarrier_waits(src, "ready") == [(slot, par)] * 2
+    assert _mbarrier_waits(src, "free") == [(slot, free_par)]
+    assert _mbarrier_waits(src, "aux_ready") == [("i & 1", "((i & 3) >> 1)")]
+    assert _mbarrier_waits(src, "aux_free") == [("i & 1", "(((i >> 1) + 1) & 1)")]
+    # the chain never waits for a store right after issuing it: one wait for the older groups before dv_new's
+    # staging tile is rewritten, one after the walk
+    assert src.count("tma_store_arrive()") == 2 and src.count("tma_store_wait<") == 2
+    pos = [src.index(x) for x in ("tma_store(dh_out_desc", "tma_store_wait<1, true>", "tma_store(dvn_out_desc",
+                                  "tma_store_wait<0, true>")]
+    assert pos == sorted(pos), pos
 
 
 @pytest.mark.compile
@@ -477,6 +520,10 @@ def test_kernels_lower_for_sm90a(kind, args):
         # (a whole-CTA barrier inside a role would deadlock: only the one after the barrier init)
         assert src.count("__syncthreads()") == 1
         assert src.count(".wait(") >= (7 if kind == "fwd_ws" else 5)
+    if kind == "bwd_state_ws":
+        assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
+        if len(args) > 7 and args[7]:
+            _check_bwd_ws_pipe2(src, args[3])
 
 
 def test_v_block_follows_the_longest_sequence():
@@ -514,6 +561,25 @@ def test_trace_buffer_selects_the_traced_kernel(monkeypatch):
     monkeypatch.setattr(ops, "TRACE_BUFFER", buf)
     ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 32)
     assert keys[-1][12:14] == (False, True) and ops._trace_arg(torch.device("cpu")) is buf
+
+
+def test_host_path_bwd_ws_opts_pick_the_kernel_key(monkeypatch):
+    # FLASHQLA_TILELANG_BWD_WS_OPTS=pipe2 appends True to the backward state kernel's key (builder argument
+    # pipe2); unset, empty or "none", the key is the default kernel's, which the compile cache holds
+    from flashqla.backends.tilelang import ops
+    keys = []
+    monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: keys.append(key))
+    for value in (None, "", "none", "pipe2", " Pipe2 "):
+        if value is None:
+            monkeypatch.delenv("FLASHQLA_TILELANG_BWD_WS_OPTS", raising=False)
+        else:
+            monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", value)
+        ops.bwd_state_ws_kernel(torch.bfloat16, 128, 128, True, False, True, 32)
+    default = ("bfloat16", 128, 128, 32, True, False, True)
+    assert keys == [default] * 3 + [default + (True,)] * 2
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", "pipe3")
+    with pytest.raises(ValueError, match="pipe3"):
+        ops.bwd_state_ws_kernel(torch.bfloat16, 128, 128, True, False, True, 32)
 
 
 def test_backend_registered_and_rejects_cpu():
@@ -768,6 +834,23 @@ def test_gpu_backward_matches_oracle(case):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("bv", ["32", "64"])
+@pytest.mark.parametrize("case", _GPU_BWD_CASES, ids=lambda c: c.name)
+def test_gpu_backward_pipe2_matches_oracle(case, bv, monkeypatch):
+    # the pipelined backward state kernel (two aux / dSb buffers, 3 ring slots at BV 32) at both V-blocks
+    # (FLASHQLA_TILELANG_BV picks the forward's, the backward takes it up to 64)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", "pipe2")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
+    _gpu_case(case, torch.bfloat16, grads=True)
+    if case.name == "bwd_l2norm_gva":
+        _gpu_case(case, torch.float16, grads=True)
+    from flashqla.backends.tilelang import _compile
+    assert any(name == "bwd_state_ws_sm90" and len(key) == 8 and key[7] and key[3] == int(bv)
+               for name, key in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
 def test_gpu_backward_fp16():
     _gpu_case(Case("bwd_fp16", 1, 2, 128, 128, seqlens=(70, 100), l2norm=True), torch.float16, grads=True)
 
@@ -947,7 +1030,7 @@ def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, rati
 
 
 def _sim_bwd_state(key, q, k, w, G, do, cu, coff, dht, dh_out, dvn_out, dh0, scale, ratio):
-    dt, K, V, BV, l2norm, has_dht, need_dh0 = key
+    dt, K, V, BV, l2norm, has_dht, need_dh0 = key[:7]      # (key entry 8: pipe2, the same contract)
     NT, Hv = do.shape[0], do.shape[1]
     idx = torch.arange(C)
     incl = idx[:, None] >= idx[None, :]
@@ -1148,12 +1231,17 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "ws-pipe2"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
-    # (a training forward under "fused" keeps the unfused kernels: the backward needs w)
+    # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "ws-pipe2" builds the
+    # pipelined backward state kernel, whose signature is checked against the same launch)
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_WS_OPTS", raising=False)
     if variant == "ws-noopts":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
+        variant = "ws"
+    if variant == "ws-pipe2":
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", "pipe2")
         variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     if variant == "fused":

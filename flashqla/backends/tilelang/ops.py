@@ -254,8 +254,26 @@ def bwd_state_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV=BWD_BV):
 
 
 def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
-    return get_kernel("bwd_state_ws_sm90", build_bwd_state_ws,
-                      (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0)))
+    key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0))
+    if bwd_ws_options()[0]:         # (only when set: the default kernels keep their keys)
+        key = key + (True,)
+    return get_kernel("bwd_state_ws_sm90", build_bwd_state_ws, key)
+
+
+_BWD_WS_OPTS = ("pipe2",)
+
+
+def bwd_ws_options() -> tuple:
+    """(pipe2,) of the warp-specialised backward state kernel (see ``build_bwd_state_ws``): pipe2 double-buffers
+    the aux -> chain hand-off and the dh staging tile and takes three ring slots at BV 32.  Off by default
+    until it is measured on a GPU; ``FLASHQLA_TILELANG_BWD_WS_OPTS`` (comma separated, ``none`` or empty for
+    none) turns it on."""
+    raw = os.environ.get("FLASHQLA_TILELANG_BWD_WS_OPTS", "")
+    opts = {x.strip().lower() for x in raw.split(",") if x.strip()} - {"none"}
+    if opts - set(_BWD_WS_OPTS):
+        raise ValueError(f"FLASHQLA_TILELANG_BWD_WS_OPTS: unknown {sorted(opts - set(_BWD_WS_OPTS))}; "
+                         f"known: {_BWD_WS_OPTS}")
+    return ("pipe2" in opts,)
 
 
 def bwd_variant() -> str:
