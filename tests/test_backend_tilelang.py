@@ -1135,6 +1135,19 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
         db_out[bos:bos + nv] = (bk + (dBu * vc).sum(-1) + (dA * KKn).sum(-1))[:, :nv].T
 
 
+def _sim_bwd_grads(key, q, k, v, beta, do, G, X, h, vn, dh, dvn, cu, cidx, dq_out, dk_out, dv_out, dg_out,
+                   db_out, scale, ratio):
+    # chunk_bwd_grads_sm90 (FLASHQLA_TILELANG_BWD_GRADS=merged): the dqk kernel's contract, then the wy
+    # kernel's on the intermediates the merged kernel keeps on the chip (dk^p fp32, dw 16-bit, dG fp32)
+    dt, _, K, V, l2norm = key
+    NC, Hv = G.shape[0], G.shape[1]
+    dkp = torch.empty(NC, Hv, C, K)
+    dw = torch.empty(NC, Hv, C, K, dtype=dq_out.dtype)
+    dGp = torch.empty(NC, Hv, C)
+    _sim_bwd_dqk((dt, K, V, l2norm), q, k, do, G, h, vn, dh, dvn, cu, cidx, dq_out, dkp, dw, dGp, scale, ratio)
+    _sim_bwd_wy(key, k, v, beta, G, X, dw, dvn, dkp, dGp, cu, cidx, dk_out, dv_out, dg_out, db_out, ratio)
+
+
 def _sim_fwd_ws(key, *args):
     # the ws kernel's last two parameters: its (diagnostic) trace buffer, untouched unless built with trace,
     # and the scores from stage 1 (pscores, key entry 17; a placeholder otherwise)
@@ -1145,7 +1158,7 @@ def _sim_fwd_ws(key, *args):
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
-               "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}
+               "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy, "bwd_grads_sm90": _sim_bwd_grads}
 
 
 @pytest.fixture
@@ -1269,3 +1282,30 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
             assert t is None, name
     tol = TOLERANCES["bfloat16"]
     assert all(e <= tol[n] for n, e in errs.items()), errs
+
+
+@pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
+def test_host_path_bwd_grads_merged(case, simulated_kernels, monkeypatch):
+    # FLASHQLA_TILELANG_BWD_GRADS=merged: one bwd_grads_sm90 launch instead of dqk + wy, against the oracle,
+    # and the same bits as the split pair (the simulator composes the pair's models, so a difference is the
+    # host glue's: argument order, buffers, GVA sums)
+    for name in ("FLASHQLA_TILELANG_FWD", "FLASHQLA_TILELANG_BWD", "FLASHQLA_TILELANG_BWD_WS_OPTS"):
+        monkeypatch.delenv(name, raising=False)
+    be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=True)
+    from flashqla.testing import poisoned_outputs
+    runs = {}
+    for variant in ("split", "merged"):
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD_GRADS", variant)
+        simulated_kernels.clear()
+        with poisoned_outputs("cpu"):
+            o, ht, saved, aux = be.forward(spec, x)
+            runs[variant] = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
+        tail = ["bwd_grads_sm90"] if variant == "merged" else ["bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]
+        assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90"] + tail
+    tol = TOLERANCES["bfloat16"]
+    for name, t, t_split in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), runs["merged"], runs["split"]):
+        if name not in ref:
+            assert t is None and t_split is None, name
+            continue
+        assert t.dtype == t_split.dtype and torch.equal(t, t_split), name
+        assert rel_l2(t, ref[name]) <= tol[name], (name, rel_l2(t, ref[name]))

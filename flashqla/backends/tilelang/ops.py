@@ -17,6 +17,7 @@ from ...dispatch.device import detect
 from ..gva import gva_sum
 from ._compile import get_kernel
 from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
+from .chunk_bwd_grads_sm90 import build_bwd_grads
 from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
 from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
@@ -296,6 +297,18 @@ def bwd_wy_kernel(dtype, beta_dtype, K, V, l2norm):
                       (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
 
 
+def bwd_grads_variant() -> str:
+    """``split`` (default: the dqk and wy kernels, dk^p, dw and dG through HBM) or ``merged`` (one kernel
+    does both per chunk and keeps them on the chip, ``BACKWARD_PLAN`` item E; off until measured on a GPU);
+    ``FLASHQLA_TILELANG_BWD_GRADS`` overrides."""
+    return _env_choice("FLASHQLA_TILELANG_BWD_GRADS", ("split", "merged"), "split")
+
+
+def bwd_grads_kernel(dtype, beta_dtype, K, V, l2norm):
+    return get_kernel("bwd_grads_sm90", build_bwd_grads,
+                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
+
+
 @dataclass
 class FwdResult:
     o: torch.Tensor
@@ -429,6 +442,24 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     else:
         bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
         bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
+
+    if bwd_grads_variant() == "merged":
+        # dqk + wy in one kernel: dk^p, dw and dG never leave the chip
+        dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+        dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+        dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
+        dg = torch.empty(NT, Hv, dtype=f32, device=dev)
+        db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
+        bwd_grads_kernel(dt, beta.dtype, K, V, l2norm)(
+            q, k, v, beta, dof, G, X, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices,
+            dq_h, dk_h, dv, dg, db, float(scale), ratio)
+        del dh, dvn, state_args
+        dq = gva_sum(dq_h, ratio, dt)
+        del dq_h
+        dk = gva_sum(dk_h, ratio, dt)
+        del dk_h
+        return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
+                dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)
 
     dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
     dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
