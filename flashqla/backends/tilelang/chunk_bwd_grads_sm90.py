@@ -39,6 +39,11 @@ wy.  Registers: 255 per thread (the cap at 256 threads, one CTA per SM), LOCAL:0
 takes 207, the wy kernel 96 (2 CTAs per SM).  A second CTA per SM is out of reach either way (it would
 need <= 113 KB and <= 128 registers), so nothing is lost by keeping dk^p in registers instead of a 32 KB
 fp32 shared tile, which would also add a round trip through shared memory to the dk epilogue.
+
+The two phases repeat the bodies of the dqk and wy kernels line for line, on purpose and for now: sharing
+them (TileLang macros) would rewrite the TIR of the default pair, whose compile keys the carried cache and
+every measurement so far rely on.  The GPU A/B (``bash benchmarks/next_device_run.sh bwdpipe``) decides
+which form stays; the other goes, and the duplication with it.
 """
 
 CHUNK = 64
