@@ -37,6 +37,9 @@ def test_kcache_round_trip_whole_or_in_parts(tmp_path, split):
     (cache / "tilelang").mkdir(parents=True)
     blob = os.urandom(300_000)                  # incompressible: 300 kB > 64K, so that case splits
     (cache / "tilelang" / "kernel.bin").write_bytes(blob)
+    # TileLang's nvcc-output cache stays behind (the kernel-cache entries embed their cubins)
+    (cache / "tilelang" / "0.1.15" / "cuda-binaries" / "k1").mkdir(parents=True)
+    (cache / "tilelang" / "0.1.15" / "cuda-binaries" / "k1" / "kernel.cubin").write_bytes(b"cubin")
     (repo / ".gpu").mkdir(parents=True)
     env = {"OUT": str(out), "KCACHE": str(cache), "KCACHE_SPLIT": split, "BUDGET_S": "60"}
     r = _bash(f"source {LIB} && save_kcache", repo, env)
@@ -52,6 +55,7 @@ def test_kcache_round_trip_whole_or_in_parts(tmp_path, split):
     assert r.returncode == 0, r.stdout + r.stderr
     got = (fresh / "tilelang" / "kernel.bin").read_bytes()
     assert hashlib.sha1(got).digest() == hashlib.sha1(blob).digest() and (fresh / ".restored").exists()
+    assert not (fresh / "tilelang" / "0.1.15" / "cuda-binaries").exists()
 
 
 def test_pack_results_keeps_the_cache_and_packs_the_rest(tmp_path):
