@@ -25,15 +25,14 @@ import os
 
 import torch
 
+from .._env import env_choice
+
 _BLOCK_ELEMS = 4096          # elements of one [BLOCK_M, D] tile per load
 
 
 def gva_sum_impl() -> str:
     """``FLASHQLA_GVA_SUM``: ``torch`` (default) or ``triton``."""
-    m = os.environ.get("FLASHQLA_GVA_SUM", "torch").strip().lower() or "torch"
-    if m not in ("torch", "triton"):
-        raise ValueError(f"FLASHQLA_GVA_SUM must be 'torch' or 'triton', got {m!r}")
-    return m
+    return env_choice("FLASHQLA_GVA_SUM", ("torch", "triton"), "torch")
 
 
 def _triton_ok(x: torch.Tensor) -> bool:

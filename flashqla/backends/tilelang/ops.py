@@ -13,6 +13,7 @@ from typing import Optional
 
 import torch
 
+from ..._env import env_choice, env_options
 from ...dispatch.device import detect
 from ..gva import gva_sum
 from ._compile import get_kernel
@@ -93,7 +94,7 @@ def intra_head_major() -> bool:
     """Stage 1's grid order: ``FLASHQLA_TILELANG_INTRA_ORDER=head`` launches the value heads of one chunk
     together (``build_intra(head_major=True)``, experimental, not measured yet); ``chunk`` (default) the
     chunks of one head."""
-    return _env_choice("FLASHQLA_TILELANG_INTRA_ORDER", ("chunk", "head"), "chunk") == "head"
+    return env_choice("FLASHQLA_TILELANG_INTRA_ORDER", ("chunk", "head"), "chunk") == "head"
 
 
 def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
@@ -161,10 +162,7 @@ def fwd_ws_options() -> tuple:
     fastexp, psplit and ostage (the TMA-stored output) on by default, pscores chosen per call by
     :func:`fwd_pscores`; ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none)
     overrides, and then pscores is on exactly when it is listed."""
-    raw = os.environ.get("FLASHQLA_TILELANG_WS_OPTS", _WS_OPTS_DEFAULT)
-    opts = {x.strip().lower() for x in raw.split(",") if x.strip()} - {"none"}
-    if opts - set(_WS_OPTS):
-        raise ValueError(f"FLASHQLA_TILELANG_WS_OPTS: unknown {sorted(opts - set(_WS_OPTS))}; known: {_WS_OPTS}")
+    opts = env_options("FLASHQLA_TILELANG_WS_OPTS", _WS_OPTS, _WS_OPTS_DEFAULT)
     return "fastexp" in opts, "psplit" in opts, "tchain" in opts, "ostage" in opts, "pscores" in opts
 
 
@@ -208,14 +206,6 @@ def fwd_ws_layout(BV: int) -> tuple:
     return ws_layout(BV)
 
 
-def _env_choice(name: str, choices: tuple, default: str) -> str:
-    """The value of environment variable ``name`` (``default`` when unset or empty), one of ``choices``."""
-    v = os.environ.get(name, default).strip().lower() or default
-    if v not in choices:
-        raise ValueError(f"{name} must be {' or '.join(repr(c) for c in choices)}, got {v!r}")
-    return v
-
-
 def fwd_variant() -> str:
     """``fused`` (default), ``ws`` or ``serial`` (one warpgroup does everything).  ``fused`` applies to
     inference forwards: stage 1 writes the 64 x 64 ``Tb`` per chunk instead of w and u, and the ws recurrence
@@ -223,7 +213,7 @@ def fwd_variant() -> str:
     run 4 (``results/h200_2026-12-03_s6run4_tilelang_fused_sweep.json``): fused 0.787 against ws 0.956 ms at
     16/32 4x8192, 1.751 against 1.937 at 16/32 1x32768, faster on all six rows measured.
     ``FLASHQLA_TILELANG_FWD`` overrides."""
-    return _env_choice("FLASHQLA_TILELANG_FWD", ("fused", "ws", "serial"), "fused")
+    return env_choice("FLASHQLA_TILELANG_FWD", ("fused", "ws", "serial"), "fused")
 
 
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
@@ -269,18 +259,13 @@ def bwd_ws_options() -> tuple:
     the aux -> chain hand-off and the dh staging tile and takes three ring slots at BV 32.  Off by default
     until it is measured on a GPU; ``FLASHQLA_TILELANG_BWD_WS_OPTS`` (comma separated, ``none`` or empty for
     none) turns it on."""
-    raw = os.environ.get("FLASHQLA_TILELANG_BWD_WS_OPTS", "")
-    opts = {x.strip().lower() for x in raw.split(",") if x.strip()} - {"none"}
-    if opts - set(_BWD_WS_OPTS):
-        raise ValueError(f"FLASHQLA_TILELANG_BWD_WS_OPTS: unknown {sorted(opts - set(_BWD_WS_OPTS))}; "
-                         f"known: {_BWD_WS_OPTS}")
-    return ("pipe2" in opts,)
+    return ("pipe2" in env_options("FLASHQLA_TILELANG_BWD_WS_OPTS", _BWD_WS_OPTS),)
 
 
 def bwd_variant() -> str:
     """``ws`` (warp-specialised state-gradient recurrence, default) or ``serial``;
     ``FLASHQLA_TILELANG_BWD`` overrides."""
-    return _env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial"), "ws")
+    return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial"), "ws")
 
 
 # the backward's warp-specialised kernel holds more tiles (fp32 Pt dO, dOs, +-dv_new): at most 64 columns
@@ -301,7 +286,7 @@ def bwd_grads_variant() -> str:
     """``split`` (default: the dqk and wy kernels, dk^p, dw and dG through HBM) or ``merged`` (one kernel
     does both per chunk and keeps them on the chip, ``BACKWARD_PLAN`` item E; off until measured on a GPU);
     ``FLASHQLA_TILELANG_BWD_GRADS`` overrides."""
-    return _env_choice("FLASHQLA_TILELANG_BWD_GRADS", ("split", "merged"), "split")
+    return env_choice("FLASHQLA_TILELANG_BWD_GRADS", ("split", "merged"), "split")
 
 
 def bwd_grads_kernel(dtype, beta_dtype, K, V, l2norm):
@@ -443,47 +428,40 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
         bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
 
+    def wy_outputs():
+        # dk per value head (GVA-summed below), dv, dg, dbeta: what the wy kernel (or the merged one) writes
+        return (torch.empty(NT, Hv, K, dtype=dt, device=dev), torch.empty(NT, Hv, V, dtype=dt, device=dev),
+                torch.empty(NT, Hv, dtype=f32, device=dev), torch.empty(NT, Hv, dtype=beta.dtype, device=dev))
+
+    dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
     if bwd_grads_variant() == "merged":
         # dqk + wy in one kernel: dk^p, dw and dG never leave the chip
-        dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
-        dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
-        dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
-        dg = torch.empty(NT, Hv, dtype=f32, device=dev)
-        db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
+        dk_h, dv, dg, db = wy_outputs()
         bwd_grads_kernel(dt, beta.dtype, K, V, l2norm)(
             q, k, v, beta, dof, G, X, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices,
             dq_h, dk_h, dv, dg, db, float(scale), ratio)
         del dh, dvn, state_args
         dq = gva_sum(dq_h, ratio, dt)
         del dq_h
-        dk = gva_sum(dk_h, ratio, dt)
-        del dk_h
-        return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
-                dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)
-
-    dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
-    dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
-    dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
-    dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
-    bwd_dqk_kernel(dt, K, V, l2norm)(
-        q, k, dof, G, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices, dq_h, dkp, dw, dGp,
-        float(scale), ratio)
-    # Peak memory is reached in the wy kernel below: drop what it does not read first.  The state
-    # gradients (16-bit [chunks, Hv, K, V], 537 MB at 32 heads x 32k tokens) are done with, and the GVA sum
-    # of dq can happen now (the caching allocator reuses both blocks for the wy kernel's outputs).
-    # (GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.)
-    del dh, state_args
-    dq = gva_sum(dq_h, ratio, dt)
-    del dq_h
-
-    dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
-    dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
-    dg = torch.empty(NT, Hv, dtype=f32, device=dev)
-    db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
-    bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
-        k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
-        ratio)
-    del dw, dvn, dkp, dGp
+    else:
+        dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
+        dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
+        dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
+        bwd_dqk_kernel(dt, K, V, l2norm)(
+            q, k, dof, G, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices, dq_h, dkp, dw, dGp,
+            float(scale), ratio)
+        # Peak memory is reached in the wy kernel below: drop what it does not read first.  The state
+        # gradients (16-bit [chunks, Hv, K, V], 537 MB at 32 heads x 32k tokens) are done with, and the GVA
+        # sum of dq can happen now (the caching allocator reuses both blocks for the wy kernel's outputs).
+        # (GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.)
+        del dh, state_args
+        dq = gva_sum(dq_h, ratio, dt)
+        del dq_h
+        dk_h, dv, dg, db = wy_outputs()
+        bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
+            k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
+            ratio)
+        del dw, dvn, dkp, dGp
 
     dk = gva_sum(dk_h, ratio, dt)
     del dk_h

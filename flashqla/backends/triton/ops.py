@@ -27,6 +27,7 @@ from triton.compiler.errors import CompilationError
 from triton.runtime.errors import OutOfResources
 
 from ..._build_notice import build_notice
+from ..._env import env_choice
 from ..gva import gva_sum
 from .common import CHUNK
 
@@ -351,10 +352,7 @@ def l2_mode() -> str:
     while the same kernels without it passed every stage on the same inputs; the interpreter runs it
     correctly, so this looks like a miscompilation we have not pinned down.  ``FLASHQLA_TRITON_L2``
     overrides."""
-    m = os.environ.get("FLASHQLA_TRITON_L2", "separate").strip().lower() or "separate"
-    if m not in ("fused", "separate"):
-        raise ValueError(f"FLASHQLA_TRITON_L2 must be 'fused' or 'separate', got {m!r}")
-    return m
+    return env_choice("FLASHQLA_TRITON_L2", ("fused", "separate"), "separate")
 
 
 def _l2_normalise(x):
@@ -443,7 +441,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
         q, k, G, h, dh_box.pop(), vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     if per_vhead:
-        dq = gva_sum(dq.view(geo.TT, geo.Hv, geo.K), r, gva_dtype or q.dtype).view(geo.B, geo.T, geo.Hqk, geo.K)
+        dq = gva_sum(dq.view(geo.TT, geo.Hv, geo.K), r, slot_dtype).view(geo.B, geo.T, geo.Hqk, geo.K)
     dk = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=slot_dtype, device=dev) if per_vhead else \
         torch.empty_like(k)
     dv = torch.empty_like(v)
@@ -455,7 +453,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
     if per_vhead:
         del dk_a, dG_a
-        dk = gva_sum(dk.view(geo.TT, geo.Hv, geo.K), r, gva_dtype or k.dtype).view(geo.B, geo.T, geo.Hqk, geo.K)
+        dk = gva_sum(dk.view(geo.TT, geo.Hv, geo.K), r, slot_dtype).view(geo.B, geo.T, geo.Hqk, geo.K)
     return dq, dk, dv, dbeta, dg
 
 
