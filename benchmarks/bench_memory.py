@@ -51,7 +51,8 @@ HERE = Path(__file__).resolve().parent
 if str(HERE.parent) not in sys.path:  # run from a checkout without installing
     sys.path.insert(0, str(HERE.parent))
 
-from flashqla.cli.bench import (_inputs_for, build_impls, make_call, split_cp_name)  # noqa: E402
+from flashqla.cli.bench import (_inputs_for, build_impls, filter_rows, make_call,  # noqa: E402
+                                split_cp_name)
 from flashqla.cli.cases import presets  # noqa: E402
 from flashqla.cli.table import markdown_table, text_table  # noqa: E402
 
@@ -333,20 +334,14 @@ def write_outputs(out_dir: Path, meta: dict, results: list, impls) -> None:
 def grid(modes, filt=None) -> list:
     """[(mode, BenchRow)] of the Step 2 grid (the CPU gets the same rows: use --filter / --max-rows)."""
     ps = presets("cuda")
-    alts = [a for a in (filt or "").split("|") if a]       # "|" separates alternatives, as in bench
-    out = []
-    for mode in modes:
-        for row in ps[PRESET_OF_MODE[mode]].rows:
-            if not alts or any(a in row.name() for a in alts):
-                out.append((mode, row))
-    return out
+    return [(mode, row) for mode in modes for row in filter_rows(ps[PRESET_OF_MODE[mode]].rows, filt)]
 
 
 def tiny_grid(modes, filt=None) -> list:
     """Small rows for --device cpu --tiny (the harness check of the tests)."""
     from flashqla.cli.cases import BenchRow
     rows = [BenchRow(1, 2, (64,)), BenchRow(1, 2, (40, 70))]
-    return [(m, r) for m in modes for r in rows if filt is None or filt in r.name()]
+    return [(m, r) for m in modes for r in filter_rows(rows, filt)]
 
 
 def available_backends(names) -> list:
@@ -371,7 +366,8 @@ def parse_args(argv=None):
                     help="comma list from fla, flashqla, a flashqla backend, or 'none' (default: fla,flashqla on "
                          "cuda, none on the cpu)")
     ap.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
-    ap.add_argument("--filter", default=None, help="only rows whose label (e.g. '16/32 1x32768') contains this ('|' separates alternatives)")
+    ap.add_argument("--filter", default=None,
+                    help="only rows whose label (e.g. '16/32 1x32768') contains this ('|' separates alternatives)")
     ap.add_argument("--max-rows", type=int, default=None, help="at most this many rows (after --filter)")
     ap.add_argument("--out", default=None, help="directory for bench_memory.json and bench_memory.md")
     ap.add_argument("--device", choices=["cuda", "cpu"], default=None)

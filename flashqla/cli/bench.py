@@ -68,6 +68,12 @@ class Impl:
 CP_WINDOWED_NOTE = "windowed CP reads the gates' decay bound on the host (one sync), which a CUDA graph cannot hold"
 
 
+def filter_rows(rows, filt: Optional[str]) -> list:
+    """The rows whose label contains one of ``filt``'s ``|``-separated alternatives (all rows without one)."""
+    alts = [a for a in (filt or "").split("|") if a]
+    return [r for r in rows if not alts or any(a in r.name() for a in alts)]
+
+
 def split_cp_name(name: str) -> tuple:
     """``"cutlass@cp4"`` -> ``("cutlass", 4)`` (CP forced to 4 segments per sequence), ``"tilelang@cp"``
     and ``"tilelang@cpw"`` -> ``("tilelang", "auto")`` (the cost model decides; ``cpw``, and ``cpwN`` with N
@@ -386,9 +392,8 @@ def run_bench(args) -> int:
         args.dtype or ("bfloat16" if device.type == "cuda" else "float32")]
     rows = preset.rows
     if args.filter:
-        alts = [a for a in args.filter.split("|") if a]
         names = [r.name() for r in rows]
-        rows = [r for r in rows if any(a in r.name() for a in alts)]
+        rows = filter_rows(rows, args.filter)
         if not rows:
             raise SystemExit(f"--filter {args.filter!r} matches no row of preset {args.preset!r} "
                              f"(rows: {', '.join(names)})")
