@@ -269,20 +269,25 @@ def test_gva_sum_is_the_group_sum_rounded_once(ratio, dtype, impl, x16):
 
 
 def test_gva_sum_switch(monkeypatch):
-    """FLASHQLA_GVA_SUM picks the form (torch by default until the kernel has run on a GPU); a bad value
-    raises naming the variable."""
+    """FLASHQLA_GVA_SUM picks the form (the Triton kernel by default where it can run, else torch); a bad
+    value raises naming the variable."""
     from flashqla.backends import gva
 
     calls = []
     monkeypatch.setattr(gva, "_torch_sum", lambda x, r, dt: calls.append("torch") or x[:, ::r].to(dt))
     x = torch.randn(5, 4, 8)
-    monkeypatch.delenv("FLASHQLA_GVA_SUM", raising=False)
+    monkeypatch.setenv("FLASHQLA_GVA_SUM", "torch")
     gva.gva_sum(x, 2, torch.bfloat16)
     assert calls == ["torch"]
-    monkeypatch.setenv("FLASHQLA_GVA_SUM", "triton")
-    if gva._triton_ok(x):
+    for env in ("triton", None):
+        if env is None:
+            monkeypatch.delenv("FLASHQLA_GVA_SUM", raising=False)
+        else:
+            monkeypatch.setenv("FLASHQLA_GVA_SUM", env)
+        assert gva.gva_sum_impl() == "triton"
         gva.gva_sum(x, 2, torch.bfloat16)
-        assert calls == ["torch"]
+        # the kernel where Triton can run (CUDA, or the interpreter), else the PyTorch form
+        assert calls == ["torch"] * (1 if gva._triton_ok(x) else 2 + (env is None))
     monkeypatch.setenv("FLASHQLA_GVA_SUM", "cuda")
     with pytest.raises(ValueError, match="FLASHQLA_GVA_SUM"):
         gva.gva_sum(x, 2, torch.bfloat16)
