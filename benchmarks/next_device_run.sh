@@ -31,7 +31,6 @@
 #   bash benchmarks/next_device_run.sh bwdcheck   after a tilelang backward change: its GPU tests and determinism,
 #                                                 part of the backward grid against FlashQLA, the profile
 #   bash benchmarks/next_device_run.sh gvasum     the Triton GVA-sum kernel: bitwise vs the PyTorch forms, times
-#   bash benchmarks/next_device_run.sh bwdpipe    the backward options pipe2 and merged: GPU tests, A/B sweep
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
 #                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
@@ -167,16 +166,6 @@ case "$STEP" in
         --baselines flashqla --out $OUT/bwd
     TAIL=30 run_step "profile fwd+bwd" 90 python benchmarks/profile_kernels.py --impls tilelang \
         --rows ${PROFILE_ROWS:-16/32:32768,4/8:32768} --modes fwdbwd --out $OUT/profile.json ;;
-  bwdpipe)
-    # the backward options of session 10 (off by default): pipe2 (the state kernel's double buffering) and the
-    # merged dqk + wy kernel; their GPU oracle tests (merged: also bitwise equal to the split pair), then A/B
-    # against the default on rows where the state kernel is a latency chain (1 sequence) and where it is full
-    TAIL=4 run_step "pipe2 / merged GPU tests" 200 $PYT tests/test_backend_tilelang.py \
-        tests/test_tilelang_bwd_par.py -k "pipe2 or merged"
-    B=FLASHQLA_TILELANG_BWD_WS_OPTS=pipe2; M=FLASHQLA_TILELANG_BWD_GRADS=merged
-    TAIL=20 run_step "backward options sweep fwdbwd" 240 python benchmarks/sweep_variants.py --backend tilelang \
-        --mode fwdbwd --rows ${PIPE_ROWS:-16/32:1x32768,4/8:1x32768,16/32:4x8192,8/16:1x8192} \
-        --out $OUT/sweep_bwd_opts.json --variants "default;$B;$M;$B $M" ;;
   bwdcp)
     # the existing op-level exact CP on the backward's single-sequence 32k rows, captured in a CUDA graph (fixed
     # structure) and eager with windows: does splitting the latency-bound state-gradient walk pay at few
@@ -248,7 +237,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdpipe | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

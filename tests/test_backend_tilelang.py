@@ -426,11 +426,6 @@ def _bwd_ws_variants():
     out = [("bwd_state_ws", ("bfloat16", 128, 128, 64, False, False, False)),
            ("bwd_state_ws", ("bfloat16", 128, 128, 32, True, True, True)),
            ("bwd_state_ws", ("float16", 128, 128, 64, True, True, False))]
-    # pipe2 (FLASHQLA_TILELANG_BWD_WS_OPTS=pipe2): both V-blocks (3 ring slots at 32), both dtypes, every flag
-    for dt, bv, l2, dht, dh0 in [("bfloat16", 32, False, False, False), ("bfloat16", 32, True, True, True),
-                                 ("bfloat16", 64, True, False, True), ("bfloat16", 64, False, True, False),
-                                 ("float16", 32, True, True, False), ("float16", 64, False, False, True)]:
-        out.append(("bwd_state_ws", (dt, 128, 128, bv, l2, dht, dh0, True)))
     return out
 
 
@@ -445,30 +440,6 @@ def _smem_bytes(kernel, usage: str) -> int:
                      r"\.type_index\) = 0;", kernel.get_host_source())
     static = re.search(r"SHARED:(\d+)", usage)
     return (int(dyn[-1]) if dyn else 0) + (int(static.group(1)) if static else 0)
-
-
-def _mbarrier_waits(src: str, bar: str) -> list:
-    """(slot index, parity) of every wait on the mbarrier array ``bar`` in the CUDA source, loop variables
-    renamed to ``i``."""
-    found = re.findall(rf"(?<!\w){bar}\[\((.*?)\)\]\.wait\((.*?)\);", src)
-    return [tuple(re.sub(r"\bi_\d+\b", "i", x) for x in f) for f in found]
-
-
-def _check_bwd_ws_pipe2(src: str, BV: int):
-    # the barrier table of chunk_bwd_state_ws_sm90's docstring, as generated: (i // R) % 2 on the ring,
-    # (i // 2) % 2 / (i // 2 + 1) % 2 on the two aux buffers
-    slot, par, free_par = (("i % 3", "((i % 6) / 3)", "(((i / 3) + 1) & 1)") if BV == 32 else
-                           ("i & 1", "((i & 3) >> 1)", "(((i >> 1) + 1) & 1)"))
-    assert _mbarrier_waits(src, "ready") == [(slot, par)] * 2
-    assert _mbarrier_waits(src, "free") == [(slot, free_par)]
-    assert _mbarrier_waits(src, "aux_ready") == [("i & 1", "((i & 3) >> 1)")]
-    assert _mbarrier_waits(src, "aux_free") == [("i & 1", "(((i >> 1) + 1) & 1)")]
-    # the chain never waits for a store right after issuing it: one wait for the older groups before dv_new's
-    # staging tile is rewritten, one after the walk
-    assert src.count("tma_store_arrive()") == 2 and src.count("tma_store_wait<") == 2
-    pos = [src.index(x) for x in ("tma_store(dh_out_desc", "tma_store_wait<1, true>", "tma_store(dvn_out_desc",
-                                  "tma_store_wait<0, true>")]
-    assert pos == sorted(pos), pos
 
 
 @pytest.mark.compile
@@ -522,8 +493,6 @@ def test_kernels_lower_for_sm90a(kind, args):
         assert src.count(".wait(") >= (7 if kind == "fwd_ws" else 5)
     if kind == "bwd_state_ws":
         assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
-        if len(args) > 7 and args[7]:
-            _check_bwd_ws_pipe2(src, args[3])
 
 
 def test_v_block_follows_the_longest_sequence():
@@ -561,25 +530,6 @@ def test_trace_buffer_selects_the_traced_kernel(monkeypatch):
     monkeypatch.setattr(ops, "TRACE_BUFFER", buf)
     ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 32)
     assert keys[-1][12:14] == (False, True) and ops._trace_arg(torch.device("cpu")) is buf
-
-
-def test_host_path_bwd_ws_opts_pick_the_kernel_key(monkeypatch):
-    # FLASHQLA_TILELANG_BWD_WS_OPTS=pipe2 appends True to the backward state kernel's key (builder argument
-    # pipe2); unset, empty or "none", the key is the default kernel's, which the compile cache holds
-    from flashqla.backends.tilelang import ops
-    keys = []
-    monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: keys.append(key))
-    for value in (None, "", "none", "pipe2", " Pipe2 "):
-        if value is None:
-            monkeypatch.delenv("FLASHQLA_TILELANG_BWD_WS_OPTS", raising=False)
-        else:
-            monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", value)
-        ops.bwd_state_ws_kernel(torch.bfloat16, 128, 128, True, False, True, 32)
-    default = ("bfloat16", 128, 128, 32, True, False, True)
-    assert keys == [default] * 3 + [default + (True,)] * 2
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", "pipe3")
-    with pytest.raises(ValueError, match="pipe3"):
-        ops.bwd_state_ws_kernel(torch.bfloat16, 128, 128, True, False, True, 32)
 
 
 def test_backend_registered_and_rejects_cpu():
@@ -834,23 +784,6 @@ def test_gpu_backward_matches_oracle(case):
 
 @pytest.mark.gpu
 @needs_sm90
-@pytest.mark.parametrize("bv", ["32", "64"])
-@pytest.mark.parametrize("case", _GPU_BWD_CASES, ids=lambda c: c.name)
-def test_gpu_backward_pipe2_matches_oracle(case, bv, monkeypatch):
-    # the pipelined backward state kernel (two aux / dSb buffers, 3 ring slots at BV 32) at both V-blocks
-    # (FLASHQLA_TILELANG_BV picks the forward's, the backward takes it up to 64)
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", "pipe2")
-    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
-    _gpu_case(case, torch.bfloat16, grads=True)
-    if case.name == "bwd_l2norm_gva":
-        _gpu_case(case, torch.float16, grads=True)
-    from flashqla.backends.tilelang import _compile
-    assert any(name == "bwd_state_ws_sm90" and len(key) == 8 and key[7] and key[3] == int(bv)
-               for name, key in _compile.cached_kernels())
-
-
-@pytest.mark.gpu
-@needs_sm90
 def test_gpu_backward_fp16():
     _gpu_case(Case("bwd_fp16", 1, 2, 128, 128, seqlens=(70, 100), l2norm=True), torch.float16, grads=True)
 
@@ -1030,7 +963,7 @@ def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, rati
 
 
 def _sim_bwd_state(key, q, k, w, G, do, cu, coff, dht, dh_out, dvn_out, dh0, scale, ratio):
-    dt, K, V, BV, l2norm, has_dht, need_dh0 = key[:7]      # (key entry 8: pipe2, the same contract)
+    dt, K, V, BV, l2norm, has_dht, need_dh0 = key
     NT, Hv = do.shape[0], do.shape[1]
     idx = torch.arange(C)
     incl = idx[:, None] >= idx[None, :]
@@ -1135,19 +1068,6 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
         db_out[bos:bos + nv] = (bk + (dBu * vc).sum(-1) + (dA * KKn).sum(-1))[:, :nv].T
 
 
-def _sim_bwd_grads(key, q, k, v, beta, do, G, X, h, vn, dh, dvn, cu, cidx, dq_out, dk_out, dv_out, dg_out,
-                   db_out, scale, ratio):
-    # chunk_bwd_grads_sm90 (FLASHQLA_TILELANG_BWD_GRADS=merged): the dqk kernel's contract, then the wy
-    # kernel's on the intermediates the merged kernel keeps on the chip (dk^p fp32, dw 16-bit, dG fp32)
-    dt, _, K, V, l2norm = key
-    NC, Hv = G.shape[0], G.shape[1]
-    dkp = torch.empty(NC, Hv, C, K)
-    dw = torch.empty(NC, Hv, C, K, dtype=dq_out.dtype)
-    dGp = torch.empty(NC, Hv, C)
-    _sim_bwd_dqk((dt, K, V, l2norm), q, k, do, G, h, vn, dh, dvn, cu, cidx, dq_out, dkp, dw, dGp, scale, ratio)
-    _sim_bwd_wy(key, k, v, beta, G, X, dw, dvn, dkp, dGp, cu, cidx, dk_out, dv_out, dg_out, db_out, ratio)
-
-
 def _sim_fwd_ws(key, *args):
     # the ws kernel's last two parameters: its (diagnostic) trace buffer, untouched unless built with trace,
     # and the scores from stage 1 (pscores, key entry 17; a placeholder otherwise)
@@ -1158,7 +1078,7 @@ def _sim_fwd_ws(key, *args):
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
-               "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy, "bwd_grads_sm90": _sim_bwd_grads}
+               "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}
 
 
 @pytest.fixture
@@ -1244,17 +1164,12 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "ws-pipe2"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
-    # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "ws-pipe2" builds the
-    # pipelined backward state kernel, whose signature is checked against the same launch)
-    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_WS_OPTS", raising=False)
+    # (a training forward under "fused" keeps the unfused kernels: the backward needs w)
     if variant == "ws-noopts":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
-        variant = "ws"
-    if variant == "ws-pipe2":
-        monkeypatch.setenv("FLASHQLA_TILELANG_BWD_WS_OPTS", "pipe2")
         variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     if variant == "fused":
@@ -1282,30 +1197,3 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
             assert t is None, name
     tol = TOLERANCES["bfloat16"]
     assert all(e <= tol[n] for n, e in errs.items()), errs
-
-
-@pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
-def test_host_path_bwd_grads_merged(case, simulated_kernels, monkeypatch):
-    # FLASHQLA_TILELANG_BWD_GRADS=merged: one bwd_grads_sm90 launch instead of dqk + wy, against the oracle,
-    # and the same bits as the split pair (the simulator composes the pair's models, so a difference is the
-    # host glue's: argument order, buffers, GVA sums)
-    for name in ("FLASHQLA_TILELANG_FWD", "FLASHQLA_TILELANG_BWD", "FLASHQLA_TILELANG_BWD_WS_OPTS"):
-        monkeypatch.delenv(name, raising=False)
-    be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=True)
-    from flashqla.testing import poisoned_outputs
-    runs = {}
-    for variant in ("split", "merged"):
-        monkeypatch.setenv("FLASHQLA_TILELANG_BWD_GRADS", variant)
-        simulated_kernels.clear()
-        with poisoned_outputs("cpu"):
-            o, ht, saved, aux = be.forward(spec, x)
-            runs[variant] = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
-        tail = ["bwd_grads_sm90"] if variant == "merged" else ["bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]
-        assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90"] + tail
-    tol = TOLERANCES["bfloat16"]
-    for name, t, t_split in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), runs["merged"], runs["split"]):
-        if name not in ref:
-            assert t is None and t_split is None, name
-            continue
-        assert t.dtype == t_split.dtype and torch.equal(t, t_split), name
-        assert rel_l2(t, ref[name]) <= tol[name], (name, rel_l2(t, ref[name]))

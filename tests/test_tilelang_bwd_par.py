@@ -58,57 +58,6 @@ def test_v2_kernels_lower_for_sm90a(kind, args):
         assert "warp_reduce_sum" in src
 
 
-def _grads_variants():
-    # (dtype, beta dtype, K, V, l2norm): both 16-bit dtypes, each with and without the L2 norm
-    return [("bfloat16", "bfloat16", 128, 128, False), ("bfloat16", "float32", 128, 128, True),
-            ("float16", "float16", 128, 128, True), ("float16", "float32", 128, 128, False)]
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("args", _grads_variants(), ids=lambda x: str(x).replace(" ", ""))
-def test_bwd_grads_merged_lowers_for_sm90a(args):
-    """chunk_bwd_grads_sm90 (BACKWARD_PLAN item E, FLASHQLA_TILELANG_BWD_GRADS=merged): wgmma and TMA, no
-    register spills, and the dqk and wy tiles together within the 227 KB of one CTA."""
-    if not HAVE_TILELANG:
-        pytest.skip("tilelang is not importable here")
-    import re
-
-    import tilelang
-
-    from flashqla.backends.tilelang._compile import TARGET
-    from flashqla.backends.tilelang.chunk_bwd_grads_sm90 import build_bwd_grads
-    from test_backend_tilelang import _SM90_SMEM, _smem_bytes, resource_usage
-
-    kern = tilelang.compile(build_bwd_grads(*args), out_idx=None, target=TARGET)
-    src = kern.get_kernel_source()
-    assert "wgmma" in src and "tma_load" in src
-    assert "__launch_bounds__(256, 1)" in src
-    # the intermediates of the split pair never reach global memory (no dkp / dw / dGp parameters)
-    assert not re.search(r"\b(dkp|dGp|dw)\b", src.split("{", 1)[0])
-    assert "warp_reduce_sum" in src and "for (int a = 0; a < 128" not in src
-    usage = resource_usage(kern)
-    print(f"bwd_grads{args}: {usage}")
-    assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
-    if "unavailable" not in usage:
-        assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
-
-
-def test_bwd_grads_switch(monkeypatch):
-    """FLASHQLA_TILELANG_BWD_GRADS: split by default, merged on request, anything else raises naming the
-    variable; the default compile keys do not change (the merged kernel has its own name)."""
-    from flashqla.backends.tilelang import ops
-
-    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_GRADS", raising=False)
-    assert ops.bwd_grads_variant() == "split"
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_GRADS", "")
-    assert ops.bwd_grads_variant() == "split"
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_GRADS", "Merged")
-    assert ops.bwd_grads_variant() == "merged"
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_GRADS", "fused")
-    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_BWD_GRADS"):
-        ops.bwd_grads_variant()
-
-
 def test_host_path_v2_with_simulated_kernels(monkeypatch):
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here")
@@ -291,49 +240,3 @@ def test_gva_sum_switch(monkeypatch):
     monkeypatch.setenv("FLASHQLA_GVA_SUM", "cuda")
     with pytest.raises(ValueError, match="FLASHQLA_GVA_SUM"):
         gva.gva_sum(x, 2, torch.bfloat16)
-
-
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def _tilelang_grads(case, inp):
-    """The tilelang backward's input gradients (q, k, v, g, beta[, h0]) for ``inp``'s cotangents."""
-    import flashqla
-
-    leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
-    h0 = inp["initial_state"]
-    h0 = None if h0 is None else h0.detach().clone().requires_grad_()
-    o, ht = flashqla.chunk_gated_delta_rule(*leaves, scale=case.scale, initial_state=h0,
-                                            output_final_state=case.ht, use_qk_l2norm_in_kernel=case.l2norm,
-                                            cu_seqlens=inp["cu_seqlens"], backend="tilelang")
-    outs, cots = [o], [inp["do"]]
-    if case.ht:
-        outs.append(ht)
-        cots.append(inp["dht"])
-    return torch.autograd.grad(outs, leaves + ([h0] if h0 is not None else []), cots)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("name", ["bwd_dense_h0_ht", "bwd_varlen_len1_tail", "bwd_l2norm_gva",
-                                  "bwd_strong_decay", "bwd_no_decay_scale"])
-def test_gpu_bwd_grads_merged_matches_oracle_and_split(name, dtype, monkeypatch):
-    """FLASHQLA_TILELANG_BWD_GRADS=merged against the oracle, and bitwise the split pair's gradients (the
-    merged kernel keeps dk^p, dw and dG on the chip in the form the pair stored them, and runs the same
-    GEMMs and reductions in the same order)."""
-    import test_backend_tilelang as tb
-    from flashqla.backends.tilelang import _compile
-    from flashqla.testing import make_inputs
-
-    case = next(c for c in tb._GPU_BWD_CASES if c.name == name)
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_GRADS", "merged")
-    tb._gpu_case(case, dtype, grads=True)
-    assert any(n == "bwd_grads_sm90" for n, _ in _compile.cached_kernels())
-    inp = make_inputs(case, dtype, "cuda")
-    merged = _tilelang_grads(case, inp)
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_GRADS", "split")
-    split = _tilelang_grads(case, inp)
-    for i, (a, b) in enumerate(zip(merged, split)):
-        assert a.dtype == b.dtype and torch.equal(a, b), (i, (a.float() - b.float()).abs().max().item())

@@ -18,7 +18,6 @@ from ...dispatch.device import detect
 from ..gva import gva_sum
 from ._compile import get_kernel
 from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
-from .chunk_bwd_grads_sm90 import build_bwd_grads
 from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
 from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
@@ -246,20 +245,7 @@ def bwd_state_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV=BWD_BV):
 
 def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0))
-    if bwd_ws_options()[0]:         # (only when set: the default kernels keep their keys)
-        key = key + (True,)
     return get_kernel("bwd_state_ws_sm90", build_bwd_state_ws, key)
-
-
-_BWD_WS_OPTS = ("pipe2",)
-
-
-def bwd_ws_options() -> tuple:
-    """(pipe2,) of the warp-specialised backward state kernel (see ``build_bwd_state_ws``): pipe2 double-buffers
-    the aux -> chain hand-off and the dh staging tile and takes three ring slots at BV 32.  Off by default
-    until it is measured on a GPU; ``FLASHQLA_TILELANG_BWD_WS_OPTS`` (comma separated, ``none`` or empty for
-    none) turns it on."""
-    return ("pipe2" in env_options("FLASHQLA_TILELANG_BWD_WS_OPTS", _BWD_WS_OPTS),)
 
 
 def bwd_variant() -> str:
@@ -279,18 +265,6 @@ def bwd_dqk_kernel(dtype, K, V, l2norm):
 
 def bwd_wy_kernel(dtype, beta_dtype, K, V, l2norm):
     return get_kernel("bwd_wy_v2_sm90", build_bwd_wy_v2,
-                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
-
-
-def bwd_grads_variant() -> str:
-    """``split`` (default: the dqk and wy kernels, dk^p, dw and dG through HBM) or ``merged`` (one kernel
-    does both per chunk and keeps them on the chip, ``BACKWARD_PLAN`` item E; off until measured on a GPU);
-    ``FLASHQLA_TILELANG_BWD_GRADS`` overrides."""
-    return env_choice("FLASHQLA_TILELANG_BWD_GRADS", ("split", "merged"), "split")
-
-
-def bwd_grads_kernel(dtype, beta_dtype, K, V, l2norm):
-    return get_kernel("bwd_grads_sm90", build_bwd_grads,
                       (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
 
 
@@ -428,40 +402,31 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
         bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
 
-    def wy_outputs():
-        # dk per value head (GVA-summed below), dv, dg, dbeta: what the wy kernel (or the merged one) writes
-        return (torch.empty(NT, Hv, K, dtype=dt, device=dev), torch.empty(NT, Hv, V, dtype=dt, device=dev),
-                torch.empty(NT, Hv, dtype=f32, device=dev), torch.empty(NT, Hv, dtype=beta.dtype, device=dev))
-
     dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
-    if bwd_grads_variant() == "merged":
-        # dqk + wy in one kernel: dk^p, dw and dG never leave the chip
-        dk_h, dv, dg, db = wy_outputs()
-        bwd_grads_kernel(dt, beta.dtype, K, V, l2norm)(
-            q, k, v, beta, dof, G, X, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices,
-            dq_h, dk_h, dv, dg, db, float(scale), ratio)
-        del dh, dvn, state_args
-        dq = gva_sum(dq_h, ratio, dt)
-        del dq_h
-    else:
-        dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
-        dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
-        dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
-        bwd_dqk_kernel(dt, K, V, l2norm)(
-            q, k, dof, G, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices, dq_h, dkp, dw, dGp,
-            float(scale), ratio)
-        # Peak memory is reached in the wy kernel below: drop what it does not read first.  The state
-        # gradients (16-bit [chunks, Hv, K, V], 537 MB at 32 heads x 32k tokens) are done with, and the GVA
-        # sum of dq can happen now (the caching allocator reuses both blocks for the wy kernel's outputs).
-        # (GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.)
-        del dh, state_args
-        dq = gva_sum(dq_h, ratio, dt)
-        del dq_h
-        dk_h, dv, dg, db = wy_outputs()
-        bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
-            k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
-            ratio)
-        del dw, dvn, dkp, dGp
+    dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
+    dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
+    dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
+    bwd_dqk_kernel(dt, K, V, l2norm)(
+        q, k, dof, G, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices, dq_h, dkp, dw, dGp,
+        float(scale), ratio)
+    # Peak memory is reached in the wy kernel below: drop what it does not read first.  The state
+    # gradients (16-bit [chunks, Hv, K, V], 537 MB at 32 heads x 32k tokens) are done with, and the GVA
+    # sum of dq can happen now (the caching allocator reuses both blocks for the wy kernel's outputs).
+    # (GVA: value heads h*ratio .. h*ratio + ratio - 1 read query/key head h.)
+    # (Session 10's one-kernel dqk + wy, which kept dk^p, dw and dG on the chip, measured slower on the H200
+    # in session 11 -- 2.73 against 1.445 + 1.201 ms at 16/32 x 32k -- and was removed.)
+    del dh, state_args
+    dq = gva_sum(dq_h, ratio, dt)
+    del dq_h
+    # dk per value head (GVA-summed below), dv, dg, dbeta
+    dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+    dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
+    dg = torch.empty(NT, Hv, dtype=f32, device=dev)
+    db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
+    bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
+        k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
+        ratio)
+    del dw, dvn, dkp, dGp
 
     dk = gva_sum(dk_h, ratio, dt)
     del dk_h
