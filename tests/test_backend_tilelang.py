@@ -1068,6 +1068,31 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
         db_out[bos:bos + nv] = (bk + (dBu * vc).sum(-1) + (dA * KKn).sum(-1))[:, :nv].T
 
 
+def _sim_bwd_fused(key, q, k, v, beta, do, G, X, h, vn, w, cu, coff, dht, dq_p, dk_p, dv_out, dg_p, db_p, dh0,
+                   scale, ratio):
+    # chunk_bwd_fused_sm90: the CPU model of the fused backward (chunk_bwd_fused_ref) run on each 64-column V
+    # block alone, with q / k given per value head (ratio 1): that is exactly a V block's partials -- dq, dk
+    # per value head into slot h * NB + vb, dg / dbeta into plane vb -- and its own columns of dv and dh0
+    from flashqla.backends.tilelang.chunk_bwd_fused_ref import bwd_fused_ref
+    dt, _, K, V, has_dht, need_dh0 = key
+    NT, Hv = do.shape[0], do.shape[1]
+    BV = 64
+    NB = V // BV
+    qv, kv = q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1)
+    for vb in range(NB):
+        cols = slice(vb * BV, (vb + 1) * BV)
+        dq, dk, dv, dg, db, d0 = bwd_fused_ref(
+            qv, kv, v[..., cols], beta, G, X, h[..., cols], vn[..., cols], w, do[..., cols],
+            dht[..., cols] if has_dht else None, scale=scale, cu_seqlens=cu, l2norm=False, round_to=dt_of(dq_p))
+        dq_p[:, vb::NB] = dq.to(dq_p.dtype)
+        dk_p[:, vb::NB] = dk.to(dk_p.dtype)
+        dv_out[..., cols] = dv.to(dv_out.dtype)
+        dg_p[vb] = dg
+        db_p[vb] = db
+        if need_dh0:
+            dh0[..., cols] = d0
+
+
 def _sim_fwd_ws(key, *args):
     # the ws kernel's last two parameters: its (diagnostic) trace buffer, untouched unless built with trace,
     # and the scores from stage 1 (pscores, key entry 17; a placeholder otherwise)
@@ -1078,7 +1103,8 @@ def _sim_fwd_ws(key, *args):
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
-               "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy}
+               "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy,
+               "bwd_fused_sm90": _sim_bwd_fused}
 
 
 @pytest.fixture
@@ -1106,6 +1132,7 @@ def simulated_kernels(monkeypatch):
 _HOST_CASES = [
     Case("host_varlen_gva_l2", 1, 2, 128, 128, seqlens=(1, 70, 0, 64, 9), l2norm=True),
     Case("host_dense_no_state", 2, 4, 128, 128, B=2, T=66, h0=False, ht=False),
+    Case("host_varlen_gva_state", 2, 4, 128, 128, seqlens=(1, 70, 0, 129, 9), l2norm=False),
 ]
 
 
@@ -1164,17 +1191,21 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "fused-bwd"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
-    # (a training forward under "fused" keeps the unfused kernels: the backward needs w)
+    # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "fused-bwd" is the
+    # fused backward, which calls with the L2 norm do not take)
+    bwd = None
     if variant == "ws-noopts":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
         variant = "ws"
+    if variant == "fused-bwd":
+        variant, bwd = "ws", "fused"
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     if variant == "fused":
         variant = "ws"
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", bwd or variant)
     be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=True)
     ok, why = be.supports(spec)
     assert ok, why
@@ -1183,8 +1214,11 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
     sfx = "_ws" if variant == "ws" else ""
-    assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",
-                                 "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]
+    if bwd == "fused" and not case.l2norm:
+        assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", "bwd_fused_sm90"]
+    else:
+        assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",
+                                     "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]
     errs = {"o": rel_l2(o, ref["o"])}
     if case.ht:
         errs["ht"] = rel_l2(ht, ref["ht"])

@@ -86,7 +86,7 @@ CHUNK = 64
 BV_FUSED = 64
 
 
-def build_bwd_fused(dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool):
+def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool):
     import tilelang.language as T
 
     from ._common import symbolic_sizes
@@ -108,7 +108,7 @@ def build_bwd_fused(dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool):
         q: T.Tensor((NT, Hqk, K), dtype),
         k: T.Tensor((NT, Hqk, K), dtype),
         v: T.Tensor((NT, Hv, V), dtype),
-        beta: T.Tensor((NT, Hv), acc),
+        beta: T.Tensor((NT, Hv), beta_dtype),
         do: T.Tensor((NT, Hv, V), dtype),
         G: T.Tensor((NC, Hv, C), acc),
         X: T.Tensor((NC, Hv, C, C), dtype),
@@ -352,7 +352,7 @@ def build_bwd_fused(dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool):
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
                     for r in T.Parallel(C):
-                        b_s[r] = T.if_then_else(bos + r < eos, beta[bos + r, hv], 0.0)
+                        b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, hv], acc), 0.0)
                     T.barrier_wait(full_kg[s], (i // 2) % 2)
                     T.barrier_wait(full_in[0], i % 2)          # q
                     T.barrier_wait(pg_ready[s], (i // 2) % 2)

@@ -18,6 +18,7 @@ from ...dispatch.device import detect
 from ..gva import gva_sum
 from ._compile import get_kernel
 from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
+from .chunk_bwd_fused_sm90 import BV_FUSED, build_bwd_fused
 from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
 from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
@@ -249,9 +250,50 @@ def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
 
 
 def bwd_variant() -> str:
-    """``ws`` (warp-specialised state-gradient recurrence, default) or ``serial``;
-    ``FLASHQLA_TILELANG_BWD`` overrides."""
-    return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial"), "ws")
+    """``ws`` (warp-specialised state-gradient recurrence, then the per-chunk dqk and wy kernels; default),
+    ``serial`` (the same with a serial state kernel) or ``fused`` (``chunk_bwd_fused_sm90``: the walk and every
+    per-chunk gradient in one kernel; experimental until measured on a GPU, and without the fused L2 norm:
+    such calls take ``ws``); ``FLASHQLA_TILELANG_BWD`` overrides."""
+    return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial", "fused"), "ws")
+
+
+def bwd_fused_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
+    return get_kernel("bwd_fused_sm90", build_bwd_fused,
+                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0)))
+
+
+def bwd_fused_ok(K: int, V: int, l2norm: bool) -> bool:
+    """Whether the fused backward serves this call (its first version: K = 128, V a multiple of its
+    64-column block, no fused L2 norm)."""
+    return K == 128 and V % BV_FUSED == 0 and not l2norm
+
+
+def _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, has_h0, dof, dhtf, has_dht):
+    """The fused backward's launch and the host sums of its per-V-block partials (see the kernel's
+    docstring): dq / dk with the GVA group sum (``ratio * NB`` 16-bit slots per query/key head, in fp32,
+    rounded once), dg and dbeta in fp32 (dbeta then cast)."""
+    B, T, Hqk, Hv, K, V = shape
+    NT, NS = B * T, meta.num_seqs
+    dev, dt = q.device, q.dtype
+    ratio, NB = Hv // Hqk, V // BV_FUSED
+    f32 = torch.float32
+    dq_p = torch.empty(NT, Hv * NB, K, dtype=dt, device=dev)
+    dk_p = torch.empty(NT, Hv * NB, K, dtype=dt, device=dev)
+    dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
+    dg_p = torch.empty(NB, NT, Hv, dtype=f32, device=dev)
+    db_p = torch.empty(NB, NT, Hv, dtype=f32, device=dev)
+    dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
+    bwd_fused_kernel(dt, beta.dtype, K, V, has_dht, has_h0)(
+        q, k, v, beta, dof, G, X, hs, vn, w, meta.cu_seqlens, meta.chunk_offsets, dhtf,
+        dq_p, dk_p, dv, dg_p, db_p, dh0, float(scale), ratio)
+    dq = gva_sum(dq_p, ratio * NB, dt)
+    del dq_p
+    dk = gva_sum(dk_p, ratio * NB, dt)
+    del dk_p
+    dg = dg_p[0].clone() if NB == 1 else dg_p.sum(0)
+    db = (db_p[0] if NB == 1 else db_p.sum(0)).to(beta.dtype)
+    return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
+            dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)
 
 
 # the backward's warp-specialised kernel holds more tiles (fp32 Pt dO, dOs, +-dv_new): at most 64 columns
@@ -389,11 +431,14 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     dof = aligned(do.reshape(NT, Hv, V).to(dt))
     has_dht = dht is not None
     dhtf = aligned(dht.to(f32)) if has_dht else dummy((1, 1, K, V), f32, dev)
+    variant = bwd_variant()
+    if variant == "fused" and bwd_fused_ok(K, V, l2norm):
+        return _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, has_h0, dof, dhtf, has_dht)
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
     dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
     dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
     state_args = (q, k, w, G, dof, meta.cu_seqlens, meta.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio)
-    if bwd_variant() == "serial":
+    if variant == "serial":
         bwd_state_kernel(dt, K, V, l2norm, has_dht, has_h0)(*state_args)
     elif dev.type == "meta":
         for bv in BWD_WS_BVS:
