@@ -15,11 +15,12 @@ mkdir -p "$OUT/logs" "$KCACHE"
 run_step() {
   local name=$1 want=$2; shift 2
   local t=$(( $(left) - 40 )); [ "$t" -gt "$want" ] && t=$want
-  if [ "$t" -lt 15 ]; then echo "== $name: SKIPPED (no time left)"; return; fi
+  if [ "$t" -lt 15 ]; then echo "== $name: SKIPPED (no time left)"; RUN_RC=125; return; fi
   echo "== $name (timeout ${t}s, $(( $(date +%s) - START ))s elapsed)"
   local log=$OUT/logs/$(echo "$name" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-40).log
   timeout -s INT -k 5 "$t" "$@" > "$log" 2>&1
-  echo "exit $?"
+  RUN_RC=$?                             # the step's exit status (124 / 130 / 137: it ran out of time)
+  echo "exit $RUN_RC"
   grep -v "TileLang:tilelang.jit.kernel:INFO" "$log" | tail -${TAIL:-25}
 }
 save_kcache() {

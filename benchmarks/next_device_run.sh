@@ -31,6 +31,8 @@
 #   bash benchmarks/next_device_run.sh bwdcheck   after a tilelang backward change: its GPU tests and determinism,
 #                                                 part of the backward grid against FlashQLA, the profile
 #   bash benchmarks/next_device_run.sh gvasum     the Triton GVA-sum kernel: bitwise vs the PyTorch forms, times
+#   bash benchmarks/next_device_run.sh bwdfused   the fused backward: GPU tests, A/B against the split one, the
+#                                                 flashqla-bwd grid against FlashQLA, profile (#4)
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
 #                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
@@ -166,6 +168,22 @@ case "$STEP" in
         --baselines flashqla --out $OUT/bwd
     TAIL=30 run_step "profile fwd+bwd" 90 python benchmarks/profile_kernels.py --impls tilelang \
         --rows ${PROFILE_ROWS:-16/32:32768,4/8:32768} --modes fwdbwd --out $OUT/profile.json ;;
+  bwdfused)
+    # the fused backward (FLASHQLA_TILELANG_BWD=fused, chunk_bwd_fused_sm90; its kernels precompiled in the
+    # carried kcache): its GPU tests (a protocol bug would hang: the step's timeout ends it), an A/B against the
+    # split backward, the flashqla-bwd grid against FlashQLA, and its per-kernel profile (#4)
+    TAIL=8 run_step "fused backward GPU tests" ${BWDF_TEST_S:-180} $PYT tests/test_tilelang_bwd_fused.py
+    # a kernel that hangs (a barrier protocol bug) would hang every later step too
+    case $RUN_RC in 124|130|137) echo "== fused backward: the tests ran out of time; later steps skipped"; continue ;; esac
+    TAIL=12 run_step "backward variants sweep" ${BWDF_SWEEP_S:-150} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --rows ${BWDF_ROWS:-16/32:1x32768,16/32:4x8192,4/8:1x32768,8/16:1x8192} \
+        --out $OUT/sweep_bwd_fused.json --variants "default;FLASHQLA_TILELANG_BWD=fused"
+    TAIL=45 run_step "flashqla-bwd grid, fused backward" ${BWDF_BENCH_S:-240} env FLASHQLA_TILELANG_BWD=fused \
+        python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDF_FILTER:- in }" \
+        --backends tilelang --baselines flashqla --out $OUT/bwdfused
+    TAIL=16 run_step "profile fwd+bwd, fused backward" 60 env FLASHQLA_TILELANG_BWD=fused \
+        python benchmarks/profile_kernels.py --impls tilelang --rows ${PROFILE_ROWS:-16/32:32768,16/32:4x8192} \
+        --modes fwdbwd --out $OUT/profile_fused.json ;;
   bwdcp)
     # the existing op-level exact CP on the backward's single-sequence 32k rows, captured in a CUDA graph (fixed
     # structure) and eager with windows: does splitting the latency-bound state-gradient walk pay at few
@@ -237,7 +255,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
