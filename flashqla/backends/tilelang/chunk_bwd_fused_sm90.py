@@ -258,7 +258,9 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.copy(dS_f, dh0[n, hv, :, v0:v0 + BV])
             elif tx < 256:
                 # ---------------- prep ----------------
-                T.set_max_nreg(120, 1)
+                # (below the 128 of the launch: a dec; setmaxnreg.inc to fewer registers is an illegal
+                # instruction, which is how the first H200 run of this kernel failed)
+                T.set_max_nreg(120, 0)
                 for i in T.serial(nchunks):
                     s = i % 2
                     ci = nchunks - 1 - i
