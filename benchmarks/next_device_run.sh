@@ -33,6 +33,7 @@
 #   bash benchmarks/next_device_run.sh gvasum     the Triton GVA-sum kernel: bitwise vs the PyTorch forms, times
 #   bash benchmarks/next_device_run.sh bwdfused   the fused backward: GPU tests, A/B against the split one, the
 #                                                 flashqla-bwd grid against FlashQLA, profile (#4)
+#   bash benchmarks/next_device_run.sh bwdtrace   the fused backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
 #                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
@@ -184,6 +185,13 @@ case "$STEP" in
     TAIL=16 run_step "profile fwd+bwd, fused backward" 60 env FLASHQLA_TILELANG_BWD=fused \
         python benchmarks/profile_kernels.py --impls tilelang --rows ${PROFILE_ROWS:-16/32:32768,16/32:4x8192} \
         --modes fwdbwd --out $OUT/profile_fused.json ;;
+  bwdtrace)
+    # the fused backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
+    # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)
+    TAIL=60 run_step "fused backward trace" ${BWDT_S:-120} python benchmarks/trace_bwd_fused.py \
+        --rows ${BWDT_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_fused.json
+    TAIL=4 run_step "tilelang backward GPU tests" 150 $PYT tests/test_backend_tilelang.py \
+        tests/test_reliability.py tests/test_tilelang_bwd_fused.py -k "backward or (deterministic and tilelang)" ;;
   bwdcp)
     # the existing op-level exact CP on the backward's single-sequence 32k rows, captured in a CUDA graph (fixed
     # structure) and eager with windows: does splitting the latency-bound state-gradient walk pay at few
@@ -255,7 +263,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -1069,12 +1069,12 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
 
 
 def _sim_bwd_fused(key, q, k, v, beta, do, G, X, h, vn, w, cu, coff, dht, dq_p, dk_p, dv_out, dg_p, db_p, dh0,
-                   scale, ratio):
+                   trace, scale, ratio):
     # chunk_bwd_fused_sm90: the CPU model of the fused backward (chunk_bwd_fused_ref) run on each 64-column V
     # block alone, with q / k given per value head (ratio 1): that is exactly a V block's partials -- dq, dk
     # per value head into slot h * NB + vb, dg / dbeta into plane vb -- and its own columns of dv and dh0
     from flashqla.backends.tilelang.chunk_bwd_fused_ref import bwd_fused_ref
-    dt, _, K, V, has_dht, need_dh0 = key
+    dt, _, K, V, has_dht, need_dh0 = key[:6]     # (key entry 7: trace, a diagnostic buffer)
     NT, Hv = do.shape[0], do.shape[1]
     BV = 64
     NB = V // BV

@@ -85,8 +85,25 @@ norm in this version (the host takes the split backward then).
 CHUNK = 64
 BV_FUSED = 64
 
+# (event, role): what has just happened when the role's first thread of CTA (0, 0, 0) stamps clock64()
+# (``trace=True``, ``benchmarks/trace_bwd_fused.py``), for the first TRACE_CHUNKS steps of its walk
+TRACE_EVENTS = (
+    ("chain: k, G ready", "chain"), ("chain: dSb published", "chain"), ("chain: q^T dOs done", "chain"),
+    ("chain: ndvn published", "chain"), ("chain: step done", "chain"),
+    ("prep: q ready", "prep"), ("prep: Pt, dOs published", "prep"), ("prep: dQK^T, Z sums done", "prep"),
+    ("prep: Y done", "prep"), ("prep: published to grad", "prep"), ("prep: dq stored", "prep"),
+    ("grad: prep's tiles ready", "grad"), ("grad: t, dD, <S,dSb> done", "grad"), ("grad: dv, db done", "grad"),
+    ("grad: dY S^T done", "grad"), ("grad: dA terms done", "grad"), ("grad: dk stored", "grad"),
+    ("grad: dg, db stored", "grad"),
+    ("producer: q issued", "producer"), ("producer: S issued", "producer"), ("producer: X issued", "producer"),
+)
+TRACE_CHUNKS = 64
 
-def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool):
+
+def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
+                    trace: bool = False):
+    """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a
+    placeholder the kernel never touches otherwise)."""
     import tilelang.language as T
 
     from ._common import symbolic_sizes
@@ -102,6 +119,14 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
     D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
     HVB = T.dynamic("HVB")       # Hv * NB
+    TR0, TR1 = (len(TRACE_EVENTS), TRACE_CHUNKS) if trace else T.dynamic("TR0, TR1")
+    EV = {name: e for e, (name, _) in enumerate(TRACE_EVENTS)}
+
+    @T.macro
+    def stamp(trace_out, name, i, tx, tx0, vb, hv, n):
+        if trace:
+            if T.And(T.And(tx == tx0, vb + hv + n == 0), i < TRACE_CHUNKS):
+                trace_out[EV[name], i] = T.call_extern("int64", "clock64")
 
     @T.prim_func
     def gdn_bwd_fused(
@@ -124,6 +149,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         dg_p: T.Tensor((NB, NT, Hv), acc),
         db_p: T.Tensor((NB, NT, Hv), acc),
         dh0: T.Tensor((D0N, D0H, K, V), acc),
+        trace_out: T.Tensor((TR0, TR1), "int64"),
         scale: T.float32,
         ratio: T.int32,
     ):
@@ -221,11 +247,13 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
                     T.barrier_wait(full_kg[s], (i // 2) % 2)
+                    stamp(trace_out, "chain: k, G ready", i, tx, 0, vb, hv, n)
                     # c1
                     T.barrier_wait(dsb_free, (i + 1) % 2)
                     T.copy(dS_f, dSb_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dsb_ready)
+                    stamp(trace_out, "chain: dSb published", i, tx, 0, vb, hv, n)
                     # c2
                     T.gemm(k_s[s, :, :], dSb_s, a1_f, clear_accum=True)
                     glast[0] = T.exp(G_s[s, C - 1])
@@ -234,6 +262,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_in[0], i % 2)          # q
                     T.barrier_wait(pc_ready, i % 2)
                     T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
+                    stamp(trace_out, "chain: q^T dOs done", i, tx, 0, vb, hv, n)
                     T.barrier_arrive(empty_in[0])
                     # c3
                     for r in T.Parallel(C):
@@ -249,11 +278,13 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         ndvn_s[r, j] = T.if_then_else(bos + r < eos, -a1_f[r, j], 0.0)
                     T.fence_proxy_async()
                     T.barrier_arrive(dvn_ready)
+                    stamp(trace_out, "chain: ndvn published", i, tx, 0, vb, hv, n)
                     # c4
                     T.barrier_wait(full_in[2], i % 2)          # w
                     T.gemm(w_s, ndvn_s, dS_f, transpose_A=True)
                     T.barrier_arrive(empty_in[2])
                     T.barrier_arrive(empty_kg[s])
+                    stamp(trace_out, "chain: step done", i, tx, 0, vb, hv, n)
                 if need_dh0:
                     T.copy(dS_f, dh0[n, hv, :, v0:v0 + BV])
             elif tx < 256:
@@ -267,6 +298,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     bos = bos0 + ci * C
                     T.barrier_wait(full_kg[s], (i // 2) % 2)
                     T.barrier_wait(full_in[0], i % 2)          # q
+                    stamp(trace_out, "prep: q ready", i, tx, 128, vb, hv, n)
                     # p2: KQ[j, r] = k_j . q_r
                     T.gemm(k_s[s, :, :], q_s, KQ_f, transpose_B=True, clear_accum=True)
                     T.barrier_wait(pc_free, (i + 1) % 2)
@@ -280,6 +312,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             bos + r < eos, T.cast(do_s[r, j], acc) * (scale * T.exp(G_s[s, r])), 0.0)
                     T.fence_proxy_async()
                     T.barrier_arrive(pc_ready)
+                    stamp(trace_out, "prep: Pt, dOs published", i, tx, 128, vb, hv, n)
                     # p4: dQK^T[j, r] from vn dO^T (partial over this V block)
                     # p4: dQK^T (its row sums are Z's column sums), then Z in the [r, j] frame for its row sums
                     # (q k^T and dO vn^T: two more small wgmma; a column reduction of a wgmma fragment would be
@@ -296,6 +329,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.reduce_sum(dPt_f, pc_f, dim=1)
                     for r in T.Parallel(C):
                         dGc_s[s, r] = pc_f[r]
+                    stamp(trace_out, "prep: dQK^T, Z sums done", i, tx, 128, vb, hv, n)
                     T.gemm(do_s, vn_s, dPt_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(empty_in[3])
                     T.gemm(q_s, k_s[s, :, :], KQ_f, transpose_B=True, clear_accum=True)
@@ -313,6 +347,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, j in T.Parallel(C, BV):
                         Y_s[s, r, j] = T.cast(v_s[r, j], acc) - T.exp(G_s[s, r]) * U_f[r, j]
                     T.barrier_arrive(empty_in[4])
+                    stamp(trace_out, "prep: Y done", i, tx, 128, vb, hv, n)
                     # p6: dOS = dO S^T by K halves, the inter-chunk gate term, dq
                     T.gemm(do_s, S_s[0:KH, :], dOS0_f, transpose_B=True, clear_accum=True)
                     T.gemm(do_s, S_s[KH:K, :], dOS1_f, transpose_B=True, clear_accum=True)
@@ -330,6 +365,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         gi_s[s, r] = (gi_s[s, r] + pq_f[r]) * scale * T.exp(G_s[s, r])
                     T.fence_proxy_async()
                     T.barrier_arrive(pg_ready[s])
+                    stamp(trace_out, "prep: published to grad", i, tx, 128, vb, hv, n)
                     for r, d in T.Parallel(C, KH):
                         dOS0_f[r, d] = dOS0_f[r, d] * (scale * T.exp(G_s[s, r]))
                     for r, d in T.Parallel(C, KH):
@@ -344,6 +380,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, d in T.Parallel(C, KH):
                         if bos + r < eos:
                             dq_p[bos + r, slot_o, KH + d] = T.cast(dOS1_f[r, d], dtype)
+                    stamp(trace_out, "prep: dq stored", i, tx, 128, vb, hv, n)
             elif tx < 384:
                 # ---------------- grad ----------------
                 # dk is held as two [C, 64] halves (K = 128): every product into it and every temporary of
@@ -358,6 +395,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_kg[s], (i // 2) % 2)
                     T.barrier_wait(full_in[0], i % 2)          # q
                     T.barrier_wait(pg_ready[s], (i // 2) % 2)
+                    stamp(trace_out, "grad: prep's tiles ready", i, tx, 256, vb, hv, n)
                     # g2
                     T.gemm(dQKt_s[s, :, :], q_s[:, 0:KH], dk0_f, clear_accum=True)
                     T.gemm(dQKt_s[s, :, :], q_s[:, KH:K], dk1_f, clear_accum=True)
@@ -396,6 +434,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             for a in T.Parallel(K):
                                 sdr_s[a] = sdr_s[a] + sdr_f[a]
                     T.barrier_arrive(dsb_free)
+                    stamp(trace_out, "grad: t, dD, <S,dSb> done", i, tx, 256, vb, hv, n)
                     # g4: Z' = X^T ndvn, dY = dv, db = -rowsum(Z' Y)
                     T.barrier_wait(dvn_ready, i % 2)
                     T.barrier_wait(full_in[6], i % 2)          # X
@@ -410,6 +449,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.reduce_sum(Zp_f, gv_f, dim=1)
                     for r in T.Parallel(C):
                         db_s[r] = -gv_f[r]
+                    stamp(trace_out, "grad: dv, db done", i, tx, 256, vb, hv, n)
                     T.fence_proxy_async()
                     # g5: dY S^T by K halves; dk -= diag(eG) (.), dG's term -eG rowsum((.) k)
                     for hb in T.unroll(2):
@@ -430,6 +470,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             for r in T.Parallel(C):
                                 dG_s[r] = dG_s[r] + gr_f[r]
                     T.barrier_arrive(empty_in[5])
+                    stamp(trace_out, "grad: dY S^T done", i, tx, 256, vb, hv, n)
                     for r in T.Parallel(C):
                         dG_s[r] = T.if_then_else(
                             bos + r < eos,
@@ -472,6 +513,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         dG_s[r] = dG_s[r] + b_s[r] * gk_f[r]
                     for r in T.Parallel(C):
                         dG_s[r] = dG_s[r] - gc_f[r]
+                    stamp(trace_out, "grad: dA terms done", i, tx, 256, vb, hv, n)
                     # g7
                     T.gemm(dY_s, k_s[s, :, 0:KH], dk0_f)
                     T.gemm(dY_s, k_s[s, :, KH:K], dk1_f)
@@ -482,6 +524,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         if bos + r < eos:
                             dk_p[bos + r, slot_o, KH + d] = T.cast(dk1_f[r, d], dtype)
                     T.barrier_arrive(pg_free[s])
+                    stamp(trace_out, "grad: dk stored", i, tx, 256, vb, hv, n)
                     # dg: the reverse cumsum of dG over the chunk (rows past the end hold only the terms the
                     # CPU model keeps there); the last row's extra term e^{G_last} <S, dS> + sum D dD reaches
                     # every row of the cumsum, so it is added to each.  One warp: lane l holds rows 2l, 2l+1.
@@ -511,6 +554,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         if bos + r < eos:
                             db_p[vb, bos + r, hv] = db_s[r]
+                    stamp(trace_out, "grad: dg, db stored", i, tx, 256, vb, hv, n)
             else:
                 # ---------------- producer: one warp issues every TMA load ----------------
                 T.set_max_nreg(24, 0)
@@ -528,6 +572,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.barrier_wait(empty_in[0], (i + 1) % 2)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s, barrier=full_in[0])
                         T.barrier_arrive(full_in[0])
+                        stamp(trace_out, "producer: q issued", i, tx, 384, vb, hv, n)
                         T.barrier_wait(empty_in[1], (i + 1) % 2)
                         T.tma_copy(do[bos:bos + C, hv, v0:v0 + BV], do_s, barrier=full_in[1])
                         T.barrier_arrive(full_in[1])
@@ -543,7 +588,9 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.barrier_wait(empty_in[5], (i + 1) % 2)
                         T.tma_copy(h[c, hv, :, v0:v0 + BV], S_s, barrier=full_in[5])
                         T.barrier_arrive(full_in[5])
+                        stamp(trace_out, "producer: S issued", i, tx, 384, vb, hv, n)
                         T.barrier_wait(empty_in[6], (i + 1) % 2)
                         T.tma_copy(X[c, hv, :, :], X_s, barrier=full_in[6])
                         T.barrier_arrive(full_in[6])
+                        stamp(trace_out, "producer: X issued", i, tx, 384, vb, hv, n)
     return gdn_bwd_fused

@@ -257,9 +257,13 @@ def bwd_variant() -> str:
     return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial", "fused"), "ws")
 
 
+# the fused backward's trace buffer (``benchmarks/trace_bwd_fused.py``; None: the untraced kernel)
+BWD_TRACE_BUFFER: Optional[torch.Tensor] = None
+
+
 def bwd_fused_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
-    return get_kernel("bwd_fused_sm90", build_bwd_fused,
-                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0)))
+    key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
+    return get_kernel("bwd_fused_sm90", build_bwd_fused, key + ((True,) if BWD_TRACE_BUFFER is not None else ()))
 
 
 def bwd_fused_ok(K: int, V: int, l2norm: bool) -> bool:
@@ -285,7 +289,8 @@ def _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, has_h0, 
     dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
     bwd_fused_kernel(dt, beta.dtype, K, V, has_dht, has_h0)(
         q, k, v, beta, dof, G, X, hs, vn, w, meta.cu_seqlens, meta.chunk_offsets, dhtf,
-        dq_p, dk_p, dv, dg_p, db_p, dh0, float(scale), ratio)
+        dq_p, dk_p, dv, dg_p, db_p, dh0,
+        BWD_TRACE_BUFFER if BWD_TRACE_BUFFER is not None else dummy((1, 1), torch.int64, dev), float(scale), ratio)
     dq = gva_sum(dq_p, ratio * NB, dt)
     del dq_p
     dk = gva_sum(dk_p, ratio * NB, dt)

@@ -1,0 +1,81 @@
+"""Role timeline of the fused tilelang backward (``FLASHQLA_TILELANG_BWD=fused``), from in-kernel clock64 stamps.
+
+``chunk_bwd_fused_sm90`` runs four roles per CTA (chain, prep, grad, TMA producer).  Built with ``trace=True``,
+the first thread of each role in CTA (0, 0, 0) stamps ``clock64()`` at the points of ``TRACE_EVENTS`` for the
+first ``TRACE_CHUNKS`` steps of its walk.  This script runs one traced fwd+bwd per row and prints, per event, the
+median over steps ``--first``..62 of its cycle offset from the chain's "k, G ready" stamp of the same step, and
+the median step period: which role waits for which, and how long each part of a step takes (SM cycles; the
+H200 runs ~1.98 GHz under load).
+
+usage (device machine, after `source .gpu/setup.sh`):
+    python benchmarks/trace_bwd_fused.py --rows 16/32:4x8192,16/32:1x32768 --out $OUT/trace_bwd_fused.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from profile_kernels import row_inputs  # noqa: E402
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="16/32:4x8192,16/32:1x32768")
+    ap.add_argument("--first", type=int, default=4, help="first step of the steady-state window")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args(argv)
+    os.environ["FLASHQLA_TILELANG_BWD"] = "fused"
+
+    import flashqla
+    from flashqla.backends.tilelang import ops
+    from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import TRACE_CHUNKS, TRACE_EVENTS
+
+    out = []
+    for row in args.rows.split(","):
+        x = row_inputs(row, torch.device("cuda"))
+        leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+
+        def call():
+            o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=x["cu_seqlens"], backend="tilelang")
+            torch.autograd.grad(o, leaves, torch.ones_like(o))
+
+        buf = torch.zeros(len(TRACE_EVENTS), TRACE_CHUNKS, dtype=torch.int64, device="cuda")
+        ops.BWD_TRACE_BUFFER = buf
+        try:
+            call()                      # builds the traced kernel, warms caches
+            buf.zero_()
+            call()
+            torch.cuda.synchronize()
+        finally:
+            ops.BWD_TRACE_BUFFER = None
+        t = buf.cpu()
+        last = int((t[0] != 0).sum()) - 1
+        steps = range(args.first, max(args.first + 1, last))
+        base = t[0]
+        period = statistics.median(int(base[i + 1] - base[i]) for i in steps) if last > args.first else float("nan")
+        rec = {"row": row, "period_cycles": period, "steps": [args.first, last], "events": []}
+        print(f"\n## {row}: step period {period:.0f} cycles (median, steps {args.first}..{last})")
+        for e, (name, role) in enumerate(TRACE_EVENTS):
+            offs = [int(t[e][i] - base[i]) for i in steps if t[e][i] != 0]
+            if not offs:
+                continue
+            med = statistics.median(offs)
+            rec["events"].append({"event": name, "role": role, "offset_median": med,
+                                  "offset_min": min(offs), "offset_max": max(offs)})
+            print(f"  {name:<32} {med:>8.0f}  (min {min(offs):>7}, max {max(offs):>7})")
+        out.append(rec)
+        if args.out:
+            with open(args.out, "w") as f:
+                json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
