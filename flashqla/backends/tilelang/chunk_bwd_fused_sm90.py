@@ -122,6 +122,13 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     TR0, TR1 = (len(TRACE_EVENTS), TRACE_CHUNKS) if trace else T.dynamic("TR0, TR1")
     EV = {name: e for e, (name, _) in enumerate(TRACE_EVENTS)}
 
+    LOG2E = 1.4426950408889634
+
+    def fexp(x):
+        # the hardware ex2 (~2 ulp): accurate expf is ~10 instructions, and the grad warpgroup's elementwise
+        # phases (four [64, 64] decay masks per chunk) are instruction-bound (session 11 trace)
+        return T.exp2(x * LOG2E)
+
     @T.macro
     def stamp(trace_out, name, i, tx, tx0, vb, hv, n):
         if trace:
@@ -256,7 +263,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "chain: dSb published", i, tx, 0, vb, hv, n)
                     # c2
                     T.gemm(k_s[s, :, :], dSb_s, a1_f, clear_accum=True)
-                    glast[0] = T.exp(G_s[s, C - 1])
+                    glast[0] = fexp(G_s[s, C - 1])
                     for a, b in T.Parallel(K, BV):
                         dS_f[a, b] = dS_f[a, b] * glast[0]
                     T.barrier_wait(full_in[0], i % 2)          # q
@@ -266,7 +273,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(empty_in[0])
                     # c3
                     for r in T.Parallel(C):
-                        rowf_f[r] = T.exp(G_s[s, C - 1] - G_s[s, r])
+                        rowf_f[r] = fexp(G_s[s, C - 1] - G_s[s, r])
                     for r, j in T.Parallel(C, BV):
                         a1_f[r, j] = a1_f[r, j] * rowf_f[r]
                     T.barrier_wait(full_in[1], i % 2)          # dO
@@ -304,12 +311,12 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(pc_free, (i + 1) % 2)
                     for j, r in T.Parallel(C, C):
                         Pt_s[j, r] = T.if_then_else(
-                            (j <= r) & (bos + r < eos), KQ_f[j, r] * scale * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
+                            (j <= r) & (bos + r < eos), KQ_f[j, r] * scale * fexp(G_s[s, r] - G_s[s, j]), 0.0)
                     # p3
                     T.barrier_wait(full_in[1], i % 2)          # dO
                     for r, j in T.Parallel(C, BV):
                         dOs_s[r, j] = T.if_then_else(
-                            bos + r < eos, T.cast(do_s[r, j], acc) * (scale * T.exp(G_s[s, r])), 0.0)
+                            bos + r < eos, T.cast(do_s[r, j], acc) * (scale * fexp(G_s[s, r])), 0.0)
                     T.fence_proxy_async()
                     T.barrier_arrive(pc_ready)
                     stamp(trace_out, "prep: Pt, dOs published", i, tx, 128, vb, hv, n)
@@ -322,7 +329,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(pg_free[s], (i // 2 + 1) % 2)
                     for j, r in T.Parallel(C, C):
                         dPt_f[j, r] = T.if_then_else(
-                            (j <= r) & (bos + r < eos), dPt_f[j, r] * scale * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
+                            (j <= r) & (bos + r < eos), dPt_f[j, r] * scale * fexp(G_s[s, r] - G_s[s, j]), 0.0)
                     T.copy(dPt_f, dQKt_s[s, :, :])
                     for j, r in T.Parallel(C, C):
                         dPt_f[j, r] = dPt_f[j, r] * KQ_f[j, r]
@@ -335,7 +342,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(q_s, k_s[s, :, :], KQ_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
                         dPt_f[r, j] = T.if_then_else(
-                            (j <= r) & (bos + r < eos), dPt_f[r, j] * scale * T.exp(G_s[s, r] - G_s[s, j]), 0.0) \
+                            (j <= r) & (bos + r < eos), dPt_f[r, j] * scale * fexp(G_s[s, r] - G_s[s, j]), 0.0) \
                             * KQ_f[r, j]
                     T.reduce_sum(dPt_f, pr_f, dim=1)
                     for r in T.Parallel(C):
@@ -345,7 +352,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(k_s[s, :, :], S_s, U_f, clear_accum=True)
                     T.barrier_wait(full_in[4], i % 2)          # v
                     for r, j in T.Parallel(C, BV):
-                        Y_s[s, r, j] = T.cast(v_s[r, j], acc) - T.exp(G_s[s, r]) * U_f[r, j]
+                        Y_s[s, r, j] = T.cast(v_s[r, j], acc) - fexp(G_s[s, r]) * U_f[r, j]
                     T.barrier_arrive(empty_in[4])
                     stamp(trace_out, "prep: Y done", i, tx, 128, vb, hv, n)
                     # p6: dOS = dO S^T by K halves, the inter-chunk gate term, dq
@@ -362,14 +369,14 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         ptmp_f[r, d] = T.cast(q_s[r, KH + d], acc) * dOS1_f[r, d]
                     T.reduce_sum(ptmp_f, pq_f, dim=1)
                     for r in T.Parallel(C):
-                        gi_s[s, r] = (gi_s[s, r] + pq_f[r]) * scale * T.exp(G_s[s, r])
+                        gi_s[s, r] = (gi_s[s, r] + pq_f[r]) * scale * fexp(G_s[s, r])
                     T.fence_proxy_async()
                     T.barrier_arrive(pg_ready[s])
                     stamp(trace_out, "prep: published to grad", i, tx, 128, vb, hv, n)
                     for r, d in T.Parallel(C, KH):
-                        dOS0_f[r, d] = dOS0_f[r, d] * (scale * T.exp(G_s[s, r]))
+                        dOS0_f[r, d] = dOS0_f[r, d] * (scale * fexp(G_s[s, r]))
                     for r, d in T.Parallel(C, KH):
-                        dOS1_f[r, d] = dOS1_f[r, d] * (scale * T.exp(G_s[s, r]))
+                        dOS1_f[r, d] = dOS1_f[r, d] * (scale * fexp(G_s[s, r]))
                     T.gemm(dQKt_s[s, :, :], k_s[s, :, 0:KH], dOS0_f, transpose_A=True)
                     T.gemm(dQKt_s[s, :, :], k_s[s, :, KH:K], dOS1_f, transpose_A=True)
                     T.barrier_arrive(empty_in[0])
@@ -407,10 +414,10 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.gemm(vn_s, dSb_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
                         if hb == 0:
                             for r, d in T.Parallel(C, KH):
-                                dk0_f[r, d] = dk0_f[r, d] + T.exp(G_s[s, C - 1] - G_s[s, r]) * t_f[r, d]
+                                dk0_f[r, d] = dk0_f[r, d] + fexp(G_s[s, C - 1] - G_s[s, r]) * t_f[r, d]
                         else:
                             for r, d in T.Parallel(C, KH):
-                                dk1_f[r, d] = dk1_f[r, d] + T.exp(G_s[s, C - 1] - G_s[s, r]) * t_f[r, d]
+                                dk1_f[r, d] = dk1_f[r, d] + fexp(G_s[s, C - 1] - G_s[s, r]) * t_f[r, d]
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * T.cast(k_s[s, r, hb * KH + d], acc)
                         T.reduce_sum(t_f, gr_f, dim=1)
@@ -456,10 +463,10 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.gemm(dY_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
                         if hb == 0:
                             for r, d in T.Parallel(C, KH):
-                                dk0_f[r, d] = dk0_f[r, d] - T.exp(G_s[s, r]) * t_f[r, d]
+                                dk0_f[r, d] = dk0_f[r, d] - fexp(G_s[s, r]) * t_f[r, d]
                         else:
                             for r, d in T.Parallel(C, KH):
-                                dk1_f[r, d] = dk1_f[r, d] - T.exp(G_s[s, r]) * t_f[r, d]
+                                dk1_f[r, d] = dk1_f[r, d] - fexp(G_s[s, r]) * t_f[r, d]
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * T.cast(k_s[s, r, hb * KH + d], acc)
                         T.reduce_sum(t_f, gr_f, dim=1)
@@ -474,9 +481,11 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         dG_s[r] = T.if_then_else(
                             bos + r < eos,
-                            dGp_s[s, r] - dGc_s[s, r] + gi_s[s, r] - T.exp(G_s[s, C - 1] - G_s[s, r]) * dD_s[r]
-                            - T.exp(G_s[s, r]) * dG_s[r], 0.0)
+                            dGp_s[s, r] - dGc_s[s, r] + gi_s[s, r] - fexp(G_s[s, C - 1] - G_s[s, r]) * dD_s[r]
+                            - fexp(G_s[s, r]) * dG_s[r], 0.0)
                     # g6: dX = -(ndvn Y^T) diag(b); T1 = X^T dX (over dX's tile); dA = -(T1 X^T), dA^T = -(X T1^T)
+                    # k k^T issued without a wait: it runs under the dTb product (whose wait covers both)
+                    T.wgmma_gemm(k_s[s, :, :], k_s[s, :, :], KK_f, transpose_B=True, clear_accum=True)
                     T.gemm(ndvn_s, Y_s[s, :, :], m_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(dvn_free)
                     for r, j in T.Parallel(C, C):
@@ -488,24 +497,23 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # Ws = W + W^T into dY's tile (last read by the dY S^T wgmma): first W^T from dA^T
                     T.gemm(X_s, dX_s, m_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
-                        dY_s[r, j] = T.if_then_else(j > r, -m_f[r, j] * b_s[j] * T.exp(G_s[s, j] - G_s[s, r]), 0.0)
-                    T.gemm(k_s[s, :, :], k_s[s, :, :], KK_f, transpose_B=True, clear_accum=True)
+                        dY_s[r, j] = T.if_then_else(j > r, -m_f[r, j] * b_s[j] * fexp(G_s[s, j] - G_s[s, r]), 0.0)
                     # column sums of dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] (r > j) as row sums over dA^T
                     # (dA[r, j] = -m[j, r]; KK is symmetric): no cross-warp reduction
                     for a, c in T.Parallel(C, C):
                         m_f[a, c] = T.if_then_else(
-                            c > a, -m_f[a, c] * b_s[c] * KK_f[a, c] * T.exp(G_s[s, c] - G_s[s, a]), 0.0)
+                            c > a, -m_f[a, c] * b_s[c] * KK_f[a, c] * fexp(G_s[s, c] - G_s[s, a]), 0.0)
                     T.reduce_sum(m_f, gc_f, dim=1)
                     # then W from dA, added to the same elements (the same accumulator layout)
                     T.gemm(dX_s, X_s, m_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(empty_in[6])
                     for r, j in T.Parallel(C, C):
                         if r > j:
-                            dY_s[r, j] = dY_s[r, j] - m_f[r, j] * b_s[r] * T.exp(G_s[s, r] - G_s[s, j])
+                            dY_s[r, j] = dY_s[r, j] - m_f[r, j] * b_s[r] * fexp(G_s[s, r] - G_s[s, j])
                     T.fence_proxy_async()
                     for r, j in T.Parallel(C, C):
                         KK_f[r, j] = T.if_then_else(
-                            r > j, -m_f[r, j] * KK_f[r, j] * T.exp(G_s[s, r] - G_s[s, j]), 0.0)
+                            r > j, -m_f[r, j] * KK_f[r, j] * fexp(G_s[s, r] - G_s[s, j]), 0.0)
                     T.reduce_sum(KK_f, gk_f, dim=1)
                     for r in T.Parallel(C):
                         db_s[r] = db_s[r] + gk_f[r]
@@ -532,9 +540,9 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         lane = tx - 256
                         part = T.alloc_var(acc)
                         part = (sdr_s[lane] + sdr_s[lane + 32] + sdr_s[lane + 64] + sdr_s[lane + 96]) \
-                            * T.exp(G_s[s, C - 1]) \
-                            + T.exp(G_s[s, C - 1] - G_s[s, lane]) * dD_s[lane] \
-                            + T.exp(G_s[s, C - 1] - G_s[s, lane + 32]) * dD_s[lane + 32]
+                            * fexp(G_s[s, C - 1]) \
+                            + fexp(G_s[s, C - 1] - G_s[s, lane]) * dD_s[lane] \
+                            + fexp(G_s[s, C - 1] - G_s[s, lane + 32]) * dD_s[lane + 32]
                         last = T.alloc_var(acc)
                         last = T.warp_reduce_sum(part)
                         lo = T.alloc_var(acc)
