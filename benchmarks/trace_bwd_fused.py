@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from profile_kernels import row_inputs  # noqa: E402
+from trace_ws import summarize  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -57,19 +57,8 @@ def main(argv=None) -> int:
             ops.BWD_TRACE_BUFFER = None
         t = buf.cpu()
         last = int((t[0] != 0).sum()) - 1
-        steps = range(args.first, max(args.first + 1, last))
-        base = t[0]
-        period = statistics.median(int(base[i + 1] - base[i]) for i in steps) if last > args.first else float("nan")
-        rec = {"row": row, "period_cycles": period, "steps": [args.first, last], "events": []}
-        print(f"\n## {row}: step period {period:.0f} cycles (median, steps {args.first}..{last})")
-        for e, (name, role) in enumerate(TRACE_EVENTS):
-            offs = [int(t[e][i] - base[i]) for i in steps if t[e][i] != 0]
-            if not offs:
-                continue
-            med = statistics.median(offs)
-            rec["events"].append({"event": name, "role": role, "offset_median": med,
-                                  "offset_min": min(offs), "offset_max": max(offs)})
-            print(f"  {name:<32} {med:>8.0f}  (min {min(offs):>7}, max {max(offs):>7})")
+        rec = summarize(t, TRACE_EVENTS, range(args.first, max(args.first, last)), row, "step")
+        rec["row"] = row
         out.append(rec)
         if args.out:
             with open(args.out, "w") as f:

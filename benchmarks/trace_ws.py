@@ -25,6 +25,25 @@ sys.path.insert(0, os.path.dirname(__file__))
 from profile_kernels import row_inputs  # noqa: E402
 
 
+def summarize(t, events, steps, label: str, unit: str) -> dict:
+    """Print and return, per event of ``events`` ((name, role) pairs; rows of the stamp tensor ``t``), the median
+    cycle offset over ``steps`` from event 0 of the same step, and the median step period.  Events never
+    stamped (a role the variant does not have) are left out."""
+    base = t[0]
+    period = statistics.median(int(base[i + 1] - base[i]) for i in steps) if len(steps) else float("nan")
+    rec = {"period_cycles": period, "events": []}
+    print(f"\n## {label}: {unit} period {period:.0f} cycles (median, {unit}s {steps.start}..{steps.stop})")
+    for e, (name, role) in enumerate(events):
+        offs = [int(t[e][i] - base[i]) for i in steps if t[e][i] != 0]
+        if not offs:
+            continue
+        med = statistics.median(offs)
+        rec["events"].append({"event": name, "role": role, "offset_median": med,
+                              "offset_min": min(offs), "offset_max": max(offs)})
+        print(f"  {name:<32} {med:>8.0f}  (min {min(offs):>7}, max {max(offs):>7})")
+    return rec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="16/32:1x32768,16/32:4x8192")
@@ -58,20 +77,8 @@ def main(argv=None) -> int:
             torch.cuda.synchronize()
         finally:
             ops.TRACE_BUFFER = None
-        t = buf.cpu()
-        chunks = range(args.first, TRACE_CHUNKS - 1)
-        base = t[0]
-        period = statistics.median(int(base[i + 1] - base[i]) for i in chunks) if base.any() else float("nan")
-        rec = {"row": row, "env": args.env, "period_cycles": period, "events": []}
-        print(f"\n## {row} {args.env}: chunk period {period:.0f} cycles (median, chunks {args.first}..{TRACE_CHUNKS - 1})")
-        for e, (name, role) in enumerate(TRACE_EVENTS):
-            if not t[e].any():
-                continue                # a role this variant does not have (no scores warpgroup without psplit)
-            offs = [int(t[e][i] - base[i]) for i in chunks]
-            med = statistics.median(offs)
-            rec["events"].append({"event": name, "role": role, "offset_median": med,
-                                  "offset_min": min(offs), "offset_max": max(offs)})
-            print(f"  {name:<32} {med:>8.0f}  (min {min(offs):>7}, max {max(offs):>7})")
+        rec = summarize(buf.cpu(), TRACE_EVENTS, range(args.first, TRACE_CHUNKS - 1), f"{row} {args.env}", "chunk")
+        rec.update(row=row, env=args.env)
         out.append(rec)
         if args.out:
             with open(args.out, "w") as f:

@@ -130,6 +130,29 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         return T.exp2(x * LOG2E)
 
     @T.macro
+    def k_side_pass(A_s, B_s, s, fac_s, out_s, k_s, dk0_f, dk1_f, t_f, gr_f):
+        # grad's two products against the state side (g3: vn dSb^T, g5: dY S^T), by K halves: dk += diag(fac) t,
+        # out = rowsum(k * t), unscaled (the per-row factor fac is read from shared memory, not recomputed
+        # per element)
+        for hb in T.unroll(2):
+            T.gemm(A_s, B_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
+            if hb == 0:
+                for r, d in T.Parallel(C, KH):
+                    dk0_f[r, d] = dk0_f[r, d] + fac_s[r] * t_f[r, d]
+            else:
+                for r, d in T.Parallel(C, KH):
+                    dk1_f[r, d] = dk1_f[r, d] + fac_s[r] * t_f[r, d]
+            for r, d in T.Parallel(C, KH):
+                t_f[r, d] = t_f[r, d] * T.cast(k_s[s, r, hb * KH + d], acc)
+            T.reduce_sum(t_f, gr_f, dim=1)
+            if hb == 0:
+                for r in T.Parallel(C):
+                    out_s[r] = gr_f[r]
+            else:
+                for r in T.Parallel(C):
+                    out_s[r] = out_s[r] + gr_f[r]
+
+    @T.macro
     def stamp(trace_out, name, i, tx, tx0, vb, hv, n):
         if trace:
             if T.And(T.And(tx == tx0, vb + hv + n == 0), i < TRACE_CHUNKS):
@@ -187,6 +210,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             b_s = T.alloc_shared((C,), acc)
             dD_s = T.alloc_shared((C,), acc)
             dG_s = T.alloc_shared((C,), acc)
+            fac_s = T.alloc_shared((C,), acc)
             db_s = T.alloc_shared((C,), acc)
             sdr_s = T.alloc_shared((K,), acc)
 
@@ -410,23 +434,9 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # g3: t = vn dSb^T by K halves; dk += D t; dD = rowsum(k t)
                     T.barrier_wait(dsb_ready, i % 2)
                     T.barrier_wait(full_in[3], i % 2)          # vn
-                    for hb in T.unroll(2):
-                        T.gemm(vn_s, dSb_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
-                        if hb == 0:
-                            for r, d in T.Parallel(C, KH):
-                                dk0_f[r, d] = dk0_f[r, d] + fexp(G_s[s, C - 1] - G_s[s, r]) * t_f[r, d]
-                        else:
-                            for r, d in T.Parallel(C, KH):
-                                dk1_f[r, d] = dk1_f[r, d] + fexp(G_s[s, C - 1] - G_s[s, r]) * t_f[r, d]
-                        for r, d in T.Parallel(C, KH):
-                            t_f[r, d] = t_f[r, d] * T.cast(k_s[s, r, hb * KH + d], acc)
-                        T.reduce_sum(t_f, gr_f, dim=1)
-                        if hb == 0:
-                            for r in T.Parallel(C):
-                                dD_s[r] = gr_f[r]
-                        else:
-                            for r in T.Parallel(C):
-                                dD_s[r] = dD_s[r] + gr_f[r]
+                    for r in T.Parallel(C):
+                        fac_s[r] = fexp(G_s[s, C - 1] - G_s[s, r])
+                    k_side_pass(vn_s, dSb_s, s, fac_s, dD_s, k_s, dk0_f, dk1_f, t_f, gr_f)
                     T.barrier_arrive(empty_in[3])
                     # <S, dSb> by column quarters (its row sums, summed by the dg warp below)
                     T.barrier_wait(full_in[5], i % 2)          # S
@@ -459,23 +469,9 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "grad: dv, db done", i, tx, 256, vb, hv, n)
                     T.fence_proxy_async()
                     # g5: dY S^T by K halves; dk -= diag(eG) (.), dG's term -eG rowsum((.) k)
-                    for hb in T.unroll(2):
-                        T.gemm(dY_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
-                        if hb == 0:
-                            for r, d in T.Parallel(C, KH):
-                                dk0_f[r, d] = dk0_f[r, d] - fexp(G_s[s, r]) * t_f[r, d]
-                        else:
-                            for r, d in T.Parallel(C, KH):
-                                dk1_f[r, d] = dk1_f[r, d] - fexp(G_s[s, r]) * t_f[r, d]
-                        for r, d in T.Parallel(C, KH):
-                            t_f[r, d] = t_f[r, d] * T.cast(k_s[s, r, hb * KH + d], acc)
-                        T.reduce_sum(t_f, gr_f, dim=1)
-                        if hb == 0:
-                            for r in T.Parallel(C):
-                                dG_s[r] = gr_f[r]
-                        else:
-                            for r in T.Parallel(C):
-                                dG_s[r] = dG_s[r] + gr_f[r]
+                    for r in T.Parallel(C):
+                        fac_s[r] = -fexp(G_s[s, r])
+                    k_side_pass(dY_s, S_s, s, fac_s, dG_s, k_s, dk0_f, dk1_f, t_f, gr_f)
                     T.barrier_arrive(empty_in[5])
                     stamp(trace_out, "grad: dY S^T done", i, tx, 256, vb, hv, n)
                     for r in T.Parallel(C):
