@@ -44,7 +44,8 @@ are repeated by the two V blocks; one block per head would need ~300 KB of share
           - colsum(dAA), row 63 += e^{G_last} SdS + sum(D dD);  dg = reverse cumsum(dG) (stored), db (stored)
 * warpgroup 3, the **producer**: one warp issues the TMA loads; the other three idle.
 
-dA^T comes from its own 64^3 product (X T1^T) instead of an fp32 transpose through shared memory (16.6 KB).
+dA^T comes from its own 64^3 product (X T1^T) instead of an fp32 transpose through shared memory (16.6 KB); g6 makes
+two elementwise passes over its products (W^T with the dAA column sums, then W with the dA KK E row sums).
 
 Buffers and barriers (``i`` counts the steps of the walk; a barrier's phase j has parity j % 2, and a wait for
 the parity before phase 0 returns at once, which is how every first wait on a "free" barrier passes).  Input
@@ -490,26 +491,25 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(X_s, dX_s, m_f, transpose_A=True, clear_accum=True)
                     T.copy(m_f, dX_s)
                     T.fence_proxy_async()
-                    # Ws = W + W^T into dY's tile (last read by the dY S^T wgmma): first W^T from dA^T
+                    # Ws = W + W^T into dY's tile (last read by the dY S^T wgmma), W^T from dA^T first; in the same
+                    # pass, the column sums of dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] (r > j) as row sums over
+                    # dA^T (dA[r, j] = -m[j, r]; KK is symmetric, so its element is W^T's times KK): no cross-warp
+                    # reduction, one exp per element
                     T.gemm(X_s, dX_s, m_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
-                        dY_s[r, j] = T.if_then_else(j > r, -m_f[r, j] * b_s[j] * fexp(G_s[s, j] - G_s[s, r]), 0.0)
-                    # column sums of dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] (r > j) as row sums over dA^T
-                    # (dA[r, j] = -m[j, r]; KK is symmetric): no cross-warp reduction
-                    for a, c in T.Parallel(C, C):
-                        m_f[a, c] = T.if_then_else(
-                            c > a, -m_f[a, c] * b_s[c] * KK_f[a, c] * fexp(G_s[s, c] - G_s[s, a]), 0.0)
+                        wt = T.if_then_else(j > r, -m_f[r, j] * b_s[j] * fexp(G_s[s, j] - G_s[s, r]), 0.0)
+                        dY_s[r, j] = wt
+                        m_f[r, j] = wt * KK_f[r, j]
                     T.reduce_sum(m_f, gc_f, dim=1)
-                    # then W from dA, added to the same elements (the same accumulator layout)
+                    # then W from dA, added to the same elements (the same accumulator layout, so each thread
+                    # rereads what it wrote), and dA KK E for the rows in the same pass
                     T.gemm(dX_s, X_s, m_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(empty_in[6])
                     for r, j in T.Parallel(C, C):
-                        if r > j:
-                            dY_s[r, j] = dY_s[r, j] - m_f[r, j] * b_s[r] * fexp(G_s[s, r] - G_s[s, j])
+                        wr = T.if_then_else(r > j, -m_f[r, j] * fexp(G_s[s, r] - G_s[s, j]), 0.0)
+                        dY_s[r, j] = T.cast(dY_s[r, j], acc) + wr * b_s[r]
+                        KK_f[r, j] = wr * KK_f[r, j]
                     T.fence_proxy_async()
-                    for r, j in T.Parallel(C, C):
-                        KK_f[r, j] = T.if_then_else(
-                            r > j, -m_f[r, j] * KK_f[r, j] * fexp(G_s[s, r] - G_s[s, j]), 0.0)
                     T.reduce_sum(KK_f, gk_f, dim=1)
                     for r in T.Parallel(C):
                         db_s[r] = db_s[r] + gk_f[r]
