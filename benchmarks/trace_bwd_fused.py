@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from profile_kernels import row_inputs  # noqa: E402
-from trace_ws import summarize  # noqa: E402
+from trace_ws import summarize, traced_run  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -46,16 +46,7 @@ def main(argv=None) -> int:
             o, _ = flashqla.chunk_gated_delta_rule(*leaves, cu_seqlens=x["cu_seqlens"], backend="tilelang")
             torch.autograd.grad(o, leaves, torch.ones_like(o))
 
-        buf = torch.zeros(len(TRACE_EVENTS), TRACE_CHUNKS, dtype=torch.int64, device="cuda")
-        ops.BWD_TRACE_BUFFER = buf
-        try:
-            call()                      # builds the traced kernel, warms caches
-            buf.zero_()
-            call()
-            torch.cuda.synchronize()
-        finally:
-            ops.BWD_TRACE_BUFFER = None
-        t = buf.cpu()
+        t = traced_run(call, ops, "BWD_TRACE_BUFFER", len(TRACE_EVENTS), TRACE_CHUNKS)
         last = int((t[0] != 0).sum()) - 1
         rec = summarize(t, TRACE_EVENTS, range(args.first, max(args.first, last)), row, "step")
         rec["row"] = row

@@ -25,6 +25,21 @@ sys.path.insert(0, os.path.dirname(__file__))
 from profile_kernels import row_inputs  # noqa: E402
 
 
+def traced_run(call, ops, attr: str, n_events: int, n_steps: int) -> torch.Tensor:
+    """Run ``call`` twice with the trace buffer ``ops.<attr>`` set (the first run builds the traced kernel and
+    warms the caches) and return the second run's stamps on the CPU."""
+    buf = torch.zeros(n_events, n_steps, dtype=torch.int64, device="cuda")
+    setattr(ops, attr, buf)
+    try:
+        call()
+        buf.zero_()
+        call()
+        torch.cuda.synchronize()
+    finally:
+        setattr(ops, attr, None)
+    return buf.cpu()
+
+
 def summarize(t, events, steps, label: str, unit: str) -> dict:
     """Print and return, per event of ``events`` ((name, role) pairs; rows of the stamp tensor ``t``), the median
     cycle offset over ``steps`` from event 0 of the same step, and the median step period.  Events never
@@ -68,16 +83,8 @@ def main(argv=None) -> int:
                 flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=True,
                                                 cu_seqlens=x["cu_seqlens"], backend="tilelang")
 
-        buf = torch.zeros(len(TRACE_EVENTS), TRACE_CHUNKS, dtype=torch.int64, device="cuda")
-        ops.TRACE_BUFFER = buf
-        try:
-            call()                      # builds the traced kernel, warms caches
-            buf.zero_()
-            call()
-            torch.cuda.synchronize()
-        finally:
-            ops.TRACE_BUFFER = None
-        rec = summarize(buf.cpu(), TRACE_EVENTS, range(args.first, TRACE_CHUNKS - 1), f"{row} {args.env}", "chunk")
+        t = traced_run(call, ops, "TRACE_BUFFER", len(TRACE_EVENTS), TRACE_CHUNKS)
+        rec = summarize(t, TRACE_EVENTS, range(args.first, TRACE_CHUNKS - 1), f"{row} {args.env}", "chunk")
         rec.update(row=row, env=args.env)
         out.append(rec)
         if args.out:
