@@ -29,7 +29,8 @@ are repeated by the two V blocks; one block per head would need ~300 KB of share
       p2  KQ = k q^T;  Pt[j, r] = scale KQ[j, r] E[r, j]  (j <= r < eos)
       p3  dOs = diag(scale eG) dO  (rows < eos)            -> chain
       p4  dPm^T = vn dO^T;  dQK^T[j, r] = scale E[r, j] dPm^T[j, r]  (j <= r < eos), bf16;
-          Z^T = dQK^T * KQ, dGp = rowsum(Z) - colsum(Z)
+          Z^T = dQK^T * KQ -> colsum(Z) (its row sums); rowsum(Z) from the [r, j] frame (q k^T, dO vn^T again:
+          a column reduction of a wgmma fragment would be a cross-warp AllReduce, see below)
       p5  U = k S;  Y = bf16(v - diag(eG) U)               -> grad (with dQK^T, dGp)
       p6  dOS = dO S^T;  ginter = scale eG rowsum(q * dOS)  -> grad;  dq = scale eG dOS + dQK k  (stored)
 * warpgroup 2, **grad**::
@@ -63,7 +64,8 @@ can start the next chunk while grad finishes this one::
     S                   producer     prep, grad           p6, g5 (256)
     X                   producer     grad                 g6 (128)
     Pt, dOs             prep         chain                c3 (128)
-    dQK^T, Y, dGp, gi   prep [i % 2] grad                 g7 (128)   (two buffers)
+    dQK^T, Y, Z sums,   prep [i % 2] grad                 g7 (128)   (two buffers)
+    ginter
     dSb                 chain        grad                 g3 (128)
     ndvn                chain        grad                 g6 (128)
 
@@ -73,9 +75,11 @@ Waits: a consumer of a single-buffered tile waits parity ``i % 2`` on its ready 
 phase's readers first.
 
 Shared memory (bf16, BV = 64): inputs 112 KB (q 16, k 2 x 16, w 16, S 16, v / dO / vn / X 8 each), the chain's
-dSb 16 + ndvn 8, prep's Pt 8 + dOs 8 + two (dQK^T 8 + Y 8), grad's dY / Ws 8 + dX 8 + T1 8, vectors ~3 KB:
+dSb 16 + ndvn 8, prep's Pt 8 + dOs 8 + two (dQK^T 8 + Y 8), grad's dY / Ws 8 + dX / T1 8, vectors ~3 KB:
 ~205 KB of the 227 KB.  Registers (setmaxnreg): chain 144, prep 120, grad 224, producer 24 (sum 512, the
-file's 64K registers over 128-thread groups); ptxas reports no spills at these counts.
+file's 64K registers over 128-thread groups); ptxas reports 4 bytes of spill.  The decay factors use the
+hardware ex2 (``exp2(x log2 e)``, ~2 ulp), as the forward's ``fastexp``; only differences of G are exponentiated.
+No reduction crosses warps: TileLang's cross-warp AllReduce syncs on ``bar.sync 1``, which all roles would share.
 
 Outputs: ``dq_p``, ``dk_p`` ``[NT, Hv * NB, K]`` in the inputs' dtype (slot ``h * NB + vb``, so one GVA sum over
 ``ratio * NB`` consecutive slots gives dq, dk), ``dv`` ``[NT, Hv, V]`` (final), ``dg_p``, ``db_p``
