@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import re
 import subprocess
