@@ -1073,9 +1073,8 @@ def _sim_bwd_fused(key, q, k, v, beta, do, G, X, h, vn, w, cu, coff, dht, dq_p, 
     # block alone, with q / k given per value head (ratio 1): that is exactly a V block's partials -- dq, dk
     # per value head into slot h * NB + vb, dg / dbeta into plane vb -- and its own columns of dv and dh0
     from flashqla.backends.tilelang.chunk_bwd_fused_ref import bwd_fused_ref
+    from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import BV_FUSED as BV
     dt, _, K, V, has_dht, need_dh0 = key[:6]     # (key entry 7: trace, a diagnostic buffer)
-    NT, Hv = do.shape[0], do.shape[1]
-    BV = 64
     NB = V // BV
     qv, kv = q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1)
     for vb in range(NB):

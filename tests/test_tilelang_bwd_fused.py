@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from flashqla.testing import Case
+from test_backend_tilelang import needs_sm90
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
 SRC = Path(__file__).resolve().parents[1] / "flashqla" / "backends" / "tilelang" / "chunk_bwd_fused_sm90.py"
@@ -61,28 +62,26 @@ def _simulate(counts, ops, nchunks, rng):
     pc = {r: 0 for r in ROLES}                            # program counter over (step, op)
     total = {r: nchunks * len(ops[r]) for r in ROLES}
     waits_seen = {}
+    def current(r):
+        """Role r's next op: (op, barrier (name, index), parity or None)."""
+        i, k = divmod(pc[r], len(ops[r]))
+        op, bexpr, pexpr = ops[r][k]
+        parity = eval(pexpr, {}, {"i": i, "s": i % 2}) if op == "wait" else None   # noqa: S307
+        return op, _resolve(bexpr, i), parity
+
     while True:
         runnable = []
         for r in ROLES:
-            if pc[r] >= total[r]:
-                continue
-            i, k = divmod(pc[r], len(ops[r]))
-            op, bexpr, pexpr = ops[r][k]
-            b = _resolve(bexpr, i)
-            if op == "arrive":
-                runnable.append(r)
-            else:
-                parity = eval(pexpr, {}, {"i": i, "s": i % 2})    # noqa: S307
-                if done[b] % 2 != parity:
+            if pc[r] < total[r]:
+                op, b, parity = current(r)
+                if op == "arrive" or done[b] % 2 != parity:
                     runnable.append(r)
         if not runnable:
             stuck = {r: ops[r][pc[r] % len(ops[r])] for r in ROLES if pc[r] < total[r]}
             assert not stuck, f"deadlock at nchunks={nchunks}: {stuck}"
             break
         r = rng.choice(runnable)
-        i, k = divmod(pc[r], len(ops[r]))
-        op, bexpr, pexpr = ops[r][k]
-        b = _resolve(bexpr, i)
+        op, b, _ = current(r)
         if op == "arrive":
             pending[b] += ROLES[r]
             need = counts[b[0]][b[1]]
@@ -203,12 +202,8 @@ def test_v_block_partials_sum_to_the_whole(case):
 
 # ---- GPU ------------------------------------------------------------------------------------------------
 
-def _sm90():
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_fused_backward_matches_oracle(dtype, monkeypatch):
     import test_backend_tilelang as tb
@@ -226,7 +221,7 @@ def test_gpu_fused_backward_matches_oracle(dtype, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+@needs_sm90
 def test_gpu_fused_backward_deterministic(monkeypatch):
     import flashqla
     from flashqla.testing import make_inputs

@@ -124,12 +124,15 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
 # Set by benchmarks/trace_ws.py only: while it is a tensor, ws forwards are built with ``trace=True`` and
 # stamp their role timeline into it (see build_fwd_ws).
 TRACE_BUFFER: Optional[torch.Tensor] = None
+# the fused backward's trace buffer (``benchmarks/trace_bwd_fused.py``; None: the untraced kernel)
+BWD_TRACE_BUFFER: Optional[torch.Tensor] = None
 
 
-def _trace_arg(device) -> torch.Tensor:
-    """The ws forward's trace parameter: the trace buffer while tracing, else a placeholder the kernel
-    (built with ``trace=False``) never touches."""
-    return TRACE_BUFFER if TRACE_BUFFER is not None else dummy((1, 1), torch.int64, device)
+def _trace_arg(device, bwd: bool = False) -> torch.Tensor:
+    """The trace parameter of the ws forward (or, ``bwd``, of the fused backward): its trace buffer while
+    tracing, else a placeholder the kernel (built with ``trace=False``) never touches."""
+    buf = BWD_TRACE_BUFFER if bwd else TRACE_BUFFER
+    return buf if buf is not None else dummy((1, 1), torch.int64, device)
 
 
 def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False, pscores=False):
@@ -252,13 +255,9 @@ def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
 def bwd_variant() -> str:
     """``ws`` (warp-specialised state-gradient recurrence, then the per-chunk dqk and wy kernels; default),
     ``serial`` (the same with a serial state kernel) or ``fused`` (``chunk_bwd_fused_sm90``: the walk and every
-    per-chunk gradient in one kernel; experimental until measured on a GPU, and without the fused L2 norm:
-    such calls take ``ws``); ``FLASHQLA_TILELANG_BWD`` overrides."""
+    per-chunk gradient in one kernel; experimental: correct on the H200 but 2-3x slower than ``ws`` in
+    session 11, and without the fused L2 norm: such calls take ``ws``); ``FLASHQLA_TILELANG_BWD`` overrides."""
     return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial", "fused"), "ws")
-
-
-# the fused backward's trace buffer (``benchmarks/trace_bwd_fused.py``; None: the untraced kernel)
-BWD_TRACE_BUFFER: Optional[torch.Tensor] = None
 
 
 def bwd_fused_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
@@ -272,12 +271,13 @@ def bwd_fused_ok(K: int, V: int, l2norm: bool) -> bool:
     return K == 128 and V % BV_FUSED == 0 and not l2norm
 
 
-def _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, has_h0, dof, dhtf, has_dht):
+def _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0):
     """The fused backward's launch and the host sums of its per-V-block partials (see the kernel's
     docstring): dq / dk with the GVA group sum (``ratio * NB`` 16-bit slots per query/key head, in fp32,
-    rounded once), dg and dbeta in fp32 (dbeta then cast)."""
+    rounded once), dg and dbeta in fp32 (dbeta then cast).  Returns (dq, dk, dv, dg, dbeta) flattened, as
+    ``backward``'s split path has them before its reshape."""
     B, T, Hqk, Hv, K, V = shape
-    NT, NS = B * T, meta.num_seqs
+    NT = B * T
     dev, dt = q.device, q.dtype
     ratio, NB = Hv // Hqk, V // BV_FUSED
     f32 = torch.float32
@@ -286,19 +286,14 @@ def _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, has_h0, 
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg_p = torch.empty(NB, NT, Hv, dtype=f32, device=dev)
     db_p = torch.empty(NB, NT, Hv, dtype=f32, device=dev)
-    dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
     bwd_fused_kernel(dt, beta.dtype, K, V, has_dht, has_h0)(
         q, k, v, beta, dof, G, X, hs, vn, w, meta.cu_seqlens, meta.chunk_offsets, dhtf,
-        dq_p, dk_p, dv, dg_p, db_p, dh0,
-        BWD_TRACE_BUFFER if BWD_TRACE_BUFFER is not None else dummy((1, 1), torch.int64, dev), float(scale), ratio)
+        dq_p, dk_p, dv, dg_p, db_p, dh0, _trace_arg(dev, bwd=True), float(scale), ratio)
     dq = gva_sum(dq_p, ratio * NB, dt)
     del dq_p
     dk = gva_sum(dk_p, ratio * NB, dt)
     del dk_p
-    dg = dg_p[0].clone() if NB == 1 else dg_p.sum(0)
-    db = (db_p[0] if NB == 1 else db_p.sum(0)).to(beta.dtype)
-    return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
-            dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)
+    return dq, dk, dv, dg_p.sum(0), db_p.sum(0).to(beta.dtype)
 
 
 # the backward's warp-specialised kernel holds more tiles (fp32 Pt dO, dOs, +-dv_new): at most 64 columns
@@ -436,12 +431,14 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     dof = aligned(do.reshape(NT, Hv, V).to(dt))
     has_dht = dht is not None
     dhtf = aligned(dht.to(f32)) if has_dht else dummy((1, 1, K, V), f32, dev)
+    dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
     variant = bwd_variant()
     if variant == "fused" and bwd_fused_ok(K, V, l2norm):
-        return _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, has_h0, dof, dhtf, has_dht)
+        dq, dk, dv, dg, db = _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
+                                             has_dht, has_h0)
+        return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
     dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-    dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
     state_args = (q, k, w, G, dof, meta.cu_seqlens, meta.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio)
     if variant == "serial":
         bwd_state_kernel(dt, K, V, l2norm, has_dht, has_h0)(*state_args)
@@ -480,5 +477,11 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
 
     dk = gva_sum(dk_h, ratio, dt)
     del dk_h
+    return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
+
+
+def _grads_shaped(dq, dk, dv, dg, db, dh0, shape):
+    """The flat per-token gradients in the input shapes."""
+    B, T, Hqk, Hv, K, V = shape
     return (dq.reshape(B, T, Hqk, K), dk.reshape(B, T, Hqk, K), dv.reshape(B, T, Hv, V),
-            dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0 if has_h0 else None)
+            dg.reshape(B, T, Hv), db.reshape(B, T, Hv), dh0)
