@@ -190,6 +190,8 @@ case "$STEP" in
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)
     TAIL=60 run_step "fused backward trace" ${BWDT_S:-120} python benchmarks/trace_bwd_fused.py \
         --rows ${BWDT_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_fused.json
+    # (BWDT_TESTS=0 skips them: a fresh kcache without every test variant would spend the step on JIT)
+    [ "${BWDT_TESTS:-1}" = 0 ] && continue
     TAIL=4 run_step "tilelang backward GPU tests" 150 $PYT tests/test_backend_tilelang.py \
         tests/test_reliability.py tests/test_tilelang_bwd_fused.py -k "backward or (deterministic and tilelang)" ;;
   bwdcp)
