@@ -82,9 +82,14 @@ case "$STEP" in
     # triton forward: the Tb form of the inference forward (fwd.tb=1, session 6, not measured yet) against the
     # w/u path, with and without the fused output (#3)
     X=FLASHQLA_TRITON_TUNE
-    TAIL=40 run_step "triton sweep fwd" 220 python benchmarks/sweep_variants.py --backend triton --mode fwd \
-        --rows 16/32:1x32768,16/32:4x8192,2/8:1x8192,4/16:8x1024,16/64:4x8192 --out $OUT/sweep_fwd.json --variants \
-        "default;$X=fwd.tb=1;$X=fwd.tb=1,fwd.fuse=0;$X=fwd.tb=1,fwd.fuse=1;$X=fwd.tb=1,state.stages=2" ;;
+    # (session 7: triton lost most on 28672+4096, 0.81-0.86x FLA, and at 16/64, 0.83-0.88x; SWEEP_ROWS)
+    R=${SWEEP_ROWS:-16/32:28672+4096,16/64:4x8192,16/64:1x32768,2/8:28672+4096,16/32:1x32768,4/16:8x1024}
+    TAIL=40 run_step "triton sweep fwd" ${SWEEP_S:-220} python benchmarks/sweep_variants.py --backend triton \
+        --mode fwd --rows $R --out $OUT/sweep_fwd.json --variants \
+        "default;$X=fwd.tb=1;$X=fwd.tb=1,fwd.fuse=0;$X=fwd.tb=1,fwd.fuse=1;$X=fwd.tb=1,state.stages=2"
+    # FLA's kernels on the same rows, summed the same way (FLA_FLASH_QLA=0: its Triton path)
+    TAIL=30 run_step "FLA profile fwd" ${SWEEP_FLA_S:-150} env FLA_FLASH_QLA=0 python benchmarks/profile_kernels.py \
+        --impls fla --rows $R --modes fwd --out $OUT/profile_fla_fwd.json ;;
   sweepbwd)
     # the backward kernels (16/32 1x32768 fwd+bwd: wy 2.45, state bwd 1.69, dqk 1.52 ms; FLA's whole call 8.2)
     X=FLASHQLA_TRITON_TUNE
