@@ -83,12 +83,12 @@ case "$STEP" in
     # w/u path, with and without the fused output (#3)
     X=FLASHQLA_TRITON_TUNE
     # (session 7: triton lost most on 28672+4096, 0.81-0.86x FLA, and at 16/64, 0.83-0.88x; SWEEP_ROWS).  Those
-    # rows run the unfused state kernel with 129-264 programs, where _state_stages picks 2 stages although
-    # two 3-stage programs fit per SM: state.stages=3 tests that
+    # rows run the unfused state kernel with 129-264 programs, where _state_stages picked 2 stages although
+    # two 3-stage programs fit per SM; it picks 3 there since session 12: state.stages=2 is the old choice
     R=${SWEEP_ROWS:-16/32:28672+4096,16/64:4x8192,16/64:1x32768,2/8:28672+4096,16/32:1x32768,4/16:8x1024}
     TAIL=40 run_step "triton sweep fwd" ${SWEEP_S:-220} python benchmarks/sweep_variants.py --backend triton \
         --mode fwd --rows $R --out $OUT/sweep_fwd.json --variants \
-        "default;$X=state.stages=3;$X=fwd.tb=1;$X=fwd.tb=1,state.stages=3;$X=fwd.tb=1,fwd.fuse=0;$X=fwd.tb=1,fwd.fuse=1"
+        "default;$X=state.stages=2;$X=fwd.tb=1;$X=fwd.tb=1,state.stages=2;$X=fwd.tb=1,fwd.fuse=0;$X=fwd.tb=1,fwd.fuse=1"
     # FLA's kernels on the same rows, summed the same way (FLA_FLASH_QLA=0: its Triton path)
     TAIL=30 run_step "FLA profile fwd" ${SWEEP_FLA_S:-150} env FLA_FLASH_QLA=0 python benchmarks/profile_kernels.py \
         --impls fla --rows $R --modes fwd --out $OUT/profile_fla_fwd.json ;;

@@ -155,8 +155,13 @@ def test_launch_choices_follow_the_h200_sweep(monkeypatch):
     assert not ops.fuse_forward_output(geo(1, 32), dev)       # 128
     assert ops.fuse_forward_output(geo(4, 32), dev)           # 512: fused (was unfused at 4 per SM)
     assert ops.fuse_forward_output(geo(8, 32), dev)
+    monkeypatch.setattr(ops, "_state3_per_sm", lambda device: 1)          # sm_80: one 3-stage program per SM
     assert ops._state_stages(128, 32, dev) == 3 and ops._state_stages(32, 32, dev) == 3
+    assert ops._state_stages(146, 32, dev) == 2
     assert ops._state_stages(512, 32, dev) == 2 and ops._state_stages(64, 64, dev) == 2
+    monkeypatch.setattr(ops, "_state3_per_sm", lambda device: 2)          # sm_90: two fit
+    assert ops._state_stages(146, 32, dev) == 3 and ops._state_stages(256, 32, dev) == 3
+    assert ops._state_stages(512, 32, dev) == 2 and ops._state_stages(128, 64, dev) == 2
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.fuse=0")
     assert not ops.fuse_forward_output(geo(8, 32), dev)
     # unequal lengths count the sequences in flight over the longest walk (sum / max), not all of them

@@ -202,17 +202,33 @@ def _state_bv(geo: Geometry, device) -> int:
     return 64
 
 
+_STATE3_SMEM = 109 * 1024     # the unfused state kernel at BV <= 32 with three stages (bf16/fp16, K = V = 128, sm_90)
+
+
+def _state3_per_sm(device) -> int:
+    """How many three-stage state programs fit in one SM's shared memory (2 on sm_90's 228 KB, 1 on
+    sm_80's 164 KB; 0 off CUDA)."""
+    if device.type != "cuda":
+        return 0
+    props = torch.cuda.get_device_properties(device)
+    smem = getattr(props, "shared_memory_per_multiprocessor", 0)
+    return max(1, smem // _STATE3_SMEM) if smem else 1
+
+
 def _state_stages(programs: int, BV: int, device) -> int:
-    """Pipeline depth of the unfused serial state kernel: 3 when its programs fit in one per SM (at
-    BV <= 32: 109 KB of shared memory on sm_90, 89 KB on sm_80; at 64 the third stage would not fit
-    the 99 KB of sm_86 / sm_89), else 2.
+    """Pipeline depth of the unfused serial state kernel: 3 at BV <= 32 when its programs are resident at
+    once with three stages (one per SM, or two on sm_90, whose 228 KB hold two of the 109 KB programs; at
+    BV 64 the third stage would not fit the 99 KB of sm_86 / sm_89), else 2.
 
     H200 sweep (session 5 run 10, ``benchmarks/sweep_variants.py``, 16/32 heads): with one program per SM
     or fewer the kernel is a latency chain and a third stage hides the next chunk's loads (1x32768, 128
     programs: 0.955 -> 0.670 ms; 2/8 1x8192, 32 programs: 0.200 -> 0.173 ms); with 512 programs the extra
-    shared memory costs occupancy (4x8192: 0.632 -> 0.890 ms)."""
+    shared memory costs occupancy (4x8192: 0.632 -> 0.890 ms).  Between one and two programs per SM
+    (16/32 28672+4096: 146 busy programs, 16/64 1x32768: 256), where triton lost most to FLA in session 7,
+    two three-stage programs per SM keep the residency of two-stage ones (session 12 sweep,
+    ``state.stages=2`` against the default)."""
     sms = _sm_count(device)
-    return 3 if sms and programs <= sms and BV <= 32 else 2
+    return 3 if sms and BV <= 32 and programs <= sms * _state3_per_sm(device) else 2
 
 
 def _prep_cfg(geo: Geometry) -> dict:
