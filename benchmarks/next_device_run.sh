@@ -15,6 +15,7 @@
 #                                                 filled, and on the precompiled cache for a new head configuration (#7)
 #   bash benchmarks/next_device_run.sh profile    per-kernel times of triton, tilelang and FLA, fwd and fwd+bwd (#3, #4)
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
+#   bash benchmarks/next_device_run.sh tritongrid the forward and forward+backward Step 2 grids, triton vs FLA (#3)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
 #   bash benchmarks/next_device_run.sh trace      per-role clock64 timeline of the tilelang ws recurrence (#4)
 #   bash benchmarks/next_device_run.sh fused      the fused tilelang inference forward: GPU tests, sweep, trace (#4)
@@ -133,6 +134,13 @@ case "$STEP" in
   fwdbench)
     TAIL=40 run_step "qwen35-fwd preset, both baselines" 480 python -m flashqla bench --preset qwen35-fwd \
         --no-progress --backends tilelang,triton --baselines fla,flashqla ${FWD_EAGER:+--eager-too} --out $OUT/fwd ;;
+  tritongrid)
+    # #3's acceptance: the Step 2 forward grid (25 rows) and forward+backward grid (20 rows), triton against FLA's
+    # Triton (FLA_FLASH_QLA=0), both in one lease; TGRID_FILTER picks rows, TGRID_MODES=fwd|bwd one preset
+    for m in ${TGRID_MODES:-fwd bwd}; do
+      TAIL=32 run_step "qwen35-$m, triton vs FLA" ${TGRID_S:-280} python -m flashqla bench --preset qwen35-$m \
+          --no-progress --backends triton --baselines fla ${TGRID_FILTER:+--filter "$TGRID_FILTER"} --out $OUT/tgrid_$m
+    done ;;
   eagerbench)
     # our plain op timed eagerly beside its graph time, against FlashQLA (always eager): what a caller without
     # CUDA graphs gets (session 9's host trims: no autograd node without grad, a shorter dispatch)
@@ -272,7 +280,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
