@@ -160,8 +160,9 @@ def test_launch_choices_follow_the_h200_sweep(monkeypatch):
     assert ops._state_stages(146, 32, dev) == 2
     assert ops._state_stages(512, 32, dev) == 2 and ops._state_stages(64, 64, dev) == 2
     monkeypatch.setattr(ops, "_state3_per_sm", lambda device: 2)          # sm_90: two fit
-    assert ops._state_stages(146, 32, dev) == 3 and ops._state_stages(256, 32, dev) == 3
-    assert ops._state_stages(512, 32, dev) == 2 and ops._state_stages(128, 64, dev) == 2
+    assert ops._state_stages(146, 32, dev) == 3 and ops._state_stages(256, 32, dev) == 2   # w/u path
+    assert ops._state_stages(146, 32, dev, True) == 3 and ops._state_stages(256, 32, dev, True) == 3  # Tb
+    assert ops._state_stages(512, 32, dev, True) == 2 and ops._state_stages(128, 64, dev) == 2
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.fuse=0")
     assert not ops.fuse_forward_output(geo(8, 32), dev)
     # unequal lengths count the sequences in flight over the longest walk (sum / max), not all of them
@@ -391,7 +392,7 @@ def test_tb_forward_isolates_sequences(monkeypatch, fuse):
 
 def test_training_forward_keeps_the_wu_path(monkeypatch):
     # the Tb form only when no backward follows (its o would differ in the last bits from the w/u
-    # recompute the backward runs), with fwd.tb=1; fwd.tb=0 (the default) turns it off
+    # recompute the backward runs), with fwd.tb=1 (the default); fwd.tb=0 turns it off
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.tb=1")
     case = Case("tb_switch", 1, 2, 64, 64, seqlens=(9, 5))
     x = make_inputs(case, torch.float32, DEV)

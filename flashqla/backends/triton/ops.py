@@ -102,7 +102,7 @@ def _sm_count(device) -> int:
 # V-block; 0 means "choose" (see _state_bv).  Override for tuning, without editing code, with
 # FLASHQLA_TRITON_TUNE="state.bv=32,output.warps=4,dqk.stages=3" (kernel.key=int, comma separated).
 _DEFAULTS = {
-    "fwd": dict(fuse=-1, tb=0),                  # fuse -1: fuse_forward_output decides; tb: see use_tb_forward
+    "fwd": dict(fuse=-1, tb=1),                  # fuse -1: fuse_forward_output decides; tb: see use_tb_forward
     "fused": dict(warps=4, stages=2, bv=32, t=0),    # the state kernel with FUSE_OUTPUT; t: TRANSPOSED (chunk_state)
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
     "state": dict(warps=0, stages=0, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; stages 0: _state_stages;
@@ -215,20 +215,24 @@ def _state3_per_sm(device) -> int:
     return max(1, smem // _STATE3_SMEM) if smem else 1
 
 
-def _state_stages(programs: int, BV: int, device) -> int:
-    """Pipeline depth of the unfused serial state kernel: 3 at BV <= 32 when its programs are resident at
-    once with three stages (one per SM, or two on sm_90, whose 228 KB hold two of the 109 KB programs; at
-    BV 64 the third stage would not fit the 99 KB of sm_86 / sm_89), else 2.
+def _state_stages(programs: int, BV: int, device, from_tb: bool = False) -> int:
+    """Pipeline depth of the unfused serial state kernel: 3 at BV <= 32 while its programs stay few per SM,
+    else 2 (at BV 64 the third stage would not fit the 99 KB of sm_86 / sm_89).
 
-    H200 sweep (session 5 run 10, ``benchmarks/sweep_variants.py``, 16/32 heads): with one program per SM
-    or fewer the kernel is a latency chain and a third stage hides the next chunk's loads (1x32768, 128
-    programs: 0.955 -> 0.670 ms; 2/8 1x8192, 32 programs: 0.200 -> 0.173 ms); with 512 programs the extra
-    shared memory costs occupancy (4x8192: 0.632 -> 0.890 ms).  Between one and two programs per SM
-    (16/32 28672+4096: 146 busy programs, 16/64 1x32768: 256), where triton lost most to FLA in session 7,
-    two three-stage programs per SM keep the residency of two-stage ones (session 12 sweep,
-    ``state.stages=2`` against the default)."""
+    H200 sweeps (``benchmarks/sweep_variants.py``; ``programs`` counts the sequences in flight over the
+    longest walk).  Session 5 run 10, 16/32 heads: with one program per SM or fewer the kernel is a latency
+    chain and a third stage hides the next chunk's loads (1x32768, 128 programs: 0.955 -> 0.670 ms; 2/8
+    1x8192, 32 programs: 0.200 -> 0.173 ms); with 512 programs the extra shared memory costs occupancy
+    (4x8192: 0.632 -> 0.890 ms).  Session 12 run 2, between one and two programs per SM (two 109 KB
+    three-stage programs fit in sm_90's 228 KB): at 146 (16/32 28672+4096) three stages win on both paths
+    (w/u 0.957 -> 0.800 ms, Tb 1.004 -> 0.932); at 256 (16/64 1x32768) they win for the Tb form (1.263 ->
+    1.082), whose chain has one more product per chunk, and lose for the w/u path (1.190 -> 1.344).  Hence
+    up to 2 programs per SM for the Tb form, 1.5 for the w/u path, 1 where only one three-stage program
+    fits (sm_80)."""
     sms = _sm_count(device)
-    return 3 if sms and BV <= 32 and programs <= sms * _state3_per_sm(device) else 2
+    fit = _state3_per_sm(device) if sms else 0
+    per_sm = min(fit, 2.0 if from_tb else 1.5) if fit >= 2 else fit
+    return 3 if sms and BV <= 32 and programs <= sms * per_sm else 2
 
 
 def _prep_cfg(geo: Geometry) -> dict:
@@ -278,9 +282,12 @@ def use_tb_forward(inference: bool) -> bool:
     ``v_new = u - w S = Tb (v - diag(exp(G)) k S)`` itself, one more 64 x BV x 64 dot per chunk on its
     serial chain.  Only for forwards no backward follows: the backward recomputes w and u (it needs them),
     and the training forward keeps the same path so its o is the one the backward's recompute sees.
-    Off by default (``FLASHQLA_TRITON_TUNE=fwd.tb=1`` turns it on) until it has run on a GPU: it is correct
-    under the interpreter and compiles for sm_80 / sm_90, but neither its speed nor its 16-bit accuracy is
-    measured yet (the tilelang backend's form of it was 10-20% faster, H200 session 6 run 4)."""
+    On by default since its H200 sweep (session 12 run 2, ``benchmarks/sweep_variants.py --mode fwd``, kernel
+    sums): 16/32 1x32768 2.081 -> 1.898 ms, 16/32 28672+4096 2.210 -> 2.100, 16/64 4x8192 3.971 -> 3.562,
+    16/64 1x32768 4.008 -> 3.400 (against the w/u path at its best stage count), 4/16 8x1024 0.255 -> 0.233;
+    2/8 28672+4096 equal (0.964 / 0.969).  Its outputs differ from the w/u path's by 1.3-1.7e-3 relative L2
+    in bf16 (two roundings of the same products; the oracle tests hold it to the same tolerance).
+    ``FLASHQLA_TRITON_TUNE=fwd.tb=0`` turns it off."""
     return inference and bool(tune("fwd")["tb"])
 
 
@@ -307,7 +314,8 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         BV = _state_bv(geo, dev)
         cfg = dict(tune("state"))
         cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
-        cfg["stages"] = cfg["stages"] or _state_stages(geo.busy * geo.Hv * triton.cdiv(geo.V, BV), BV, dev)
+        cfg["stages"] = cfg["stages"] or _state_stages(geo.busy * geo.Hv * triton.cdiv(geo.V, BV), BV, dev,
+                                                       from_tb)
     dummy = u
     launch(chunk_state_fwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
