@@ -16,6 +16,8 @@
 #   bash benchmarks/next_device_run.sh profile    per-kernel times of triton, tilelang and FLA, fwd and fwd+bwd (#3, #4)
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
 #   bash benchmarks/next_device_run.sh tritongrid the forward and forward+backward Step 2 grids, triton vs FLA (#3)
+#   bash benchmarks/next_device_run.sh tritontests the triton forward-form GPU tests (Tb, half precision, graphs)
+#   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
 #   bash benchmarks/next_device_run.sh trace      per-role clock64 timeline of the tilelang ws recurrence (#4)
 #   bash benchmarks/next_device_run.sh fused      the fused tilelang inference forward: GPU tests, sweep, trace (#4)
@@ -134,6 +136,14 @@ case "$STEP" in
   fwdbench)
     TAIL=40 run_step "qwen35-fwd preset, both baselines" 480 python -m flashqla bench --preset qwen35-fwd \
         --no-progress --backends tilelang,triton --baselines fla,flashqla ${FWD_EAGER:+--eager-too} --out $OUT/fwd ;;
+  cutlasshostile)
+    # carry [".gpu_cute"] (cutedsl + peers): #11 item 2 on the cutlass backend (its hostile-value and NaN-confinement
+    # GPU tests; session 10 ran them for triton and tilelang only)
+    TAIL=8 run_step "cutlass hostile values" ${CUTH_S:-200} $PYT tests/test_reliability.py -k "cutlass and (hostile or nonfinite)" ;;
+  tritontests)
+    # the triton GPU tests of the forward paths (the Tb inference forward is the default since session 12)
+    TAIL=8 run_step "triton GPU tests (forward forms)" ${TTEST_S:-200} $PYT tests/test_backend_triton.py \
+        -k "tb_forward or half_precision_forward_backward or cuda_graph" ;;
   tritongrid)
     # #3's acceptance: the Step 2 forward grid (25 rows) and forward+backward grid (20 rows), triton against FLA's
     # Triton (FLA_FLASH_QLA=0), both in one lease; TGRID_FILTER picks rows, TGRID_MODES=fwd|bwd one preset
@@ -280,7 +290,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
