@@ -86,12 +86,13 @@ case "$STEP" in
     # w/u path, with and without the fused output (#3)
     X=FLASHQLA_TRITON_TUNE
     # (session 7: triton lost most on 28672+4096, 0.81-0.86x FLA, and at 16/64, 0.83-0.88x; SWEEP_ROWS).  Those
-    # rows run the unfused state kernel with 129-264 programs, where _state_stages picked 2 stages although
-    # two 3-stage programs fit per SM; it picks 3 there since session 12: state.stages=2 is the old choice
+    # rows run the unfused state kernel with 129-264 programs.  Session 12 run 2 settled the Tb form and the stage
+    # count; FLA's fwd_h is still 0.595 ms against our state kernel's 0.93 at 16/32 28672+4096, so the sweep now
+    # varies the state kernel's warps, stages and V-block (SWEEP_VARIANTS replaces the list)
     R=${SWEEP_ROWS:-16/32:28672+4096,16/64:4x8192,16/64:1x32768,2/8:28672+4096,16/32:1x32768,4/16:8x1024}
     TAIL=40 run_step "triton sweep fwd" ${SWEEP_S:-220} python benchmarks/sweep_variants.py --backend triton \
         --mode fwd --rows $R --out $OUT/sweep_fwd.json --variants \
-        "default;$X=state.stages=2;$X=fwd.tb=1;$X=fwd.tb=1,state.stages=2;$X=fwd.tb=1,fwd.fuse=0;$X=fwd.tb=1,fwd.fuse=1"
+        "${SWEEP_VARIANTS:-default;$X=state.warps=8;$X=state.warps=2;$X=state.stages=4;$X=state.bv=16;$X=state.bv=64;$X=fwd.tb=0}"
     # FLA's kernels on the same rows, summed the same way (FLA_FLASH_QLA=0: its Triton path)
     TAIL=30 run_step "FLA profile fwd" ${SWEEP_FLA_S:-150} env FLA_FLASH_QLA=0 python benchmarks/profile_kernels.py \
         --impls fla --rows $R --modes fwd --out $OUT/profile_fla_fwd.json ;;
