@@ -155,6 +155,12 @@ def test_launch_choices_follow_the_h200_sweep(monkeypatch):
     assert not ops.fuse_forward_output(geo(1, 32), dev)       # 128
     assert ops.fuse_forward_output(geo(4, 32), dev)           # 512: fused (was unfused at 4 per SM)
     assert ops.fuse_forward_output(geo(8, 32), dev)
+    bv_geo = lambda n, hv: SimpleNamespace(busy=float(n), Hv=hv, V=128)  # noqa: E731
+    assert ops._state_bv(bv_geo(1, 8), dev, True) == 16                   # Tb form, 64 programs at 16
+    assert ops._state_bv(bv_geo(1, 16), dev, True) == 16                  # 128 <= 132
+    assert ops._state_bv(bv_geo(1, 32), dev, True) == 32                  # 256 at 16: too many
+    assert ops._state_bv(bv_geo(1, 8), dev) == 32                         # the w/u path keeps 32
+    assert ops._state_bv(bv_geo(4, 64), dev, True) == 64
     monkeypatch.setattr(ops, "_state3_per_sm", lambda device: 1)          # sm_80: one 3-stage program per SM
     assert ops._state_stages(128, 32, dev) == 3 and ops._state_stages(32, 32, dev) == 3
     assert ops._state_stages(146, 32, dev) == 2
@@ -345,9 +351,10 @@ def _counting_preps(monkeypatch):
 @pytest.mark.parametrize("tune,l2", [("fwd.fuse=1", "separate"), ("fwd.fuse=1", "fused"),
                                      ("fwd.fuse=0,state.bv=32,output.bv=64", "separate"),
                                      ("fwd.fuse=1,fused.t=1", "fused"),
-                                     ("fwd.fuse=0,state.t=1,state.bv=64", "separate")],
+                                     ("fwd.fuse=0,state.t=1,state.bv=64", "separate"),
+                                     ("fwd.fuse=0,state.bv=16", "separate")],
                          ids=["fused_output", "fused_output_l2_in_kernel", "three_kernel", "fused_output_transposed",
-                              "three_kernel_transposed"])
+                              "three_kernel_transposed", "three_kernel_bv16"])
 def test_tb_forward_matches_oracle(monkeypatch, tune, l2):
     # varlen with length-0 / length-1 sequences and a 63-token tail, GVA, h0 / ht, L2 norm; every state
     # kernel form (output fused or not, state transposed or not) and both places of the L2 norm
@@ -457,7 +464,8 @@ def test_gpu_half_precision_forward_backward(case, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tune", ["fwd.fuse=1", "fwd.fuse=0"], ids=["fused_output", "three_kernel"])
+@pytest.mark.parametrize("tune", ["fwd.fuse=1", "fwd.fuse=0", "fwd.fuse=0,state.bv=16"],
+                         ids=["fused_output", "three_kernel", "three_kernel_bv16"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_half_precision_tb_forward(case, dtype, tune, monkeypatch):

@@ -190,14 +190,22 @@ def launch(kernel, grid, *args, **kwargs):
         return kernel[grid](*args, **dict(kwargs, num_stages=1))
 
 
-def _state_bv(geo: Geometry, device) -> int:
+def _state_bv(geo: Geometry, device, from_tb: bool = False) -> int:
     """V-block of the serial forward state kernel: 64 when (sequences x heads x V/64) programs already
-    fill the GPU, else 32 (twice the programs for the latency-bound long-sequence / few-head case)."""
+    fill the GPU, else 32 (twice the programs for the latency-bound long-sequence / few-head case), and 16
+    for the Tb form while even the 16-column programs fit one per SM.
+
+    H200 session 12 run 4 (``benchmarks/sweep_variants.py``, Tb form): 2/8 1x32768 (64 programs at 16)
+    1.032 -> 0.850 ms (state kernel 0.736 -> 0.553; FLA's whole forward 0.909), 2/8 28672+4096 0.975 -> 0.786
+    (FLA 0.837); 8 warps or 4 stages were slower there.  The w/u path (training forward, the backward's
+    recompute) stays at 32: BV 16 was not measured on it."""
     cfg = tune("state")
     if cfg["bv"]:
         return min(cfg["bv"], geo.V)
     sms = _sm_count(device)
     if sms and geo.busy * geo.Hv * (geo.V // 64) < 2 * sms:
+        if from_tb and geo.busy * geo.Hv * (geo.V // 16) <= sms:
+            return 16
         return 32
     return 64
 
@@ -311,7 +319,7 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         cfg = tune("fused")
         BV = min(cfg["bv"], geo.V)
     else:
-        BV = _state_bv(geo, dev)
+        BV = _state_bv(geo, dev, from_tb)
         cfg = dict(tune("state"))
         cfg["warps"] = cfg["warps"] or (4 if BV <= 32 else 8)
         cfg["stages"] = cfg["stages"] or _state_stages(geo.busy * geo.Hv * triton.cdiv(geo.V, BV), BV, dev,
