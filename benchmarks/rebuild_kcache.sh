@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Rebuild the carried TileLang compile cache on the CPU machine (no GPU needed) and pack it as
+# .gpu/kcache.tar.xz, which benchmarks/device_lib.sh restores on the device.  The cache is git-ignored and a new
+# checkout starts without it; a device run without it spends 10-30 s per kernel variant on JIT.
+#
+#   bash benchmarks/rebuild_kcache.sh            # bench variants first, then the fused backward, then the rest
+#   KC=/tmp/kc QUICK=1 bash benchmarks/rebuild_kcache.sh   # only what the benchmarks and the fused trace need
+#
+# Session 12, 2 cores: the fused backward's 8 variants 70 s + its traced variant 33 s, the 23 bench variants
+# (bf16, no h0, no L2 norm) 107 s, all 196 fwd/bwd variants 715 s; packed 7.7 MB with FlashQLA's kernels.
+# FlashQLA's own kernels are not rebuilt here (their keys differ between this machine and the H200, see
+# benchmarks/README.md "Warming FlashQLA's cache"): a device run's `memwarm` / `flqwarm` step builds them
+# (49 in 75 s with 16 jobs) and its `save` step returns them; unpack that kcache.tar.xz into $KC before packing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+KC=${KC:-/tmp/kc}
+JOBS=${JOBS:-2}
+mkdir -p "$KC/tilelang" .gpu
+export TILELANG_CACHE_DIR=$KC/tilelang
+pre() { python -m flashqla precompile --cache-dir "$KC/tilelang" --jobs "$JOBS" "$@"; }
+pre --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0 --modes fwd,bwd
+for dt in bfloat16 float16; do
+  FLASHQLA_TILELANG_BWD=fused pre --modes bwd --flags l2norm=0 --kernels bwd_fused --dtypes $dt --beta-dtypes $dt
+done
+python - <<'PY'
+# the traced fused backward (benchmarks/trace_bwd_fused.py), built the way ops.bwd_fused_kernel builds it
+from flashqla.backends.tilelang._compile import get_kernel
+from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import build_bwd_fused
+get_kernel("bwd_fused_sm90", build_bwd_fused, ("bfloat16", "bfloat16", 128, 128, False, False, True))
+PY
+[ "${QUICK:-0}" = 1 ] || pre --modes fwd,bwd
+( cd "$KC" && tar cf - --exclude=.restored --exclude=./triton --exclude='*/cuda-binaries' \
+    --exclude='./tilelang/0.1.15/.staging' . ) | xz -T"$JOBS" -6 > .gpu/kcache.tar.xz
+ls -la .gpu/kcache.tar.xz
