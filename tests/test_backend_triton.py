@@ -331,9 +331,10 @@ TB_CASE = Case("tb", 1, 4, 64, 128, seqlens=(0, 1, 130, 0, 63), l2norm=True)   #
 
 @contextlib.contextmanager
 def _counting_preps(monkeypatch):
-    """Counts the calls of ops.prep (w, u) and ops.prep_tb (Tb only) made inside."""
+    """Counts the calls of ops.prep (w, u), ops.prep_tb (Tb only) and ops.prep_from_t (w, u from the kept
+    inverse) made inside."""
     from flashqla.backends.triton import ops
-    calls = {"prep": 0, "prep_tb": 0}
+    calls = {"prep": 0, "prep_tb": 0, "prep_from_t": 0}
 
     def counted(name):
         real = getattr(ops, name)
@@ -362,7 +363,7 @@ def test_tb_forward_matches_oracle(monkeypatch, tune, l2):
     monkeypatch.setenv("FLASHQLA_TRITON_L2", l2)
     with _counting_preps(monkeypatch) as calls:
         res = run_case(flashqla.chunk_gated_delta_rule, TB_CASE, BACKEND, torch.float32, DEV, grads=False)
-    assert calls == {"prep": 0, "prep_tb": 1}
+    assert calls == {"prep": 0, "prep_tb": 1, "prep_from_t": 0}
     assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
 
 
@@ -399,7 +400,8 @@ def test_tb_forward_isolates_sequences(monkeypatch, fuse):
 
 def test_training_forward_keeps_the_wu_path(monkeypatch):
     # the Tb form only when no backward follows (its o would differ in the last bits from the w/u
-    # recompute the backward runs), with fwd.tb=1 (the default); fwd.tb=0 turns it off
+    # recompute the backward runs), with fwd.tb=1 (the default); fwd.tb=0 turns it off.  The training forward
+    # keeps its inverse and the backward forms w / u from it (fwd.savet=1, the default)
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.tb=1")
     case = Case("tb_switch", 1, 2, 64, 64, seqlens=(9, 5))
     x = make_inputs(case, torch.float32, DEV)
@@ -408,18 +410,49 @@ def test_training_forward_keeps_the_wu_path(monkeypatch):
     with _counting_preps(monkeypatch) as calls:
         leaves = [t.detach().clone().requires_grad_() for t in args]
         o, _ = flashqla.chunk_gated_delta_rule(*leaves, **kw)
-        assert calls == {"prep": 1, "prep_tb": 0}
-        o.sum().backward()                                   # the backward's recompute: one more prep
-        assert calls == {"prep": 2, "prep_tb": 0}
+        assert calls == {"prep": 1, "prep_tb": 0, "prep_from_t": 0}
+        o.sum().backward()                                   # the backward: w / u from the kept inverse
+        assert calls == {"prep": 1, "prep_tb": 0, "prep_from_t": 1}
         flashqla.chunk_gated_delta_rule_fwd(*args, **kw, for_backward=True)
-        assert calls == {"prep": 3, "prep_tb": 0}
+        assert calls == {"prep": 2, "prep_tb": 0, "prep_from_t": 1}
         flashqla.chunk_gated_delta_rule_fwd(*args, **kw, for_backward=False)
         with torch.no_grad():
             flashqla.chunk_gated_delta_rule(*leaves, **kw)
-        assert calls == {"prep": 3, "prep_tb": 2}
+        assert calls == {"prep": 2, "prep_tb": 2, "prep_from_t": 1}
         monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.tb=0")
         flashqla.chunk_gated_delta_rule(*args, **kw)
-        assert calls == {"prep": 4, "prep_tb": 2}
+        assert calls == {"prep": 3, "prep_tb": 2, "prep_from_t": 1}
+        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", "fwd.savet=0")
+        leaves = [t.detach().clone().requires_grad_() for t in args]
+        o, _ = flashqla.chunk_gated_delta_rule(*leaves, **kw)
+        o.sum().backward()                                   # fwd.savet=0: the backward recomputes the inverse
+        assert calls == {"prep": 5, "prep_tb": 2, "prep_from_t": 1}
+
+
+@pytest.mark.parametrize("l2", ["separate", "fused"])
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
+                         ids=["fp32", "bf16"])     # (the interpreter serves fp32 only)
+def test_kept_inverse_backward_matches_recompute(monkeypatch, l2, dtype):
+    # the backward from the forward's kept inverse (fwd.savet=1) against the one that recomputes it: the same
+    # inverse in fp32 (its stored copy is fp32 for fp32 inputs), the w / u products unchanged, so the gradients
+    # agree to rounding; in bf16 the stored inverse is rounded once more than the recomputed fp32 one
+    monkeypatch.setenv("FLASHQLA_TRITON_L2", l2)
+    case = Case("savet", 1, 2, 64, 64, seqlens=(70, 1, 33), l2norm=True)
+    x = make_inputs(case, dtype, DEV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"],
+              use_qk_l2norm_in_kernel=True, backend=BACKEND)
+    do = torch.randn_like(x["v"])
+    grads = {}
+    for savet in (1, 0):
+        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.savet={savet}")
+        leaves = [t.detach().clone().requires_grad_() for t in args]
+        h0 = x["initial_state"].detach().clone().requires_grad_()
+        o, ht = flashqla.chunk_gated_delta_rule(*leaves, **dict(kw, initial_state=h0))
+        grads[savet] = torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(), leaves + [h0])
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for a, b, name in zip(grads[1], grads[0], ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
+        assert rel_l2(a.float(), b.float()) <= tol, (name, rel_l2(a.float(), b.float()))
 
 
 # --- compile-only (no GPU): the real compiler, not the interpreter ----------------------------------

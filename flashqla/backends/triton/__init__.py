@@ -109,10 +109,10 @@ class TritonBackend(Backend):
     def forward(self, spec, x):
         from . import ops
 
-        o, ht = ops.forward(x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.varlen,
-                            x.output_final_state, x.use_qk_l2norm, inference=not spec.needs_grad)
+        o, ht, Tm = ops.forward(x.q, x.k, x.v, x.g, x.beta, x.scale, x.initial_state, x.varlen,
+                                x.output_final_state, x.use_qk_l2norm, inference=not spec.needs_grad, keep=True)
         if spec.needs_grad:
-            saved = (x.q, x.k, x.v, x.g, x.beta, x.initial_state)
+            saved = (x.q, x.k, x.v, x.g, x.beta, x.initial_state, Tm)
         else:
             saved = ()
         return o, ht, saved, (x.scale, x.varlen)
@@ -121,8 +121,8 @@ class TritonBackend(Backend):
         from . import ops
 
         scale, meta = aux
-        q, k, v, g, beta, h0 = saved
-        return ops.backward(q, k, v, g, beta, scale, h0, meta, do, dht, spec.use_qk_l2norm)
+        q, k, v, g, beta, h0, Tm = saved
+        return ops.backward(q, k, v, g, beta, scale, h0, meta, do, dht, spec.use_qk_l2norm, Tm=Tm)
 
 
 

@@ -57,7 +57,9 @@ def _variants(K: int, V: int, ieee: bool):
     prep_bw = min(ops.tune("prep")["bv"], K, V)
     out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True, BW=prep_bw), prep_launch),
            ("prep (Tb only)", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=True),
-            prep_launch)]
+            prep_launch),
+           ("prep (w, u from the kept inverse)", chunk_prep.chunk_prep_kernel,
+            dict(feat, STORE_T=False, BW=prep_bw, LOAD_T=True), prep_launch)]
     bv, launch = cfg("fused")
     # FROM_TB: the inference forward's recurrence (ops.use_tb_forward), fused and unfused
     for tb in (False, True):
@@ -65,7 +67,7 @@ def _variants(K: int, V: int, ieee: bool):
                     dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True, TRANSPOSED=False,
                          FROM_TB=tb),
                     launch))
-    for bv_state in (32, 64):
+    for bv_state in (16, 32, 64):     # 16: the Tb form on the fewest programs (ops._state_bv)
         bv, launch = cfg("state", bv_state)
         # 2 stages, and the 3 that ops._state_stages picks at bv 32 when the programs fit one per SM
         for stages in sorted({launch["num_stages"]} | ({3} if bv <= 32 and not ieee else set())):

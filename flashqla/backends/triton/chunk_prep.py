@@ -40,6 +40,10 @@ tf32 scheme, well under the bf16 rounding that Tinv gets before the w/u dots).  
 ``w [B,T,Hv,K]``, ``u [B,T,Hv,V]`` (input dtype), G, and for the backward (``STORE_T``) the inverse
 ``[total_chunks, Hv, 64, 64]`` in the input dtype (fp32 for fp32 inputs).
 
+``LOAD_T`` (the backward, ``ops.prep_from_t``): the inverse comes from ``Tm_ptr``, where the training forward
+stored it (``STORE_T``); k k^T and the inverse are skipped, G, w and u are formed as above (with the L2 norm,
+the key norms from the rows instead of the Gram diagonal).
+
 ``TB_ONLY`` (the inference forward, ``ops.use_tb_forward``): G and ``Tb = Tinv diag(beta)``
 ``[total_chunks, Hv, 64, 64]`` (input dtype, into ``Tm_ptr``) only; v is not read and w, u are not
 written.  The state kernel then forms ``u - w S = Tb (v - diag(exp(G)) k^ S)`` itself (``FROM_TB``):
@@ -83,7 +87,8 @@ def ut_inverse(A, IEEE: tl.constexpr):
 def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr, cu_ptr, cidx_ptr,
                       T, NT, TT, Hqk, Hv,
                       K: tl.constexpr, V: tl.constexpr, IS_VARLEN: tl.constexpr, USE_L2: tl.constexpr,
-                      STORE_T: tl.constexpr, IEEE: tl.constexpr, BW: tl.constexpr, TB_ONLY: tl.constexpr = False):
+                      STORE_T: tl.constexpr, IEEE: tl.constexpr, BW: tl.constexpr, TB_ONLY: tl.constexpr = False,
+                      LOAD_T: tl.constexpr = False):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // (Hv // Hqk)
@@ -105,29 +110,39 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     tl.store(gp + Hv.to(tl.int64) * TT, gl, mask=valid)
     beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0, TT)
 
-    # A = diag(beta) strict(k^ k^T * exp(G_r - G_j)) from the raw keys: with the L2 norm, k^ = diag(rk) k
-    # and rk comes from the Gram matrix's diagonal, so the normalised keys never exist as a tile
     kk = load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT)
-    A = mm(kk, tl.trans(kk), IEEE, DT)
-    if USE_L2:
-        eye = ri == ci
-        rk_r = tl.rsqrt(tl.sum(tl.where(eye, A, 0.0), 1) + L2_EPS)
-        rk_c = tl.rsqrt(tl.sum(tl.where(eye, A, 0.0), 0) + L2_EPS)
-        A = A * rk_r[:, None] * rk_c[None, :]
-        cw = beta * tl.exp(gh + gl) * rk_r
+    if LOAD_T:
+        # the training forward's inverse (saved by it, ``ops.prep_from_t``): only w and u are formed here
+        Ti = tl.load(Tm_ptr + (pid.to(tl.int64) * Hv + h) * 4096 + ri * 64 + ci).to(tl.float32)
+        if USE_L2:
+            kf = kk.to(tl.float32)
+            rk_r = tl.rsqrt(tl.sum(kf * kf, 1) + L2_EPS)
+            cw = beta * tl.exp(gh + gl) * rk_r
+        else:
+            cw = beta * tl.exp(gh + gl)
     else:
-        cw = beta * tl.exp(gh + gl)
-    strict = ri > ci
-    d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
-    A = tl.where(strict, beta[:, None] * A * tl.exp(tl.where(strict, d, 0.0)), 0.0)
-    Ti = ut_inverse(A, IEEE)
+        # A = diag(beta) strict(k^ k^T * exp(G_r - G_j)) from the raw keys: with the L2 norm, k^ = diag(rk) k
+        # and rk comes from the Gram matrix's diagonal, so the normalised keys never exist as a tile
+        A = mm(kk, tl.trans(kk), IEEE, DT)
+        if USE_L2:
+            eye = ri == ci
+            rk_r = tl.rsqrt(tl.sum(tl.where(eye, A, 0.0), 1) + L2_EPS)
+            rk_c = tl.rsqrt(tl.sum(tl.where(eye, A, 0.0), 0) + L2_EPS)
+            A = A * rk_r[:, None] * rk_c[None, :]
+            cw = beta * tl.exp(gh + gl) * rk_r
+        else:
+            cw = beta * tl.exp(gh + gl)
+        strict = ri > ci
+        d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
+        A = tl.where(strict, beta[:, None] * A * tl.exp(tl.where(strict, d, 0.0)), 0.0)
+        Ti = ut_inverse(A, IEEE)
     if TB_ONLY:
         # beta is 0 on rows past the end, so Tb's columns there are 0, and so are its rows (the inverse's
         # rows there are unit rows): v_new = Tb Y is 0 past the end whatever Y holds there
         blk = pid.to(tl.int64) * Hv + h
         tl.store(Tm_ptr + blk * 4096 + ri * 64 + ci, (Ti * beta[None, :]).to(Tm_ptr.dtype.element_ty))
     else:
-        if STORE_T:
+        if STORE_T and not LOAD_T:
             blk = pid.to(tl.int64) * Hv + h
             tl.store(Tm_ptr + blk * 4096 + ri * 64 + ci, Ti.to(Tm_ptr.dtype.element_ty))
 

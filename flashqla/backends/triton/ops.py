@@ -102,7 +102,8 @@ def _sm_count(device) -> int:
 # V-block; 0 means "choose" (see _state_bv).  Override for tuning, without editing code, with
 # FLASHQLA_TRITON_TUNE="state.bv=32,output.warps=4,dqk.stages=3" (kernel.key=int, comma separated).
 _DEFAULTS = {
-    "fwd": dict(fuse=-1, tb=1),                  # fuse -1: fuse_forward_output decides; tb: see use_tb_forward
+    "fwd": dict(fuse=-1, tb=1, savet=1),         # fuse -1: fuse_forward_output decides; tb: see use_tb_forward;
+                                                 # savet: the training forward keeps the inverse (prep_from_t)
     "fused": dict(warps=4, stages=2, bv=32, t=0),    # the state kernel with FUSE_OUTPUT; t: TRANSPOSED (chunk_state)
     "prep": dict(warps=0, stages=2, bv=64, maxnreg=0),  # warps 0: 4 (8 for fp32); bv: w/u column block
     "state": dict(warps=0, stages=0, bv=0, t=0),  # warps 0: 4 at bv <= 32, else 8; stages 0: _state_stages;
@@ -251,15 +252,17 @@ def _prep_cfg(geo: Geometry) -> dict:
     return cfg
 
 
-def _run_prep(geo: Geometry, k, v, g, beta, w, u, G, Tm, use_l2: bool, store_t: bool, tb_only: bool):
-    # the one launch of chunk_prep_kernel behind prep and prep_tb (Tm: Tinv or Tb, or G as a stand-in)
+def _run_prep(geo: Geometry, k, v, g, beta, w, u, G, Tm, use_l2: bool, store_t: bool, tb_only: bool,
+              load_t: bool = False):
+    # the one launch of chunk_prep_kernel behind prep, prep_tb and prep_from_t (Tm: Tinv or Tb, or G as a
+    # stand-in)
     from .chunk_prep import chunk_prep_kernel
 
     launch(chunk_prep_kernel, (geo.chunks, geo.Hv),
         k, v, g, beta, w, u, G, Tm, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
-        BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=tb_only, **_launch(_prep_cfg(geo), geo))
+        BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=tb_only, LOAD_T=load_t, **_launch(_prep_cfg(geo), geo))
 
 
 def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
@@ -270,6 +273,17 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
     Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=dev) if store_t else None
     _run_prep(geo, k, v, g, beta, w, u, G, Tm if store_t else G, use_l2, store_t, False)
     return w, u, G, Tm
+
+
+def prep_from_t(geo: Geometry, k, v, g, beta, Tm, use_l2: bool):
+    """The backward's prep when the training forward kept the inverse ``Tm`` (``fwd.savet``): G, w and u
+    only, without k k^T and the inverse (FLA's backward does the same with its saved A: recompute_w_u)."""
+    dev = k.device
+    w = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=k.dtype, device=dev)
+    u = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev)
+    G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)
+    _run_prep(geo, k, v, g, beta, w, u, G, Tm, use_l2, False, False, load_t=True)
+    return w, u, G
 
 
 def prep_tb(geo: Geometry, k, g, beta, use_l2: bool):
@@ -400,33 +414,48 @@ def _l2_backward(x, dy):
     return r * dyf - xf * (r * r * r) * (xf * dyf).sum(-1, keepdim=True)
 
 
-def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool, inference: bool = False):
-    """Returns ``(o, final_state or None)``.  ``inference``: no backward follows (``use_tb_forward``)."""
+def keeps_inverse(inference: bool) -> bool:
+    """Whether a training forward keeps its UT inverse for the backward (``prep_from_t``): one [64, 64] tile
+    per chunk and head in the input dtype (a quarter of w's bytes at K = 128), held from the forward to the
+    backward, against recomputing k k^T and the inverse there (the prep kernel, 0.88 ms at 16/32 x 32k on the
+    H200, of which the w / u products are the smaller part).  The backward's peak is unchanged: the
+    recomputed inverse was alive at its peak (the wy kernel) as well.  ``FLASHQLA_TRITON_TUNE=fwd.savet=0``
+    turns it off."""
+    return not inference and bool(tune("fwd")["savet"])
+
+
+def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool, inference: bool = False,
+            keep: bool = False):
+    """Returns ``(o, final_state or None)``, and with ``keep`` a third item for ``backward`` (the kept inverse
+    or None, see ``keeps_inverse``).  ``inference``: no backward follows (``use_tb_forward``)."""
     with _device_guard(q):
         if use_l2 and l2_mode() == "separate":
-            return _forward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0, meta,
-                            output_final_state, False, inference)
-        return _forward(q, k, v, g, beta, scale, h0, meta, output_final_state, use_l2, inference)
+            res = _forward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0, meta,
+                           output_final_state, False, inference)
+        else:
+            res = _forward(q, k, v, g, beta, scale, h0, meta, output_final_state, use_l2, inference)
+    return res if keep else res[:2]
 
 
 def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2: bool, inference: bool = False):
     geo = Geometry(q, v, meta)
     from_tb = use_tb_forward(inference)
+    Tm = None
     if from_tb:
         w, G = prep_tb(geo, k, g, beta, use_l2)
         u = v
     else:
-        w, u, G, _ = prep(geo, k, v, g, beta, use_l2, store_t=False)
+        w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=keeps_inverse(inference))
     if fuse_forward_output(geo, q.device):
         o, _, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, scale, fuse_output=True,
                              from_tb=from_tb)
-        return o, ht
+        return o, ht, Tm
     h, vn, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, from_tb=from_tb)
     # the output pass reads neither: free them before o is allocated (the backward recomputes its own), so
     # the forward's peak is max(w + u, o) + h + v_new instead of w + u + h + v_new + o
     del w, u
     o = output(geo, q, k, G, h, vn, scale, use_l2, v.dtype)
-    return o, ht
+    return o, ht, Tm
 
 
 def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool):
@@ -489,20 +518,25 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
     return dq, dk, dv, dbeta, dg
 
 
-def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool):
-    """Returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``; recomputes w, u, the inverse and the chunk
-    states rather than keeping them from the forward (6 launches, + the group sum under GVA)."""
+def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, Tm=None):
+    """Returns ``(dq, dk, dv, dg, dbeta, dh0 or None)``; recomputes w, u and the chunk states rather than
+    keeping them from the forward (6 launches, + the group sum under GVA), and the inverse too unless the
+    forward kept it (``Tm``, ``keeps_inverse``).  ``Tm`` must come from the forward of the same call, with the
+    same L2-norm mode."""
     with _device_guard(q):
         if use_l2 and l2_mode() == "separate":
             dqn, dkn, dv, dg, dbeta, dh0 = _backward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0,
-                                                     meta, do, dht, False, gva_dtype=torch.float32)
+                                                     meta, do, dht, False, gva_dtype=torch.float32, Tm=Tm)
             return _l2_backward(q, dqn), _l2_backward(k, dkn), dv, dg, dbeta, dh0
-        return _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2)
+        return _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2, Tm=Tm)
 
 
-def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, gva_dtype=None):
+def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, gva_dtype=None, Tm=None):
     geo = Geometry(q, v, meta)
-    w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
+    if Tm is not None:
+        w, u, G = prep_from_t(geo, k, v, g, beta, Tm, use_l2)
+    else:
+        w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
     h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2)
     dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2)
     dh_box = [dh]
