@@ -97,11 +97,12 @@ case "$STEP" in
     TAIL=30 run_step "FLA profile fwd" ${SWEEP_FLA_S:-150} env FLA_FLASH_QLA=0 python benchmarks/profile_kernels.py \
         --impls fla --rows $R --modes fwd --out $OUT/profile_fla_fwd.json ;;
   sweepbwd)
-    # the backward kernels (16/32 1x32768 fwd+bwd: wy 2.45, state bwd 1.69, dqk 1.52 ms; FLA's whole call 8.2)
+    # the backward kernels (16/32 1x32768 fwd+bwd: wy 2.45, state bwd 1.69, dqk 1.52 ms; FLA's whole call 8.2;
+    # fwd.savet=0: the backward recomputes the inverse, as before session 12)
     X=FLASHQLA_TRITON_TUNE
     TAIL=14 run_step "triton sweep fwdbwd" 200 python benchmarks/sweep_variants.py --backend triton --mode fwdbwd \
         --rows 16/32:1x32768,16/32:4x8192 --out $OUT/sweep_fwdbwd.json --variants \
-        "default;$X=wy.bv=128;$X=wy.warps=4;$X=wy.stages=3;$X=dqk.bv=128;$X=dqk.warps=4;$X=bstate.stages=3;$X=bstate.bv=64,bstate.warps=8;$X=bstate.t=1,bstate.bv=64;$X=prep.bv=128" ;;
+        "${SWEEPBWD_VARIANTS:-default;$X=fwd.savet=0;$X=wy.bv=128;$X=wy.warps=4;$X=wy.stages=3;$X=dqk.bv=128;$X=dqk.warps=4;$X=bstate.stages=3;$X=bstate.bv=64,bstate.warps=8}" ;;
   tchain)
     # the register-only state chain of the tilelang forward (BV = 64) against the current kernels
     B=FLASHQLA_TILELANG_BV; O=FLASHQLA_TILELANG_WS_OPTS
