@@ -98,11 +98,12 @@ case "$STEP" in
         --impls fla --rows $R --modes fwd --out $OUT/profile_fla_fwd.json ;;
   sweepbwd)
     # the backward kernels (16/32 1x32768 fwd+bwd: wy 2.45, state bwd 1.69, dqk 1.52 ms; FLA's whole call 8.2;
-    # fwd.savet=0: the backward recomputes the inverse, as before session 12)
+    # fwd.savet=0: the backward recomputes the inverse, as before session 12; state.bv=16 on the w/u path, which
+    # only the Tb form takes by default)
     X=FLASHQLA_TRITON_TUNE
     TAIL=14 run_step "triton sweep fwdbwd" 200 python benchmarks/sweep_variants.py --backend triton --mode fwdbwd \
-        --rows 16/32:1x32768,16/32:4x8192 --out $OUT/sweep_fwdbwd.json --variants \
-        "${SWEEPBWD_VARIANTS:-default;$X=fwd.savet=0;$X=wy.bv=128;$X=wy.warps=4;$X=wy.stages=3;$X=dqk.bv=128;$X=dqk.warps=4;$X=bstate.stages=3;$X=bstate.bv=64,bstate.warps=8}" ;;
+        --rows ${SWEEPBWD_ROWS:-16/32:1x32768,16/32:4x8192,2/8:1x32768} --out $OUT/sweep_fwdbwd.json --variants \
+        "${SWEEPBWD_VARIANTS:-default;$X=fwd.savet=0;$X=state.bv=16;$X=wy.bv=128;$X=wy.warps=4;$X=wy.stages=3;$X=dqk.bv=128;$X=dqk.warps=4;$X=bstate.stages=3;$X=bstate.bv=64,bstate.warps=8}" ;;
   tchain)
     # the register-only state chain of the tilelang forward (BV = 64) against the current kernels
     B=FLASHQLA_TILELANG_BV; O=FLASHQLA_TILELANG_WS_OPTS
