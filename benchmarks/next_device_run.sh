@@ -17,6 +17,8 @@
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
 #   bash benchmarks/next_device_run.sh tritongrid the forward and forward+backward Step 2 grids, triton vs FLA (#3)
 #   bash benchmarks/next_device_run.sh tritontests the triton forward-form GPU tests (Tb, half precision, graphs)
+#   bash benchmarks/next_device_run.sh flqfwdgrid FlashQLA's own forward grid, tilelang vs FlashQLA and FLA (#4;
+#                                                 FLQ_FILTER splits it over calls)
 #   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
 #   bash benchmarks/next_device_run.sh trace      per-role clock64 timeline of the tilelang ws recurrence (#4)
@@ -147,6 +149,17 @@ case "$STEP" in
     # the triton GPU tests of the forward paths (the Tb inference forward is the default since session 12)
     TAIL=8 run_step "triton GPU tests (forward forms)" ${TTEST_S:-200} $PYT tests/test_backend_triton.py \
         -k "tb_forward or half_precision_forward_backward or cuda_graph" ;;
+  flqfwdgrid)
+    # #4's forward acceptance: FlashQLA's own forward grid (9 head configurations x 12 length mixes, 108 rows),
+    # tilelang against FlashQLA and FLA.  FlashQLA's kernels for its heads are warmed first (16 jobs; its CP
+    # variants that depend on g's values still compile on first use).  Too long for one call: FLQ_FILTER splits
+    # the grid (e.g. "2/8 |4/16 |8/32 " then "16/64|16/32|8/24" then "16/48|16/16|32/32"); merge the JSONs after.
+    TAIL=6 run_step "flashqla fwd warm-up (its grid's heads)" ${FLQWARM_S:-200} python benchmarks/warm_flashqla_cache.py \
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32} \
+        --seqs "32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8" --no-xz
+    TAIL=40 run_step "flashqla-fwd preset ${FLQ_FILTER:-all}" ${FLQGRID_S:-400} python -m flashqla bench \
+        --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla \
+        ${FLQ_FILTER:+--filter "$FLQ_FILTER"} --out $OUT/flqfwd ;;
   tritongrid)
     # #3's acceptance: the Step 2 forward grid (25 rows) and forward+backward grid (20 rows), triton against FLA's
     # Triton (FLA_FLASH_QLA=0), both in one lease; TGRID_FILTER picks rows, TGRID_MODES=fwd|bwd one preset
@@ -293,7 +306,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
