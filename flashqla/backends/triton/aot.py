@@ -29,6 +29,10 @@ _DT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
 
 def _signature(fn, consts: dict, dt: str) -> tuple[dict, dict]:
+    missing = [p.name for p in getattr(fn, "params", ()) if getattr(p, "is_constexpr", False) and p.name not in consts]
+    if missing:
+        # a constexpr left out would become a runtime i32 argument (and compile another kernel, or fail)
+        raise ValueError(f"{fn.__name__}: constexprs not given: {missing}")
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -55,11 +59,13 @@ def _variants(K: int, V: int, ieee: bool):
 
     prep_launch = dict(cfg("prep")[1], num_warps=ops.tune("prep")["warps"] or (8 if ieee else 4))
     prep_bw = min(ops.tune("prep")["bv"], K, V)
-    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True, BW=prep_bw), prep_launch),
-           ("prep (Tb only)", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=True),
+    # (every constexpr given: one left out would be compiled as a runtime i32 argument)
+    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True, BW=prep_bw, TB_ONLY=False, LOAD_T=False),
             prep_launch),
+           ("prep (Tb only)", chunk_prep.chunk_prep_kernel,
+            dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=True, LOAD_T=False), prep_launch),
            ("prep (w, u from the kept inverse)", chunk_prep.chunk_prep_kernel,
-            dict(feat, STORE_T=False, BW=prep_bw, LOAD_T=True), prep_launch)]
+            dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=False, LOAD_T=True), prep_launch)]
     bv, launch = cfg("fused")
     # FROM_TB: the inference forward's recurrence (ops.use_tb_forward), fused and unfused
     for tb in (False, True):
