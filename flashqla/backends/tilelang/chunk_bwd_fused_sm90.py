@@ -21,7 +21,8 @@ are repeated by the two V blocks; one block per head would need ~300 KB of share
 
       c1  dSb = bf16(dS)                                   -> grad
       c2  acc = k dSb;  dS = e^{G_last} dS + q^T dOs
-      c3  acc = D acc + Pt dO  (rows past the end 0);  ndvn = bf16(-acc)   -> grad
+      c3  acc = D acc + Pt dO  (rows past the end 0);  SdS = <S, dSb> (row sums, slot i % 2)  -> grad;
+          ndvn = bf16(-acc)   -> grad
       c4  dS += w^T ndvn
   and after the walk dh0 = dS.
 * warpgroup 1, **prep** (state-free, feeds the chain, then the grad warpgroup)::
@@ -36,7 +37,7 @@ are repeated by the two V blocks; one block per head would need ~300 KB of share
 * warpgroup 2, **grad**::
 
       g2  dk = dQK^T q
-      g3  t = vn dSb^T;  dD = rowsum(k * t);  dk += diag(D) t;  SdS = <S, dSb>
+      g3  t = vn dSb^T;  dD = rowsum(k * t);  dk += diag(D) t
       g4  Z' = X^T ndvn;  dY = bf16(-diag(b) Z')  (= dv, stored);  db = -rowsum(Z' * Y)
       g5  dYS = dY S^T;  dk -= diag(eG) dYS;  dG -= eG rowsum(dYS * k)
       g6  dX = bf16(-(ndvn Y^T) diag(b));  T1 = bf16(X^T dX);  dA = -(T1 X^T), dA^T = -(X T1^T) (strict);
@@ -61,13 +62,15 @@ can start the next chunk while grad finishes this one::
     w                   producer     chain                c4 (128)
     vn                  producer     prep, grad           p4, g3 (256)
     v                   producer     prep                 p5 (128)
-    S                   producer     prep, grad           p6, g5 (256)
+    S                   producer     prep, chain, grad    p6, c3, g5 (384)
     X                   producer     grad                 g6 (128)
     Pt, dOs             prep         chain                c3 (128)
     dQK^T, Y, Z sums,   prep [i % 2] grad                 g7 (128)   (two buffers)
     ginter
     dSb                 chain        grad                 g3 (128)
     ndvn                chain        grad                 g6 (128)
+    SdS row sums        chain [i % 2] grad                (dvn_ready / dvn_free: written between the chain's
+                                                          dvn_free wait and its dvn_ready arrive)
 
 Waits: a consumer of a single-buffered tile waits parity ``i % 2`` on its ready barrier, its writer waits
 ``(i + 1) % 2`` on its free barrier before writing; ring slot ``i % 2`` uses ``(i // 2) % 2`` and
@@ -97,7 +100,7 @@ TRACE_EVENTS = (
     ("chain: ndvn published", "chain"), ("chain: step done", "chain"),
     ("prep: q ready", "prep"), ("prep: Pt, dOs published", "prep"), ("prep: dQK^T, Z sums done", "prep"),
     ("prep: Y done", "prep"), ("prep: published to grad", "prep"), ("prep: dq stored", "prep"),
-    ("grad: prep's tiles ready", "grad"), ("grad: t, dD, <S,dSb> done", "grad"), ("grad: dv, db done", "grad"),
+    ("grad: prep's tiles ready", "grad"), ("grad: t, dD done", "grad"), ("grad: dv, db done", "grad"),
     ("grad: dY S^T done", "grad"), ("grad: dA terms done", "grad"), ("grad: dk stored", "grad"),
     ("grad: dg, db stored", "grad"),
     ("producer: q issued", "producer"), ("producer: S issued", "producer"), ("producer: X issued", "producer"),
@@ -117,7 +120,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     BV = BV_FUSED
     NB = V // BV
     KH = K // 2        # dk's halves
-    SQ = 8             # column block of <S, dSb>
+    SQ = 8             # column block of <S, dSb> (the chain's)
     acc = "float32"
     assert K == 128 and V % BV == 0
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
@@ -217,13 +220,15 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             dG_s = T.alloc_shared((C,), acc)
             fac_s = T.alloc_shared((C,), acc)
             db_s = T.alloc_shared((C,), acc)
-            sdr_s = T.alloc_shared((K,), acc)
+            sdr_s = T.alloc_shared((2, K), acc)      # <S, dSb> row sums, chain -> grad's dg warp
 
             # chain fragments
             dS_f = T.alloc_fragment((K, BV), acc)
             a1_f = T.alloc_fragment((C, BV), acc)
             rowf_f = T.alloc_fragment((C,), acc)
             glast = T.alloc_local((1,), acc)
+            sd_f = T.alloc_fragment((K, SQ), acc)
+            sdr_f = T.alloc_fragment((K,), acc)
             # prep fragments
             KQ_f = T.alloc_fragment((C, C), acc)
             dPt_f = T.alloc_fragment((C, C), acc)
@@ -241,8 +246,6 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             Zp_f = T.alloc_fragment((C, BV), acc)
             m_f = T.alloc_fragment((C, C), acc)
             KK_f = T.alloc_fragment((C, C), acc)
-            sd_f = T.alloc_fragment((K, SQ), acc)
-            sdr_f = T.alloc_fragment((K,), acc)
             gr_f = T.alloc_fragment((C,), acc)
             gc_f = T.alloc_fragment((C,), acc)
             gv_f = T.alloc_fragment((C,), acc)
@@ -252,7 +255,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             empty_kg = T.alloc_barrier(arrive_count=[384, 384])
             # single-buffered inputs: q, dO, w, vn, v, S, X
             full_in = T.alloc_barrier(arrive_count=[32] * 7)
-            empty_in = T.alloc_barrier(arrive_count=[384, 256, 128, 256, 128, 256, 128])
+            empty_in = T.alloc_barrier(arrive_count=[384, 256, 128, 256, 128, 384, 128])
             pc_ready = T.alloc_barrier(arrive_count=128)
             pc_free = T.alloc_barrier(arrive_count=128)
             pg_ready = T.alloc_barrier(arrive_count=[128, 128])
@@ -310,6 +313,23 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(pc_free)
                     T.barrier_arrive(empty_in[1])
                     T.barrier_wait(dvn_free, (i + 1) % 2)
+                    # <S, dSb> by column blocks, its row sums into sdr_s[s] for grad's dg warp (moved off grad,
+                    # the bottleneck, in session 12).  Here, after the dvn_free wait: grad reads slot s in its
+                    # chunk i (after waiting dvn_ready, arrived below), and this slot's next write, two steps on,
+                    # follows the dvn_free wait of step i + 2, which grad arrives at g6 of chunk i + 1: after
+                    # its read of chunk i
+                    T.barrier_wait(full_in[5], i % 2)          # S
+                    for qb in T.unroll(BV // SQ):
+                        for a, b in T.Parallel(K, SQ):
+                            sd_f[a, b] = T.cast(S_s[a, qb * SQ + b], acc) * T.cast(dSb_s[a, qb * SQ + b], acc)
+                        T.reduce_sum(sd_f, sdr_f, dim=1)
+                        if qb == 0:
+                            for a in T.Parallel(K):
+                                sdr_s[s, a] = sdr_f[a]
+                        else:
+                            for a in T.Parallel(K):
+                                sdr_s[s, a] = sdr_s[s, a] + sdr_f[a]
+                    T.barrier_arrive(empty_in[5])
                     for r, j in T.Parallel(C, BV):
                         ndvn_s[r, j] = T.if_then_else(bos + r < eos, -a1_f[r, j], 0.0)
                     T.fence_proxy_async()
@@ -443,20 +463,8 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         fac_s[r] = fexp(G_s[s, C - 1] - G_s[s, r])
                     k_side_pass(vn_s, dSb_s, s, fac_s, dD_s, k_s, dk0_f, dk1_f, t_f, gr_f)
                     T.barrier_arrive(empty_in[3])
-                    # <S, dSb> by column quarters (its row sums, summed by the dg warp below)
-                    T.barrier_wait(full_in[5], i % 2)          # S
-                    for qb in T.unroll(BV // SQ):
-                        for a, b in T.Parallel(K, SQ):
-                            sd_f[a, b] = T.cast(S_s[a, qb * SQ + b], acc) * T.cast(dSb_s[a, qb * SQ + b], acc)
-                        T.reduce_sum(sd_f, sdr_f, dim=1)
-                        if qb == 0:
-                            for a in T.Parallel(K):
-                                sdr_s[a] = sdr_f[a]
-                        else:
-                            for a in T.Parallel(K):
-                                sdr_s[a] = sdr_s[a] + sdr_f[a]
                     T.barrier_arrive(dsb_free)
-                    stamp(trace_out, "grad: t, dD, <S,dSb> done", i, tx, 256, vb, hv, n)
+                    stamp(trace_out, "grad: t, dD done", i, tx, 256, vb, hv, n)
                     # g4: Z' = X^T ndvn, dY = dv, db = -rowsum(Z' Y)
                     T.barrier_wait(dvn_ready, i % 2)
                     T.barrier_wait(full_in[6], i % 2)          # X
@@ -474,6 +482,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "grad: dv, db done", i, tx, 256, vb, hv, n)
                     T.fence_proxy_async()
                     # g5: dY S^T by K halves; dk -= diag(eG) (.), dG's term -eG rowsum((.) k)
+                    T.barrier_wait(full_in[5], i % 2)          # S
                     for r in T.Parallel(C):
                         fac_s[r] = -fexp(G_s[s, r])
                     k_side_pass(dY_s, S_s, s, fac_s, dG_s, k_s, dk0_f, dk1_f, t_f, gr_f)
@@ -539,7 +548,7 @@ def build_bwd_fused(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     if tx < 288:
                         lane = tx - 256
                         part = T.alloc_var(acc)
-                        part = (sdr_s[lane] + sdr_s[lane + 32] + sdr_s[lane + 64] + sdr_s[lane + 96]) \
+                        part = (sdr_s[s, lane] + sdr_s[s, lane + 32] + sdr_s[s, lane + 64] + sdr_s[s, lane + 96]) \
                             * fexp(G_s[s, C - 1]) \
                             + fexp(G_s[s, C - 1] - G_s[s, lane]) * dD_s[lane] \
                             + fexp(G_s[s, C - 1] - G_s[s, lane + 32]) * dD_s[lane + 32]
