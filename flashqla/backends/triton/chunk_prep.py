@@ -55,7 +55,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_rows, load_vec, mm, mmf, store_cols,
+from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_rows, load_tb, load_vec, mm, mmf, store_cols,
                      tok_rows)
 
 
@@ -110,16 +110,14 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     tl.store(gp + Hv.to(tl.int64) * TT, gl, mask=valid)
     beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0, TT)
 
+    blk = pid.to(tl.int64) * Hv + h                      # this (chunk, head)'s [64, 64] tile of Tm
     kk = load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT)
     if LOAD_T:
         # the training forward's inverse (saved by it, ``ops.prep_from_t``): only w and u are formed here
-        Ti = tl.load(Tm_ptr + (pid.to(tl.int64) * Hv + h) * 4096 + ri * 64 + ci).to(tl.float32)
+        Ti = load_tb(Tm_ptr, pid.to(tl.int64), h, Hv, False).to(tl.float32)
         if USE_L2:
             kf = kk.to(tl.float32)
             rk_r = tl.rsqrt(tl.sum(kf * kf, 1) + L2_EPS)
-            cw = beta * tl.exp(gh + gl) * rk_r
-        else:
-            cw = beta * tl.exp(gh + gl)
     else:
         # A = diag(beta) strict(k^ k^T * exp(G_r - G_j)) from the raw keys: with the L2 norm, k^ = diag(rk) k
         # and rk comes from the Gram matrix's diagonal, so the normalised keys never exist as a tile
@@ -129,21 +127,19 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
             rk_r = tl.rsqrt(tl.sum(tl.where(eye, A, 0.0), 1) + L2_EPS)
             rk_c = tl.rsqrt(tl.sum(tl.where(eye, A, 0.0), 0) + L2_EPS)
             A = A * rk_r[:, None] * rk_c[None, :]
-            cw = beta * tl.exp(gh + gl) * rk_r
-        else:
-            cw = beta * tl.exp(gh + gl)
         strict = ri > ci
         d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
         A = tl.where(strict, beta[:, None] * A * tl.exp(tl.where(strict, d, 0.0)), 0.0)
         Ti = ut_inverse(A, IEEE)
+    cw = beta * tl.exp(gh + gl)
+    if USE_L2:
+        cw = cw * rk_r
     if TB_ONLY:
         # beta is 0 on rows past the end, so Tb's columns there are 0, and so are its rows (the inverse's
         # rows there are unit rows): v_new = Tb Y is 0 past the end whatever Y holds there
-        blk = pid.to(tl.int64) * Hv + h
         tl.store(Tm_ptr + blk * 4096 + ri * 64 + ci, (Ti * beta[None, :]).to(Tm_ptr.dtype.element_ty))
     else:
-        if STORE_T and not LOAD_T:
-            blk = pid.to(tl.int64) * Hv + h
+        if STORE_T:
             tl.store(Tm_ptr + blk * 4096 + ri * 64 + ci, Ti.to(Tm_ptr.dtype.element_ty))
 
         # w = Tinv diag(beta exp(G) rk) k,  u = Tinv diag(beta) v: the row scales go on Tinv's columns (a

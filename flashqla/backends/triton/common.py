@@ -235,7 +235,7 @@ def store_state(ptr, x, base, K: tl.constexpr, V: tl.constexpr, v0, BV: tl.const
 @triton.jit
 def load_tb(ptr, chunk, h, Hv, TRANS: tl.constexpr):
     """The [64, 64] tile of chunk ``chunk`` (int64) and value head ``h`` of a ``[chunks, Hv, 64, 64]`` buffer
-    (``Tb`` of the Tb-only prep), transposed when ``TRANS``."""
+    (``Tb`` of the Tb-only prep, or the inverse a training forward kept), transposed when ``TRANS``."""
     r = tl.arange(0, BT)
     base = ptr + (chunk * Hv + h) * (BT * BT)
     if TRANS:

@@ -265,12 +265,17 @@ def _run_prep(geo: Geometry, k, v, g, beta, w, u, G, Tm, use_l2: bool, store_t: 
         BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=tb_only, LOAD_T=load_t, **_launch(_prep_cfg(geo), geo))
 
 
-def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
+def _wu_buffers(geo: Geometry, k, v):
+    """w, u and G (its (hi, lo) fp32 planes) as chunk_prep_kernel writes them."""
     dev = k.device
-    w = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=k.dtype, device=dev)
-    u = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev)
-    G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)   # (hi, lo) planes
-    Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=dev) if store_t else None
+    return (torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=k.dtype, device=dev),
+            torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev),
+            torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev))
+
+
+def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
+    w, u, G = _wu_buffers(geo, k, v)
+    Tm = torch.empty(geo.chunks, geo.Hv, CHUNK, CHUNK, dtype=k.dtype, device=k.device) if store_t else None
     _run_prep(geo, k, v, g, beta, w, u, G, Tm if store_t else G, use_l2, store_t, False)
     return w, u, G, Tm
 
@@ -278,10 +283,7 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
 def prep_from_t(geo: Geometry, k, v, g, beta, Tm, use_l2: bool):
     """The backward's prep when the training forward kept the inverse ``Tm`` (``fwd.savet``): G, w and u
     only, without k k^T and the inverse (FLA's backward does the same with its saved A: recompute_w_u)."""
-    dev = k.device
-    w = torch.empty(geo.B, geo.T, geo.Hv, geo.K, dtype=k.dtype, device=dev)
-    u = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=v.dtype, device=dev)
-    G = torch.empty(2, geo.Hv, geo.TT, dtype=torch.float32, device=dev)
+    w, u, G = _wu_buffers(geo, k, v)
     _run_prep(geo, k, v, g, beta, w, u, G, Tm, use_l2, False, False, load_t=True)
     return w, u, G
 
