@@ -123,6 +123,25 @@ def tok_rows(t0, r, TT):
 
 
 @triton.jit
+def chunk_ptr(ptr, t0, head, H, D: tl.constexpr, TT):
+    """Scalar pointer to element ``(t0, head, 0)`` of a token-major ``[*, H, D]`` tensor, the token clamped into
+    ``[0, TT)`` (see ``tok_rows``; a chunk that does not exist, ``L <= 0``, then points at a real token)."""
+    return ptr + (tl.minimum(tl.maximum(t0, 0), TT - 1) * H + head) * D
+
+
+@triton.jit
+def row_offs(r, L, H, D: tl.constexpr):
+    """int32 element offsets of chunk rows ``r`` from ``chunk_ptr``; a row past the end takes the last real row's
+    offset, so with ``chunk_ptr``'s clamp every address lies inside the tensor (the ``tok_rows`` guarantee).
+
+    Why not ``tok_rows``: its int64 clamps and products, per row and per load, made the serial state kernel's
+    loop ~1.8x the instructions of FLA's ``fwd_h`` (sm_90 SASS, compile-only, session 13); the per-token int64
+    part is now one scalar per chunk and the per-row part int32 (64 * H * D < 2**31 for any head count we take).
+    """
+    return tl.minimum(r, tl.maximum(L - 1, 0)) * (H * D)
+
+
+@triton.jit
 def load_rows(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0, TT):
     """Tile [R, D] of rows ``row0 .. row0+R`` of chunk-relative tokens, zero past ``L``.
 
@@ -130,16 +149,16 @@ def load_rows(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0, TT):
     """
     r = row0 + tl.arange(0, R)
     d = tl.arange(0, D)
-    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
-    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0)
+    offs = row_offs(r, L, H, D)[:, None] + d[None, :]
+    return tl.load(chunk_ptr(ptr, t0, head, H, D, TT) + offs, mask=(r < L)[:, None], other=0.0)
 
 
 @triton.jit
 def store_rows(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, row0, TT):
     r = row0 + tl.arange(0, R)
     d = tl.arange(0, D)
-    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
-    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
+    offs = row_offs(r, L, H, D)[:, None] + d[None, :]
+    tl.store(chunk_ptr(ptr, t0, head, H, D, TT) + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
 
 
 @triton.jit
@@ -147,29 +166,29 @@ def load_cols(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.
     """Tile [R, BC] (storage dtype): columns ``c0 .. c0+BC`` of a [*, H, D] tensor, zero past ``L``."""
     r = tl.arange(0, R)
     d = c0 + tl.arange(0, BC)
-    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
-    return tl.load(ptr + offs, mask=(r < L)[:, None], other=0.0)
+    offs = row_offs(r, L, H, D)[:, None] + d[None, :]
+    return tl.load(chunk_ptr(ptr, t0, head, H, D, TT) + offs, mask=(r < L)[:, None], other=0.0)
 
 
 @triton.jit
 def store_cols(ptr, x, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.constexpr, TT):
     r = tl.arange(0, R)
     d = c0 + tl.arange(0, BC)
-    offs = (tok_rows(t0, r, TT)[:, None] * H + head) * D + d[None, :]
-    tl.store(ptr + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
+    offs = row_offs(r, L, H, D)[:, None] + d[None, :]
+    tl.store(chunk_ptr(ptr, t0, head, H, D, TT) + offs, x.to(ptr.dtype.element_ty), mask=(r < L)[:, None])
 
 
 @triton.jit
 def load_vec(ptr, t0, L, head, H, R: tl.constexpr, row0, TT):
     """Per-token scalars [R] (fp32) of a [*, H] tensor, zero past ``L``."""
     r = row0 + tl.arange(0, R)
-    return tl.load(ptr + tok_rows(t0, r, TT) * H + head, mask=r < L, other=0.0).to(tl.float32)
+    return tl.load(chunk_ptr(ptr, t0, head, H, 1, TT) + row_offs(r, L, H, 1), mask=r < L, other=0.0).to(tl.float32)
 
 
 @triton.jit
 def store_vec(ptr, x, t0, L, head, H, R: tl.constexpr, TT):
     r = tl.arange(0, R)
-    tl.store(ptr + tok_rows(t0, r, TT) * H + head, x.to(ptr.dtype.element_ty), mask=r < L)
+    tl.store(chunk_ptr(ptr, t0, head, H, 1, TT) + row_offs(r, L, H, 1), x.to(ptr.dtype.element_ty), mask=r < L)
 
 
 @triton.jit
@@ -183,8 +202,7 @@ def load_gate(G_ptr, t0, L, h, TT, GS, R: tl.constexpr, row0):
     r = row0 + tl.arange(0, R)
     # the token index is also clamped into [0, TT): never out of bounds, whatever loads a compiler
     # might issue for a loop iteration that does not exist (L <= 0, a length-0 sequence at token 0)
-    t = tl.minimum(tl.maximum(t0 + tl.minimum(r, L - 1), 0), TT - 1)
-    p = G_ptr + h.to(tl.int64) * TT + t
+    p = chunk_ptr(G_ptr + h.to(tl.int64) * TT, t0, 0, 1, 1, TT) + row_offs(r, L, 1, 1)
     return tl.load(p), tl.load(p + GS)
 
 
@@ -250,8 +268,8 @@ def load_t(ptr, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: tl.con
     """Tile [BC, R] (storage dtype): columns ``c0 .. c0+BC`` of the chunk's R rows, transposed."""
     r = tl.arange(0, R)
     d = c0 + tl.arange(0, BC)
-    offs = (tok_rows(t0, r, TT)[None, :] * H + head) * D + d[:, None]
-    return tl.load(ptr + offs, mask=(r < L)[None, :], other=0.0)
+    offs = row_offs(r, L, H, D)[None, :] + d[:, None]
+    return tl.load(chunk_ptr(ptr, t0, head, H, D, TT) + offs, mask=(r < L)[None, :], other=0.0)
 
 
 @triton.jit
@@ -259,8 +277,8 @@ def store_t(ptr, xt, t0, L, head, H, D: tl.constexpr, R: tl.constexpr, c0, BC: t
     """Store a [BC, R] tile transposed into columns ``c0 .. c0+BC`` of the chunk's rows (rows < L)."""
     r = tl.arange(0, R)
     d = c0 + tl.arange(0, BC)
-    offs = (tok_rows(t0, r, TT)[None, :] * H + head) * D + d[:, None]
-    tl.store(ptr + offs, xt.to(ptr.dtype.element_ty), mask=(r < L)[None, :])
+    offs = row_offs(r, L, H, D)[None, :] + d[:, None]
+    tl.store(chunk_ptr(ptr, t0, head, H, D, TT) + offs, xt.to(ptr.dtype.element_ty), mask=(r < L)[None, :])
 
 
 @triton.jit
