@@ -455,6 +455,31 @@ def test_kept_inverse_backward_matches_recompute(monkeypatch, l2, dtype):
         assert rel_l2(a.float(), b.float()) <= tol, (name, rel_l2(a.float(), b.float()))
 
 
+@pytest.mark.parametrize("l2", ["separate", "fused"])
+@pytest.mark.parametrize("transposed", [0, 1])
+def test_local_dv_backward_matches_in_loop(monkeypatch, l2, transposed):
+    # the intra-chunk part of dv_new formed by the kept-inverse prep and completed in place by the state-gradient
+    # kernel (bstate.ldv=1, the default) against the same part formed inside that kernel's serial loop
+    # (bstate.ldv=0): the same products in fp32, so the gradients agree to rounding; a wrong mask, gate or
+    # scale in either form, or a tile completed twice or not at all, would be far outside 1e-5
+    monkeypatch.setenv("FLASHQLA_TRITON_L2", l2)
+    case = Case("ldv", 1, 2, 64, 64, seqlens=(70, 1, 0, 33, 64), l2norm=True)
+    x = make_inputs(case, torch.float32, DEV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"],
+              use_qk_l2norm_in_kernel=True, backend=BACKEND)
+    do = torch.randn_like(x["v"])
+    grads = {}
+    for ldv in (1, 0):
+        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"bstate.ldv={ldv},bstate.t={transposed}")
+        leaves = [t.detach().clone().requires_grad_() for t in args]
+        h0 = x["initial_state"].detach().clone().requires_grad_()
+        o, ht = flashqla.chunk_gated_delta_rule(*leaves, **dict(kw, initial_state=h0))
+        grads[ldv] = torch.autograd.grad((o * do).sum() + ht.sum(), leaves + [h0])
+    for a, b, name in zip(grads[1], grads[0], ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
+        assert rel_l2(a, b) <= 1e-5, (name, rel_l2(a, b))
+
+
 # --- compile-only (no GPU): the real compiler, not the interpreter ----------------------------------
 
 @pytest.mark.compile

@@ -60,12 +60,14 @@ def _variants(K: int, V: int, ieee: bool):
     prep_launch = dict(cfg("prep")[1], num_warps=ops.tune("prep")["warps"] or (8 if ieee else 4))
     prep_bw = min(ops.tune("prep")["bv"], K, V)
     # (every constexpr given: one left out would be compiled as a runtime i32 argument)
-    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True, BW=prep_bw, TB_ONLY=False, LOAD_T=False),
+    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True, BW=prep_bw, TB_ONLY=False, LOAD_T=False, DV_LOCAL=False),
             prep_launch),
            ("prep (Tb only)", chunk_prep.chunk_prep_kernel,
-            dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=True, LOAD_T=False), prep_launch),
+            dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=True, LOAD_T=False, DV_LOCAL=False), prep_launch),
            ("prep (w, u from the kept inverse)", chunk_prep.chunk_prep_kernel,
-            dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=False, LOAD_T=True), prep_launch)]
+            dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=False, LOAD_T=True, DV_LOCAL=False), prep_launch),
+           ("prep (kept inverse + local dv)", chunk_prep.chunk_prep_kernel,
+            dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=False, LOAD_T=True, DV_LOCAL=True), prep_launch)]
     bv, launch = cfg("fused")
     # FROM_TB: the inference forward's recurrence (ops.use_tb_forward), fused and unfused
     for tb in (False, True):
@@ -86,8 +88,9 @@ def _variants(K: int, V: int, ieee: bool):
     bv, launch = cfg("output", 64 if ieee else V)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
     bv, launch = cfg("bstate")
-    out.append(("bwd state", chunk_bwd_state.chunk_state_bwd_kernel,
-                dict(feat, BV=bv, HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False), launch))
+    for ldv in (False, True):
+        out.append(("bwd state" + (" (local dv)" if ldv else ""), chunk_bwd_state.chunk_state_bwd_kernel,
+                    dict(feat, BV=bv, HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=ldv), launch))
     bv, launch = cfg("dqk")
     out.append(("bwd dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
     bv, launch = cfg("wy")

@@ -15,6 +15,12 @@ loaded for the dS update anyway), so no separate "local dv" pass over HBM is nee
 
 Reads per chunk: q, k, w [64, K], dO [64, BV]; writes dh [K, BV] and dv_new [64, BV] (input dtype).
 
+``LOCAL_DV`` (the default when the forward kept its inverse: ``ops.state_bwd``): ``dvn_ptr`` comes holding
+``scale P^T dO`` from the backward's prep (``chunk_prep``'s ``DV_LOCAL``), and each tile is read, completed with
+``(exp(G_last - G) k) dS`` and written back in place (a tile is read and written by the same program, and the
+pipeliner's prefetch reads the chunk before it, not yet written).  The chain then holds three dots per chunk,
+not five, and no 64x64 exp tile.
+
 ``TRANSPOSED`` (``FLASHQLA_TRITON_TUNE=bstate.t=1``; off by default): the same recurrence with ``dS^T [BV, K]``,
 so both products on the chain (``dS^T k^T``, ``dv_new^T w``) take the chain's value as the A operand, which
 may stay in registers (see ``chunk_state``)::
@@ -39,7 +45,7 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
                            scale, T, NT, TT, Hqk, Hv,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                            USE_L2: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                           IEEE: tl.constexpr, TRANSPOSED: tl.constexpr):
+                           IEEE: tl.constexpr, TRANSPOSED: tl.constexpr, LOCAL_DV: tl.constexpr = False):
     v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K, V, BV,
                                                                 IS_VARLEN)
     DT: tl.constexpr = w_ptr.dtype.element_ty
@@ -79,25 +85,33 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
         lh, ll = load_gate_last(G_ptr, t0, L, h, TT, GS)
 
         if TRANSPOSED:
-            # rows: queries r (real), columns: keys j <= r
-            m = (r[:, None] >= r[None, :]) & valid[:, None]
-            pm = mm(q, tl.trans(k), IEEE, DT)
-            pm = tl.where(m, pm * tl.exp(tl.where(m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]),
-                                                  0.0)), 0.0)
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
-            dvnt = scale * mm(dot_, pm, IEEE, DT) + mm(dS, tl.trans(k), IEEE, DT) * fac[None, :]
+            if LOCAL_DV:
+                dvnt = load_t(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
+            else:
+                # rows: queries r (real), columns: keys j <= r
+                m = (r[:, None] >= r[None, :]) & valid[:, None]
+                pm = mm(q, tl.trans(k), IEEE, DT)
+                pm = tl.where(m, pm * tl.exp(tl.where(m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]),
+                                                      0.0)), 0.0)
+                dvnt = scale * mm(dot_, pm, IEEE, DT)
+            dvnt = dvnt + mm(dS, tl.trans(k), IEEE, DT) * fac[None, :]
             store_t(dvn_ptr, dvnt, t0, L, h, Hv, V, BT, v0, BV, TT)
             dogt = dot_ * (scale * tl.exp(gh + gl))[None, :]
             dS = dS * tl.exp(lh + ll) + mm(dogt, q, IEEE, DT) - mm(dvnt, w, IEEE, DT)
         else:
-            # rows: keys j, columns: queries r (r >= j, r real)
-            m = (r[:, None] <= r[None, :]) & valid[None, :]
-            pt = mm(k, tl.trans(q), IEEE, DT)
-            d = gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None])
-            pt = tl.where(m, pt * tl.exp(tl.where(m, d, 0.0)), 0.0)
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
+            if LOCAL_DV:
+                dvn = load_cols(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
+            else:
+                # rows: keys j, columns: queries r (r >= j, r real)
+                m = (r[:, None] <= r[None, :]) & valid[None, :]
+                pt = mm(k, tl.trans(q), IEEE, DT)
+                d = gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None])
+                pt = tl.where(m, pt * tl.exp(tl.where(m, d, 0.0)), 0.0)
+                dvn = scale * mm(pt, do, IEEE, DT)
             # gate factors go on the [64, BV] side of each product (diag(c) X) Y = diag(c) (X Y), etc.
-            dvn = scale * mm(pt, do, IEEE, DT) + fac[:, None] * mm(k, dS, IEEE, DT)
+            dvn = dvn + fac[:, None] * mm(k, dS, IEEE, DT)
             store_cols(dvn_ptr, dvn, t0, L, h, Hv, V, BT, v0, BV, TT)
             dog = do * (scale * tl.exp(gh + gl))[:, None]
             dS = dS * tl.exp(lh + ll) + mm(tl.trans(q), dog, IEEE, DT) - mm(tl.trans(w), dvn, IEEE, DT)

@@ -44,6 +44,10 @@ tf32 scheme, well under the bf16 rounding that Tinv gets before the w/u dots).  
 stored it (``STORE_T``); k k^T and the inverse are skipped, G, w and u are formed as above (with the L2 norm,
 the key norms from the rows instead of the Gram diagonal).
 
+``DV_LOCAL`` (with ``LOAD_T``, the backward): also ``dvl = scale P^T dO`` ``[B,T,Hv,V]`` (input dtype), the
+chunk-local part of ``dv_new`` (``chunk_bwd_state``'s ``LOCAL_DV``), so the serial state-gradient kernel does not
+form the 64x64 score tile once per V-block on its chain.  It costs this kernel a q and a dO read and two dots.
+
 ``TB_ONLY`` (the inference forward, ``ops.use_tb_forward``): G and ``Tb = Tinv diag(beta)``
 ``[total_chunks, Hv, 64, 64]`` (input dtype, into ``Tm_ptr``) only; v is not read and w, u are not
 written.  The state kernel then forms ``u - w S = Tb (v - diag(exp(G)) k^ S)`` itself (``FROM_TB``):
@@ -85,10 +89,10 @@ def ut_inverse(A, IEEE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
 def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr, cu_ptr, cidx_ptr,
-                      T, NT, TT, Hqk, Hv,
+                      q_ptr, do_ptr, dvl_ptr, scale, T, NT, TT, Hqk, Hv,
                       K: tl.constexpr, V: tl.constexpr, IS_VARLEN: tl.constexpr, USE_L2: tl.constexpr,
                       STORE_T: tl.constexpr, IEEE: tl.constexpr, BW: tl.constexpr, TB_ONLY: tl.constexpr = False,
-                      LOAD_T: tl.constexpr = False):
+                      LOAD_T: tl.constexpr = False, DV_LOCAL: tl.constexpr = False):
     pid = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // (Hv // Hqk)
@@ -152,3 +156,19 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
         for c in tl.static_range(0, V, BW):
             store_cols(u_ptr, mm(Tu, load_cols(v_ptr, t0, L, h, Hv, V, BT, c, BW, TT), IEEE, DT),
                        t0, L, h, Hv, V, BT, c, BW, TT)
+        if DV_LOCAL:
+            # the intra-chunk part of dv_new, scale P^T dO with P^T[j, r] = (k^_j . q^_r) exp(G_r - G_j) on
+            # j <= r, r real: chunk-local, so it is formed here, in parallel over chunks, and the serial state
+            # gradient kernel only adds (exp(G_last - G) k^) dS to it (LOCAL_DV there)
+            qq = load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT)
+            pt = mm(kk, tl.trans(qq), IEEE, DT)
+            if USE_L2:
+                qf = qq.to(tl.float32)
+                pt = pt * rk_r[:, None] * tl.rsqrt(tl.sum(qf * qf, 1) + L2_EPS)[None, :]
+            m = (ri <= ci) & valid[None, :]
+            pt = tl.where(m, pt * tl.exp(tl.where(m, gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None]), 0.0)),
+                          0.0)
+            pt = (pt * scale).to(DT)
+            for c in tl.static_range(0, V, BW):
+                store_cols(dvl_ptr, mm(pt, load_cols(do_ptr, t0, L, h, Hv, V, BT, c, BW, TT), IEEE, DT),
+                           t0, L, h, Hv, V, BT, c, BW, TT)

@@ -110,7 +110,8 @@ _DEFAULTS = {
                                                   # t=1: transposed state
     "output": dict(warps=4, stages=2, bv=0),     # bv 0: V; 4 warps: H200 sweep s6 (16/32 1x32768 0.903 -> 0.528 ms
                                                  # against 8 warps; 2/8 1x8192 0.058 -> 0.035)
-    "bstate": dict(warps=4, stages=2, bv=32, t=0),  # t=1: transposed state gradient (chunk_bwd_state)
+    "bstate": dict(warps=4, stages=2, bv=32, t=0, ldv=1),  # t=1: transposed state gradient (chunk_bwd_state);
+                                                  # ldv: the intra-chunk dv_new from the kept-inverse prep (LOCAL_DV)
     "dqk": dict(warps=8, stages=2, bv=64),
     "wy": dict(warps=8, stages=2, bv=64),
 }
@@ -136,8 +137,8 @@ def tune(kernel: str) -> dict:
                     cfg[field] = int(val)
             except (ValueError, KeyError) as exc:
                 raise ValueError(f"FLASHQLA_TRITON_TUNE: cannot parse {item!r} (kernel.key=int with kernel in "
-                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, fwd.tb, prep.maxnreg, "
-                                 "state.t, fused.t)") from exc
+                                 f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, fwd.tb, fwd.savet, "
+                                 "prep.maxnreg, state.t, fused.t, bstate.t, bstate.ldv)") from exc
         _tune_cache[key] = cfg
     return _tune_cache[key]
 
@@ -253,16 +254,18 @@ def _prep_cfg(geo: Geometry) -> dict:
 
 
 def _run_prep(geo: Geometry, k, v, g, beta, w, u, G, Tm, use_l2: bool, store_t: bool, tb_only: bool,
-              load_t: bool = False):
+              load_t: bool = False, local_dv=None):
     # the one launch of chunk_prep_kernel behind prep, prep_tb and prep_from_t (Tm: Tinv or Tb, or G as a
-    # stand-in)
+    # stand-in); local_dv = (q, dO, dvl, scale) to form the intra-chunk part of dv_new too (DV_LOCAL)
     from .chunk_prep import chunk_prep_kernel
 
+    q, do, dvl, scale = local_dv if local_dv is not None else (k, v, u, 1.0)
     launch(chunk_prep_kernel, (geo.chunks, geo.Hv),
-        k, v, g, beta, w, u, G, Tm, geo.cu, geo.cidx,
+        k, v, g, beta, w, u, G, Tm, geo.cu, geo.cidx, q, do, dvl, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, STORE_T=store_t, IEEE=geo.ieee,
-        BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=tb_only, LOAD_T=load_t, **_launch(_prep_cfg(geo), geo))
+        BW=min(tune("prep")["bv"], geo.K, geo.V), TB_ONLY=tb_only, LOAD_T=load_t, DV_LOCAL=local_dv is not None,
+        **_launch(_prep_cfg(geo), geo))
 
 
 def _wu_buffers(geo: Geometry, k, v):
@@ -280,12 +283,18 @@ def prep(geo: Geometry, k, v, g, beta, use_l2: bool, store_t: bool):
     return w, u, G, Tm
 
 
-def prep_from_t(geo: Geometry, k, v, g, beta, Tm, use_l2: bool):
+def prep_from_t(geo: Geometry, k, v, g, beta, Tm, use_l2: bool, local_dv=None):
     """The backward's prep when the training forward kept the inverse ``Tm`` (``fwd.savet``): G, w and u
-    only, without k k^T and the inverse (FLA's backward does the same with its saved A: recompute_w_u)."""
+    only, without k k^T and the inverse (FLA's backward does the same with its saved A: recompute_w_u).
+    ``local_dv = (q, dO, scale)``: also returns ``dvl = scale P^T dO`` (``chunk_prep``'s DV_LOCAL), else None."""
     w, u, G = _wu_buffers(geo, k, v)
-    _run_prep(geo, k, v, g, beta, w, u, G, Tm, use_l2, False, False, load_t=True)
-    return w, u, G
+    dvl = None
+    if local_dv is not None:
+        q, do, scale = local_dv
+        dvl = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=q.dtype, device=q.device)
+        local_dv = (q, do, dvl, scale)
+    _run_prep(geo, k, v, g, beta, w, u, G, Tm, use_l2, False, False, load_t=True, local_dv=local_dv)
+    return w, u, G, dvl
 
 
 def prep_tb(geo: Geometry, k, g, beta, use_l2: bool):
@@ -460,12 +469,13 @@ def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2
     return o, ht, Tm
 
 
-def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool):
+def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool, dvl=None):
+    """``dvl``: the intra-chunk part of dv_new from ``prep_from_t``; completed in place into dv_new (LOCAL_DV)."""
     from .chunk_bwd_state import chunk_state_bwd_kernel
 
     dev = q.device
     dh = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=q.dtype, device=dev)
-    dvn = torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=q.dtype, device=dev)
+    dvn = dvl if dvl is not None else torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=q.dtype, device=dev)
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
     cfg = tune("bstate")
     BV = min(cfg["bv"], geo.V)
@@ -473,7 +483,8 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
-        STORE_DH0=dh0 is not None, IEEE=geo.ieee, TRANSPOSED=bool(cfg["t"]), **_launch(cfg, geo))
+        STORE_DH0=dh0 is not None, IEEE=geo.ieee, TRANSPOSED=bool(cfg["t"]), LOCAL_DV=dvl is not None,
+        **_launch(cfg, geo))
     return dh, dvn, dh0
 
 
@@ -535,12 +546,15 @@ def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, Tm=None):
 
 def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, gva_dtype=None, Tm=None):
     geo = Geometry(q, v, meta)
+    dvl = None
     if Tm is not None:
-        w, u, G = prep_from_t(geo, k, v, g, beta, Tm, use_l2)
+        # (the intra-chunk part of dv_new comes from this prep when bstate.ldv is on: see chunk_bwd_state)
+        w, u, G, dvl = prep_from_t(geo, k, v, g, beta, Tm, use_l2,
+                                   local_dv=(q, do, scale) if tune("bstate")["ldv"] else None)
     else:
         w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
     h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2)
-    dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2)
+    dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2, dvl=dvl)
     dh_box = [dh]
     del dh      # (grads frees it after its first launch)
     dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh_box, vn, dvn, do, scale, use_l2,
