@@ -29,8 +29,11 @@ save_kcache() {
   # (TileLang's cuda-binaries, its nvcc-output cache, stays behind: every kernel-cache entry embeds its cubin
   # in executable.so, so a carried entry loads without it; leaving it out took the session-10 cache from
   # 21.9 to 12.6 MB)
-  tar cf - -C "$KCACHE" --exclude=.restored --exclude=./triton --exclude='*/cuda-binaries' . \
-      | xz -T16 -6 > "$KCACHE.tar.xz"
+  # (Triton's cache stays behind too, except the autotuning results FLA writes there, FLA_CACHE_RESULTS=1: a
+  # few KB that spare the next call FLA's autotuning, which cut session 13's first profile step short)
+  ( cd "$KCACHE" && { find . -mindepth 1 -maxdepth 1 ! -name .restored ! -name triton -print0
+                      [ -d triton ] && find triton -name '*.autotune.json' -print0; } \
+      | tar cf - --exclude='*/cuda-binaries' --null -T - ) | xz -T16 -6 > "$KCACHE.tar.xz"
   if [ "$(stat -c %s "$KCACHE.tar.xz")" -gt "$(numfmt --from=iec "$KCACHE_SPLIT")" ]; then
     split -b "$KCACHE_SPLIT" "$KCACHE.tar.xz" "$OUT/kcache.tar.xz.part-"
   else

@@ -148,7 +148,7 @@ case "$STEP" in
   tritontests)
     # the triton GPU tests of the forward paths (the Tb inference forward is the default since session 12)
     TAIL=8 run_step "triton GPU tests (forward forms)" ${TTEST_S:-200} $PYT tests/test_backend_triton.py \
-        -k "tb_forward or half_precision_forward_backward or cuda_graph" ;;
+        -k "${TTEST_K:-tb_forward or half_precision_forward_backward or cuda_graph or kept_inverse or local_dv}" ;;
   flqfwdgrid)
     # #4's forward acceptance: FlashQLA's own forward grid (9 head configurations x 12 length mixes, 108 rows),
     # tilelang against FlashQLA and FLA.  FlashQLA's kernels for its heads are warmed first (16 jobs; its CP
