@@ -160,6 +160,27 @@ case "$STEP" in
     TAIL=40 run_step "flashqla-fwd preset ${FLQ_FILTER:-all}" ${FLQGRID_S:-400} python -m flashqla bench \
         --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla \
         ${FLQ_FILTER:+--filter "$FLQ_FILTER"} --out $OUT/flqfwd ;;
+  faultbisect)
+    # a CUDA fault in the triton GPU tests (session 13 run 2: illegal address from the kept-inverse test with the
+    # fused L2 norm, which killed every later test): the selection FB_K in its own process per variant, launches
+    # synchronous so the traceback names the kernel, under compute-sanitizer when present; then the other tests
+    # alone.  FB_OLD: a common.py to swap in for one more variant (the previous addressing helpers)
+    FB_T=${FB_T:-tests/test_backend_triton.py}; FB_K=${FB_K:-kept_inverse and bf16 and fused}
+    for V in "X=default" "FLASHQLA_TRITON_TUNE=bstate.ldv=0" "FLASHQLA_TRITON_TUNE=fwd.savet=0"; do
+      TAIL=6 run_step "fault: $V" 100 env $V CUDA_LAUNCH_BLOCKING=1 $PYT -x --tb=short "$FB_T" -k "$FB_K"
+      grep -n "ops.py\|chunk_.*py\|Error" "$OUT/logs/"*"$(echo "fault: $V" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-40)"*.log | head -12
+    done
+    if [ -n "${FB_OLD:-}" ] && [ -f "$FB_OLD" ]; then
+      cp flashqla/backends/triton/common.py /tmp/new_common.py && cp "$FB_OLD" flashqla/backends/triton/common.py
+      TAIL=6 run_step "fault: old common" 100 env CUDA_LAUNCH_BLOCKING=1 $PYT -x --tb=short "$FB_T" -k "$FB_K"
+      cp /tmp/new_common.py flashqla/backends/triton/common.py
+    fi
+    if command -v compute-sanitizer > /dev/null; then
+      TAIL=30 run_step "fault: compute-sanitizer" 150 compute-sanitizer --tool memcheck --print-limit 5 \
+          python -m pytest -q -p no:cacheprovider -m gpu -x --tb=line "$FB_T" -k "$FB_K"
+    else echo "== compute-sanitizer: not on this machine"; fi
+    TAIL=8 run_step "the other triton GPU tests" ${FB_REST_S:-150} $PYT "$FB_T" \
+        -k "(tb_forward or half_precision_forward_backward or cuda_graph or local_dv or kept_inverse) and not ($FB_K)" ;;
   tritongrid)
     # #3's acceptance: the Step 2 forward grid (25 rows) and forward+backward grid (20 rows), triton against FLA's
     # Triton (FLA_FLASH_QLA=0), both in one lease; TGRID_FILTER picks rows, TGRID_MODES=fwd|bwd one preset
@@ -306,7 +327,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | faultbisect | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -45,8 +45,10 @@ def _signature(fn, consts: dict, dt: str) -> tuple[dict, dict]:
     return sig, attrs
 
 
-def _variants(K: int, V: int, ieee: bool):
-    """(label, kernel, constexprs, launch config) for every kernel with all features on."""
+def _variants(K: int, V: int, ieee: bool, arch: int = 90):
+    """(label, kernel, constexprs, launch config) for every kernel with all features on, as launched on
+    ``sm_<arch>`` (the three-stage state gradient only where a block gets >= 160 KB, as ops._bstate_cfg decides;
+    the smallest sm_8x GPUs give 99 KB)."""
     from . import chunk_bwd_grads, chunk_bwd_state, chunk_output, chunk_prep, chunk_state, ops
 
     feat = dict(K=K, V=V, IS_VARLEN=True, USE_L2=True, IEEE=ieee)
@@ -87,14 +89,23 @@ def _variants(K: int, V: int, ieee: bool):
                             dict(launch, num_stages=stages)))
     bv, launch = cfg("output", 64 if ieee else V)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
-    bv, launch = cfg("bstate")
-    for ldv in (False, True):
-        out.append(("bwd state" + (" (local dv)" if ldv else ""), chunk_bwd_state.chunk_state_bwd_kernel,
-                    dict(feat, BV=bv, HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=ldv), launch))
+    # the state gradient as ops._bstate_cfg launches it: BV 32 on 4 warps with 2 or 3 stages, BV 64 on 8 warps;
+    # and without the local dv (a backward that recomputes the inverse)
+    st = (lambda n: 1) if ieee else (lambda n: n)
+    for label, bv, warps, stages, ldv in (("", 32, 4, 2, False), (" (local dv)", 32, 4, 2, True),
+                                          (" (local dv, 3 stages)", 32, 4, 3, True),
+                                          (" (local dv, bv=64)", 64, 8, 2, True)):
+        if stages == 3 and arch < 90:
+            continue
+        out.append(("bwd state" + label, chunk_bwd_state.chunk_state_bwd_kernel,
+                    dict(feat, BV=min(bv, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=ldv),
+                    dict(num_warps=warps, num_stages=st(stages))))
     bv, launch = cfg("dqk")
     out.append(("bwd dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
     bv, launch = cfg("wy")
-    out.append(("bwd wy", chunk_bwd_grads.chunk_bwd_wy_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
+    for warps in (4, 8):       # ops._wy_cfg: 4 on sm_90, 8 elsewhere
+        out.append((f"bwd wy (warps={warps})", chunk_bwd_grads.chunk_bwd_wy_kernel,
+                    dict(feat, BV=bv, GRAD_PER_VHEAD=True), dict(launch, num_warps=warps)))
     return out
 
 
@@ -122,7 +133,7 @@ def compile_all(arch: int, dtype: str = "bfloat16", K: int = 128, V: int = 128) 
 
     dt = _DT[dtype]
     rows = []
-    for label, kern, consts, launch in _variants(K, V, dtype == "float32"):
+    for label, kern, consts, launch in _variants(K, V, dtype == "float32", arch):
         fn = kern  # the JITFunction itself: ASTSource wants it
         # a constexpr left at its default is still a constexpr (else _signature would make it an i32 argument)
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}

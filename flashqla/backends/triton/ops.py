@@ -110,10 +110,11 @@ _DEFAULTS = {
                                                   # t=1: transposed state
     "output": dict(warps=4, stages=2, bv=0),     # bv 0: V; 4 warps: H200 sweep s6 (16/32 1x32768 0.903 -> 0.528 ms
                                                  # against 8 warps; 2/8 1x8192 0.058 -> 0.035)
-    "bstate": dict(warps=4, stages=2, bv=32, t=0, ldv=1),  # t=1: transposed state gradient (chunk_bwd_state);
-                                                  # ldv: the intra-chunk dv_new from the kept-inverse prep (LOCAL_DV)
+    "bstate": dict(warps=0, stages=0, bv=0, t=0, ldv=1),  # 0s: _bstate_cfg; t=1: transposed state gradient
+                                                  # (chunk_bwd_state); ldv: the intra-chunk dv_new from the
+                                                  # kept-inverse prep (LOCAL_DV)
     "dqk": dict(warps=8, stages=2, bv=64),
-    "wy": dict(warps=8, stages=2, bv=64),
+    "wy": dict(warps=0, stages=2, bv=64),         # warps 0: _wy_cfg
 }
 _tune_cache: dict = {}
 
@@ -213,6 +214,44 @@ def _state_bv(geo: Geometry, device, from_tb: bool = False) -> int:
 
 
 _STATE3_SMEM = 109 * 1024     # the unfused state kernel at BV <= 32 with three stages (bf16/fp16, K = V = 128, sm_90)
+
+
+def _smem_per_block(device) -> int:
+    """Opt-in shared memory per block in bytes (0 off CUDA or when torch does not say)."""
+    if device.type != "cuda":
+        return 0
+    return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
+
+
+def _bstate_cfg(geo: Geometry, device) -> dict:
+    """Launch of the serial state-gradient kernel (``bstate.*`` knobs left at 0 are chosen here).
+
+    H200 session 13 run 2 (``benchmarks/sweep_variants.py``, fwd+bwd, the kernel's own time): where the BV-32
+    programs fit one per SM the walk is a latency chain and a third stage hides the next chunk's loads (16/32
+    1x32768, 128 programs: 1.168 -> 0.788 ms; 2/8 1x32768: 1.034 -> 0.790), at 154 KB of shared memory, one
+    program per SM; where even the BV-64 programs are many (8/32 4x8192: 256), BV 64 on 8 warps (1.211 ->
+    0.820; it was 1.613 at 16/32 1x32768, 64 programs)."""
+    cfg = dict(tune("bstate"))
+    sms = _sm_count(device)
+    wide = bool(not geo.ieee and sms and geo.busy * geo.Hv * triton.cdiv(geo.V, 64) >= 1.5 * sms)
+    cfg["bv"] = min(cfg["bv"] or (64 if wide else 32), geo.V)
+    cfg["warps"] = cfg["warps"] or (8 if cfg["bv"] >= 64 else 4)
+    if not cfg["stages"]:
+        programs = geo.busy * geo.Hv * triton.cdiv(geo.V, cfg["bv"])
+        deep = sms and cfg["bv"] <= 32 and programs <= sms and _smem_per_block(device) >= 160 * 1024
+        cfg["stages"] = 3 if deep else 2
+    return cfg
+
+
+def _wy_cfg(device) -> dict:
+    """Launch of the WY-gradient kernel: 4 warps on sm_90 (two programs per SM at 255 registers; session 13 run
+    2: 2.25 -> 1.31 ms at 16/32 1x32768 and 8/32 4x8192, 0.558 -> 0.324 at 2/8 1x32768), 8 elsewhere (at 4 warps
+    the sm_80 build spills ~440 B per thread; not measured there)."""
+    cfg = dict(tune("wy"))
+    if not cfg["warps"]:
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
+        cfg["warps"] = 4 if cap[0] >= 9 else 8
+    return cfg
 
 
 def _state3_per_sm(device) -> int:
@@ -477,8 +516,8 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     dh = torch.empty(geo.chunks, geo.Hv, geo.K, geo.V, dtype=q.dtype, device=dev)
     dvn = dvl if dvl is not None else torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=q.dtype, device=dev)
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
-    cfg = tune("bstate")
-    BV = min(cfg["bv"], geo.V)
+    cfg = _bstate_cfg(geo, dev)
+    BV = cfg["bv"]
     launch(chunk_state_bwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
         geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
@@ -521,7 +560,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
     dv = torch.empty_like(v)
     dbeta = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
     dg = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
-    cfg = tune("wy")
+    cfg = _wy_cfg(dev)
     launch(chunk_bwd_wy_kernel, grid,
         k, v, beta, G, Tm, w, u, h, dvn, dk_a, dG_a, dk, dv, dbeta, dg, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
