@@ -27,6 +27,12 @@ from flashqla.validation import validate  # noqa: E402
 
 CUDA = torch.cuda.is_available()
 DEV = "cuda" if CUDA else "cpu"
+
+# The L2 norm fused into the kernels (FLASHQLA_TRITON_L2=fused) faults on the H200 (ops.l2_mode: a
+# miscompilation of the serial kernels under triton 3.6, device run 8; session 13 run 2 hit it again in the
+# bf16 case of the kept-inverse test and lost every later test of that process to the dead context): on a GPU
+# the fused form is not run here; the interpreter checks it.
+FUSED_L2_ON_CPU = pytest.mark.skipif(CUDA, reason="FLASHQLA_TRITON_L2=fused faults on the H200 (ops.l2_mode)")
 BACKEND = "triton"
 
 pytestmark = pytest.mark.skipif(not get_backend(BACKEND).available()[0],
@@ -179,7 +185,7 @@ def test_launch_choices_follow_the_h200_sweep(monkeypatch):
     assert ops.Geometry(torch.empty(3, 100, 2, 64), torch.empty(3, 100, 4, 64), None).busy == 3.0
 
 
-@pytest.mark.parametrize("mode", ["separate", "fused"])
+@pytest.mark.parametrize("mode", ["separate", pytest.param("fused", marks=FUSED_L2_ON_CPU)])
 def test_l2_norm_modes_match_oracle(monkeypatch, mode):
     # separate (default): q/k normalised up front, kernels without the option, dq/dk mapped back through
     # the norm's Jacobian on the host; fused: the norm inside every kernel (faulted on the H200, run 8,
@@ -195,6 +201,18 @@ def test_l2_norm_modes_match_oracle(monkeypatch, mode):
     monkeypatch.setenv("FLASHQLA_TRITON_L2", "elsewhere")
     with pytest.raises(ValueError, match="FLASHQLA_TRITON_L2"):
         run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=False)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_l2_is_refused(monkeypatch):
+    # the fused L2 form faults on the H200 (ops.l2_mode): on a GPU the op refuses it with the variable's name
+    # before any kernel runs, rather than crash the context
+    monkeypatch.setenv("FLASHQLA_TRITON_L2", "fused")
+    case = Case("l2_refused", 1, 2, 64, 64, seqlens=(70, 1), l2norm=True)
+    with pytest.raises(ValueError, match="FLASHQLA_TRITON_L2"):
+        run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.bfloat16, "cuda", grads=False)
+    monkeypatch.setenv("FLASHQLA_TRITON_L2", "separate")
+    assert run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.bfloat16, "cuda", grads=False).ok
 
 
 def test_tune_override_is_checked(monkeypatch):
@@ -349,9 +367,10 @@ def _counting_preps(monkeypatch):
     yield calls
 
 
-@pytest.mark.parametrize("tune,l2", [("fwd.fuse=1", "separate"), ("fwd.fuse=1", "fused"),
+@pytest.mark.parametrize("tune,l2", [("fwd.fuse=1", "separate"),
+                                     pytest.param("fwd.fuse=1", "fused", marks=FUSED_L2_ON_CPU),
                                      ("fwd.fuse=0,state.bv=32,output.bv=64", "separate"),
-                                     ("fwd.fuse=1,fused.t=1", "fused"),
+                                     pytest.param("fwd.fuse=1,fused.t=1", "fused", marks=FUSED_L2_ON_CPU),
                                      ("fwd.fuse=0,state.t=1,state.bv=64", "separate"),
                                      ("fwd.fuse=0,state.bv=16", "separate")],
                          ids=["fused_output", "fused_output_l2_in_kernel", "three_kernel", "fused_output_transposed",
@@ -429,7 +448,7 @@ def test_training_forward_keeps_the_wu_path(monkeypatch):
         assert calls == {"prep": 5, "prep_tb": 2, "prep_from_t": 1}
 
 
-@pytest.mark.parametrize("l2", ["separate", "fused"])
+@pytest.mark.parametrize("l2", ["separate", pytest.param("fused", marks=FUSED_L2_ON_CPU)])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
                          ids=["fp32", "bf16"])     # (the interpreter serves fp32 only)
 def test_kept_inverse_backward_matches_recompute(monkeypatch, l2, dtype):
@@ -455,7 +474,7 @@ def test_kept_inverse_backward_matches_recompute(monkeypatch, l2, dtype):
         assert rel_l2(a.float(), b.float()) <= tol, (name, rel_l2(a.float(), b.float()))
 
 
-@pytest.mark.parametrize("l2", ["separate", "fused"])
+@pytest.mark.parametrize("l2", ["separate", pytest.param("fused", marks=FUSED_L2_ON_CPU)])
 @pytest.mark.parametrize("transposed", [0, 1])
 def test_local_dv_backward_matches_in_loop(monkeypatch, l2, transposed):
     # the intra-chunk part of dv_new formed by the kept-inverse prep and completed in place by the state-gradient

@@ -437,7 +437,7 @@ def _device_guard(x):
     return torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext()
 
 
-def l2_mode() -> str:
+def l2_mode(device=None) -> str:
     """Where the q/k L2 norm of ``use_qk_l2norm_in_kernel`` is applied.
 
     ``separate`` (default): q and k are normalised once up front (fp32 math, rounded to their dtype), the
@@ -447,8 +447,14 @@ def l2_mode() -> str:
     non-finite output or an illegal memory access on a packed and on a dense case (K = 128, Hqk/Hv 2/8),
     while the same kernels without it passed every stage on the same inputs; the interpreter runs it
     correctly, so this looks like a miscompilation we have not pinned down.  ``FLASHQLA_TRITON_L2``
-    overrides."""
-    return env_choice("FLASHQLA_TRITON_L2", ("fused", "separate"), "separate")
+    overrides, ``fused`` on the CPU interpreter only: on a GPU it raises rather than risk the fault (session 13
+    run 2 met it again, in the kept-inverse test)."""
+    mode = env_choice("FLASHQLA_TRITON_L2", ("fused", "separate"), "separate")
+    if mode == "fused" and device is not None and device.type == "cuda":
+        raise ValueError("FLASHQLA_TRITON_L2=fused (the q/k L2 norm inside the triton kernels) faults on the GPU "
+                         "(a miscompilation under triton 3.6, see backends/triton/ops.l2_mode); unset it to use the "
+                         "default 'separate' form")
+    return mode
 
 
 def _l2_normalise(x):
@@ -479,7 +485,7 @@ def forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2:
     """Returns ``(o, final_state or None)``, and with ``keep`` a third item for ``backward`` (the kept inverse
     or None, see ``keeps_inverse``).  ``inference``: no backward follows (``use_tb_forward``)."""
     with _device_guard(q):
-        if use_l2 and l2_mode() == "separate":
+        if use_l2 and l2_mode(q.device) == "separate":
             res = _forward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0, meta,
                            output_final_state, False, inference)
         else:
@@ -576,7 +582,7 @@ def backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, Tm=None):
     forward kept it (``Tm``, ``keeps_inverse``).  ``Tm`` must come from the forward of the same call, with the
     same L2-norm mode."""
     with _device_guard(q):
-        if use_l2 and l2_mode() == "separate":
+        if use_l2 and l2_mode(q.device) == "separate":
             dqn, dkn, dv, dg, dbeta, dh0 = _backward(_l2_normalise(q), _l2_normalise(k), v, g, beta, scale, h0,
                                                      meta, do, dht, False, gva_dtype=torch.float32, Tm=Tm)
             return _l2_backward(q, dqn), _l2_backward(k, dkn), dv, dg, dbeta, dh0
