@@ -49,6 +49,14 @@ if [ ! -f "$KCACHE/.restored" ]; then
     tar xJf .gpu/kcache.tar.xz -C "$KCACHE" && touch "$KCACHE/.restored"
   fi
 fi
+# FLA's Triton autotuning results on the H200 (benchmarks/fla_autotune_h200, from session 13's runs: 2/8, 4/16, 8/32,
+# 16/32 heads, bf16, K = V = 128): without them each new head configuration spends ~60-80 s of device time in FLA's
+# autotuner (run 1 of session 13 lost its profile step to it).  FLA looks them up itself (FLA_CACHE_RESULTS=1,
+# its default), keyed by triton's version, the target, the kernel source and the tuning key, so a stale entry is
+# simply not found.  Refresh with the `save` step, which returns the new ones in kcache.tar.xz (triton/).
+if [ -d benchmarks/fla_autotune_h200 ]; then
+  mkdir -p "$KCACHE/triton" && cp -rn benchmarks/fla_autotune_h200/. "$KCACHE/triton/"
+fi
 # whichever bundles this call carried (.gpu: tilelang + peers; .gpu_cute: the CuTe DSL)
 for _d in .gpu .gpu_cute; do [ -f "$_d/setup.sh" ] && source "$_d/setup.sh"; done
 export PYTHONPATH=$PWD:${PYTHONPATH:-}
