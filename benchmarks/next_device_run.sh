@@ -17,6 +17,8 @@
 #   bash benchmarks/next_device_run.sh sweep      triton launch-configuration sweep, forward (#3)
 #   bash benchmarks/next_device_run.sh tritongrid the forward and forward+backward Step 2 grids, triton vs FLA (#3)
 #   bash benchmarks/next_device_run.sh tritontests the triton forward-form GPU tests (Tb, half precision, graphs)
+#   bash benchmarks/next_device_run.sh tritonshared the shared suite on triton, then all triton GPU tests (#3's last item)
+#   bash benchmarks/next_device_run.sh faultbisect a CUDA fault in a test selection (FB_K), isolated per variant
 #   bash benchmarks/next_device_run.sh flqfwdgrid FlashQLA's own forward grid, tilelang vs FlashQLA and FLA (#4;
 #                                                 FLQ_FILTER splits it over calls)
 #   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
@@ -181,6 +183,11 @@ case "$STEP" in
     else echo "== compute-sanitizer: not on this machine"; fi
     TAIL=8 run_step "the other triton GPU tests" ${FB_REST_S:-150} $PYT "$FB_T" \
         -k "(tb_forward or half_precision_forward_backward or cuda_graph or local_dv or kept_inverse) and not ($FB_K)" ;;
+  tritonshared)
+    # #3's last open item: the shared suite (tests/test_correctness.py) on the triton backend at the current kernels
+    # (bf16 K=128 and fp16 K=64 over the standard cases; the triton compiles happen here), then the triton GPU tests
+    TAIL=10 run_step "shared suite, triton" ${TSHARED_S:-400} $PYT tests/test_correctness.py -k triton
+    TAIL=6 run_step "triton GPU tests" ${TTEST_S:-150} $PYT tests/test_backend_triton.py ;;
   tritongrid)
     # #3's acceptance: the Step 2 forward grid (25 rows) and forward+backward grid (20 rows), triton against FLA's
     # Triton (FLA_FLASH_QLA=0), both in one lease; TGRID_FILTER picks rows, TGRID_MODES=fwd|bwd one preset
@@ -327,7 +334,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | faultbisect | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | faultbisect | tritonshared | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
