@@ -234,6 +234,18 @@ BWD_CASES = [
 ]
 
 
+@pytest.mark.parametrize("bv", [16, 64])
+def test_backward_state_gradient_block_widths(monkeypatch, bv):
+    # the state-gradient walk at the V-blocks ops._bstate_cfg may choose besides the default's 32 (BV 64 where
+    # the programs are many, 16 by request), with the intra-chunk dv_new from the prep: fp32 against the oracle
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"bstate.bv={bv}")
+    case = Case("bwd_bv", 1, 2, 64, 128, seqlens=(0, 1, 65, 64))       # V = 128: 8, 4 or 2 V-blocks
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=True)
+    grads = {n: e for n, e in res.errors.items() if n not in ("o", "ht")}
+    assert set(grads) >= {"dq", "dk", "dv", "dg", "dbeta"}
+    assert all(e <= GRAD_TOL for e in grads.values()), grads
+
+
 @pytest.mark.parametrize("case", BWD_CASES, ids=lambda c: c.name)
 def test_backward_fp32_matches_oracle(case):
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=True)
@@ -558,6 +570,20 @@ def test_gpu_half_precision_tb_forward(case, dtype, tune, monkeypatch):
                          ids=["state_t", "fused_t"])
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
 def test_gpu_transposed_state_forward_backward(case, tune, monkeypatch):
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+    res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.bfloat16, "cuda", grads=True)
+    assert res.ok, res.failures
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tune", ["bstate.bv=64", "bstate.bv=32,bstate.stages=3", "bstate.bv=16,bstate.stages=3",
+                                  "bstate.ldv=0", "wy.warps=8", "state.bv=16"],
+                         ids=["bstate_bv64_8warps", "bstate_3stages", "bstate_bv16", "bstate_in_loop_dv", "wy_8warps",
+                              "state_bv16"])
+@pytest.mark.parametrize("case", GPU_CASES[1:3], ids=lambda c: c.name)
+def test_gpu_backward_launch_forms(case, tune, monkeypatch):
+    # every launch form ops._bstate_cfg / _wy_cfg / _state_bv may pick (the small test cases get only the
+    # few-program one by default), and the in-loop intra-chunk dv_new, against the oracle in bf16
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.bfloat16, "cuda", grads=True)
     assert res.ok, res.failures
