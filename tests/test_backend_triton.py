@@ -460,6 +460,24 @@ def test_training_forward_keeps_the_wu_path(monkeypatch):
         assert calls == {"prep": 5, "prep_tb": 2, "prep_from_t": 1}
 
 
+def _grads_under_tunes(monkeypatch, case, dtype, tunes):
+    """The gradients (dq, dk, dv, dg, dbeta, dh0) of one call on ``case`` with o and ht both in the loss, under
+    each FLASHQLA_TRITON_TUNE setting of ``tunes`` (same inputs and upstream gradient for all)."""
+    x = make_inputs(case, dtype, DEV)
+    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
+    kw = dict(output_final_state=True, cu_seqlens=x["cu_seqlens"], use_qk_l2norm_in_kernel=case.l2norm,
+              backend=BACKEND)
+    do = torch.randn_like(x["v"])
+    out = []
+    for tune in tunes:
+        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+        leaves = [t.detach().clone().requires_grad_() for t in args]
+        h0 = x["initial_state"].detach().clone().requires_grad_()
+        o, ht = flashqla.chunk_gated_delta_rule(*leaves, initial_state=h0, **kw)
+        out.append(torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(), leaves + [h0]))
+    return out
+
+
 @pytest.mark.parametrize("l2", ["separate", pytest.param("fused", marks=FUSED_L2_ON_CPU)])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
                          ids=["fp32", "bf16"])     # (the interpreter serves fp32 only)
@@ -469,20 +487,9 @@ def test_kept_inverse_backward_matches_recompute(monkeypatch, l2, dtype):
     # agree to rounding; in bf16 the stored inverse is rounded once more than the recomputed fp32 one
     monkeypatch.setenv("FLASHQLA_TRITON_L2", l2)
     case = Case("savet", 1, 2, 64, 64, seqlens=(70, 1, 33), l2norm=True)
-    x = make_inputs(case, dtype, DEV)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"],
-              use_qk_l2norm_in_kernel=True, backend=BACKEND)
-    do = torch.randn_like(x["v"])
-    grads = {}
-    for savet in (1, 0):
-        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"fwd.savet={savet}")
-        leaves = [t.detach().clone().requires_grad_() for t in args]
-        h0 = x["initial_state"].detach().clone().requires_grad_()
-        o, ht = flashqla.chunk_gated_delta_rule(*leaves, **dict(kw, initial_state=h0))
-        grads[savet] = torch.autograd.grad((o.float() * do.float()).sum() + ht.sum(), leaves + [h0])
+    kept, recomputed = _grads_under_tunes(monkeypatch, case, dtype, ["fwd.savet=1", "fwd.savet=0"])
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    for a, b, name in zip(grads[1], grads[0], ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
+    for a, b, name in zip(kept, recomputed, ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
         assert rel_l2(a.float(), b.float()) <= tol, (name, rel_l2(a.float(), b.float()))
 
 
@@ -495,19 +502,9 @@ def test_local_dv_backward_matches_in_loop(monkeypatch, l2, transposed):
     # scale in either form, or a tile completed twice or not at all, would be far outside 1e-5
     monkeypatch.setenv("FLASHQLA_TRITON_L2", l2)
     case = Case("ldv", 1, 2, 64, 64, seqlens=(70, 1, 0, 33, 64), l2norm=True)
-    x = make_inputs(case, torch.float32, DEV)
-    args = (x["q"], x["k"], x["v"], x["g"], x["beta"])
-    kw = dict(initial_state=x["initial_state"], output_final_state=True, cu_seqlens=x["cu_seqlens"],
-              use_qk_l2norm_in_kernel=True, backend=BACKEND)
-    do = torch.randn_like(x["v"])
-    grads = {}
-    for ldv in (1, 0):
-        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", f"bstate.ldv={ldv},bstate.t={transposed}")
-        leaves = [t.detach().clone().requires_grad_() for t in args]
-        h0 = x["initial_state"].detach().clone().requires_grad_()
-        o, ht = flashqla.chunk_gated_delta_rule(*leaves, **dict(kw, initial_state=h0))
-        grads[ldv] = torch.autograd.grad((o * do).sum() + ht.sum(), leaves + [h0])
-    for a, b, name in zip(grads[1], grads[0], ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
+    local, in_loop = _grads_under_tunes(monkeypatch, case, torch.float32,
+                                        [f"bstate.ldv={ldv},bstate.t={transposed}" for ldv in (1, 0)])
+    for a, b, name in zip(local, in_loop, ("dq", "dk", "dv", "dg", "dbeta", "dh0")):
         assert rel_l2(a, b) <= 1e-5, (name, rel_l2(a, b))
 
 
