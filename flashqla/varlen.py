@@ -25,6 +25,8 @@ class VarlenMeta:
     cu_seqlens_cpu  tuple of N+1 Python ints (the same values)
     chunk_offsets   int32 [N+1] on the device: cumulative number of 64-token chunks per sequence
     chunk_indices   int32 [total_chunks, 2] on the device: (sequence, chunk within sequence)
+    walk_order      int32 [N] on the device: the sequences by descending length (ties by index), or None; the
+                    triton serial kernels can launch the longest walks first with it (``serial.order``)
     """
 
     cu_seqlens: torch.Tensor
@@ -32,6 +34,7 @@ class VarlenMeta:
     chunk_offsets: torch.Tensor
     chunk_indices: torch.Tensor
     chunk_size: int
+    walk_order: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:
@@ -106,4 +109,6 @@ def prepare_varlen(cu_seqlens: torch.Tensor, total_tokens: Optional[int] = None,
     dev = cu_seqlens.device
     chunk_offsets = torch.tensor(offsets, dtype=torch.int32).to(dev, non_blocking=True)
     chunk_indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(dev, non_blocking=True)
-    return VarlenMeta(cu_seqlens.contiguous(), values, chunk_offsets, chunk_indices, chunk_size)
+    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+    walk_order = torch.tensor(order, dtype=torch.int32).to(dev, non_blocking=True)
+    return VarlenMeta(cu_seqlens.contiguous(), values, chunk_offsets, chunk_indices, chunk_size, walk_order)

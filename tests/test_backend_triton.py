@@ -478,6 +478,28 @@ def _grads_under_tunes(monkeypatch, case, dtype, tunes):
     return out
 
 
+@pytest.mark.parametrize("fuse", [0, 1], ids=["three_kernel", "fused_output"])
+def test_longest_first_order_changes_nothing_but_the_order(monkeypatch, fuse):
+    # serial.order=1 (ops._serial_grid): the serial kernels launch the longest walks first through the meta's
+    # walk_order; every program computes what it did before, so the outputs and gradients are bitwise those
+    # of the 2-D grid (a wrong sequence, head or V-block mapping would show at once), inference and training
+    case = Case("order", 1, 2, 64, 64, seqlens=(1, 130, 0, 65, 200), l2norm=True)
+    x = make_inputs(case, torch.float32, DEV)
+    meta = flashqla.prepare_varlen(x["cu_seqlens"])
+    assert meta.walk_order.tolist() == [4, 1, 3, 0, 2]
+    tunes = [f"serial.order={order},fwd.fuse={fuse}" for order in (0, 1)]
+    outs = []
+    for tune in tunes:
+        monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
+        with torch.no_grad():
+            outs.append(flashqla.chunk_gated_delta_rule(
+                x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x["initial_state"], output_final_state=True,
+                cu_seqlens=x["cu_seqlens"], use_qk_l2norm_in_kernel=True, backend=BACKEND))
+    outs = [list(o) + list(g) for o, g in zip(outs, _grads_under_tunes(monkeypatch, case, torch.float32, tunes))]
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("l2", ["separate", pytest.param("fused", marks=FUSED_L2_ON_CPU)])
 @pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=pytest.mark.gpu)],
                          ids=["fp32", "bf16"])     # (the interpreter serves fp32 only)

@@ -23,7 +23,7 @@ import tempfile
 SMEM_LIMIT = {80: 99 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 _PTR_FP32 = {"g_ptr", "beta_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dq_ptr", "dk_ptr", "dka_ptr",
              "dGa_ptr", "dbeta_ptr", "dg_ptr"}
-_PTR_I32 = {"cu_ptr", "cidx_ptr", "coff_ptr"}
+_PTR_I32 = {"cu_ptr", "cidx_ptr", "coff_ptr", "ord_ptr"}
 _SCALAR_F32 = {"scale"}
 _DT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -75,7 +75,7 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
     for tb in (False, True):
         out.append(("state+output (fused" + (", Tb)" if tb else ")"), chunk_state.chunk_state_fwd_kernel,
                     dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True, TRANSPOSED=False,
-                         FROM_TB=tb),
+                         FROM_TB=tb, ORDERED=False),
                     launch))
     for bv_state in (16, 32, 64):     # 16: the Tb form on the fewest programs (ops._state_bv)
         bv, launch = cfg("state", bv_state)
@@ -85,7 +85,7 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
                 out.append((f"state ({'Tb, ' if tb else ''}bv={bv}, stages={stages})",
                             chunk_state.chunk_state_fwd_kernel,
                             dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False,
-                                 TRANSPOSED=False, FROM_TB=tb),
+                                 TRANSPOSED=False, FROM_TB=tb, ORDERED=False),
                             dict(launch, num_stages=stages)))
     bv, launch = cfg("output", 64 if ieee else V)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
@@ -98,8 +98,17 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
         if stages == 3 and arch < 90:
             continue
         out.append(("bwd state" + label, chunk_bwd_state.chunk_state_bwd_kernel,
-                    dict(feat, BV=min(bv, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=ldv),
+                    dict(feat, BV=min(bv, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=ldv,
+                         ORDERED=False),
                     dict(num_warps=warps, num_stages=st(stages))))
+    # the longest-first launch order (ops._serial_grid, serial.order=1): both serial kernels once
+    bv, launch = cfg("state", 32)
+    out.append(("state (longest first)", chunk_state.chunk_state_fwd_kernel,
+                dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False, TRANSPOSED=False,
+                     FROM_TB=False, ORDERED=True), launch))
+    out.append(("bwd state (longest first)", chunk_bwd_state.chunk_state_bwd_kernel,
+                dict(feat, BV=min(32, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=True,
+                     ORDERED=True), dict(num_warps=4, num_stages=st(2))))
     bv, launch = cfg("dqk")
     out.append(("bwd dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
     bv, launch = cfg("wy")

@@ -42,12 +42,13 @@ from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_las
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
 def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr, dh_ptr, dvn_ptr, cu_ptr, coff_ptr,
-                           scale, T, NT, TT, Hqk, Hv,
+                           ord_ptr, scale, T, NT, TT, Hqk, Hv,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                            USE_L2: tl.constexpr, HAS_DHT: tl.constexpr, STORE_DH0: tl.constexpr,
-                           IEEE: tl.constexpr, TRANSPOSED: tl.constexpr, LOCAL_DV: tl.constexpr = False):
-    v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K, V, BV,
-                                                                IS_VARLEN)
+                           IEEE: tl.constexpr, TRANSPOSED: tl.constexpr, LOCAL_DV: tl.constexpr = False,
+                           ORDERED: tl.constexpr = False):
+    v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, ord_ptr, T, NT, TT, Hqk, Hv, K, V,
+                                                                BV, IS_VARLEN, ORDERED)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     r = tl.arange(0, BT)
 

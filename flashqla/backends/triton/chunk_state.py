@@ -58,13 +58,13 @@ from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_las
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
 def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr,
-                           coff_ptr, scale, T, NT, TT, Hqk, Hv,
+                           coff_ptr, ord_ptr, scale, T, NT, TT, Hqk, Hv,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                            USE_L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                            STORE_H: tl.constexpr, FUSE_OUTPUT: tl.constexpr, IEEE: tl.constexpr,
-                           TRANSPOSED: tl.constexpr, FROM_TB: tl.constexpr = False):
-    v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K, V, BV,
-                                                                IS_VARLEN)
+                           TRANSPOSED: tl.constexpr, FROM_TB: tl.constexpr = False, ORDERED: tl.constexpr = False):
+    v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, ord_ptr, T, NT, TT, Hqk, Hv, K, V,
+                                                                BV, IS_VARLEN, ORDERED)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     r = tl.arange(0, BT)
 

@@ -93,16 +93,29 @@ def seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN: tl.constexpr, BT: tl.const
 
 
 @triton.jit
-def serial_program(cu_ptr, coff_ptr, T, NT, TT, Hqk, Hv, K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr,
-                   IS_VARLEN: tl.constexpr):
+def serial_program(cu_ptr, coff_ptr, ord_ptr, T, NT, TT, Hqk, Hv, K: tl.constexpr, V: tl.constexpr,
+                   BV: tl.constexpr, IS_VARLEN: tl.constexpr, ORDERED: tl.constexpr):
     """Coordinates of a program of a serial state kernel (grid ``(N * Hv, V // BV)``): ``(v0, h, hk, bos, eos,
     nt, cbase, sbase, GS)`` = its first state column, value head, query/key head, the sequence's token range,
     chunk count and first chunk id (``seq_bounds``), the element offset of its [K, V] state (int64) and the
-    plane stride of the gate buffer."""
-    pid = tl.program_id(0)
-    v0 = tl.program_id(1) * BV
-    n = pid // Hv
-    h = pid % Hv
+    plane stride of the gate buffer.
+
+    ``ORDERED`` (varlen, ``ops`` knob ``serial.order``): a 1-D grid of ``N * Hv * (V // BV)`` programs, sequence
+    by sequence in the order of ``ord_ptr`` (longest first: ``VarlenMeta.walk_order``).  Blocks start in grid
+    order, so the longest walks are spread over the SMs before any SM takes a second one; in the 2-D grid the
+    V-blocks are outermost, and with 28672 + 4096 tokens about half the long walks share an SM with another."""
+    if ORDERED:
+        NV: tl.constexpr = V // BV
+        pid = tl.program_id(0)
+        v0 = (pid % NV) * BV
+        rest = pid // NV
+        h = rest % Hv
+        n = tl.load(ord_ptr + rest // Hv)
+    else:
+        pid = tl.program_id(0)
+        v0 = tl.program_id(1) * BV
+        n = pid // Hv
+        h = pid % Hv
     hk = h // (Hv // Hqk)
     bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
     sbase = (n.to(tl.int64) * Hv + h) * K * V

@@ -79,6 +79,7 @@ class Geometry:
             self.NT = 0                       # unused by varlen kernels
             self.chunks = int(meta.chunk_indices.shape[0])
             self.cu, self.coff, self.cidx = meta.cu_seqlens, meta.chunk_offsets, meta.chunk_indices
+            self.order = getattr(meta, "walk_order", None)
         else:
             self.N = B
             self.busy = float(B)
@@ -86,6 +87,7 @@ class Geometry:
             self.chunks = B * self.NT
             # never dereferenced when IS_VARLEN is False; any device tensor will do
             self.cu = self.coff = self.cidx = q
+            self.order = None
         self.ieee = q.dtype == torch.float32
 
 
@@ -113,6 +115,7 @@ _DEFAULTS = {
     "bstate": dict(warps=0, stages=0, bv=0, t=0, ldv=1),  # 0s: _bstate_cfg; t=1: transposed state gradient
                                                   # (chunk_bwd_state); ldv: the intra-chunk dv_new from the
                                                   # kept-inverse prep (LOCAL_DV)
+    "serial": dict(order=0),                     # order=1: the serial walks launch longest first (_serial_grid)
     "dqk": dict(warps=8, stages=2, bv=64),
     "wy": dict(warps=0, stages=2, bv=64),         # warps 0: _wy_cfg
 }
@@ -139,7 +142,7 @@ def tune(kernel: str) -> dict:
             except (ValueError, KeyError) as exc:
                 raise ValueError(f"FLASHQLA_TRITON_TUNE: cannot parse {item!r} (kernel.key=int with kernel in "
                                  f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, fwd.tb, fwd.savet, "
-                                 "prep.maxnreg, state.t, fused.t, bstate.t, bstate.ldv)") from exc
+                                 "prep.maxnreg, state.t, fused.t, bstate.t, bstate.ldv, serial.order)") from exc
         _tune_cache[key] = cfg
     return _tune_cache[key]
 
@@ -214,6 +217,16 @@ def _state_bv(geo: Geometry, device, from_tb: bool = False) -> int:
 
 
 _STATE3_SMEM = 109 * 1024     # the unfused state kernel at BV <= 32 with three stages (bf16/fp16, K = V = 128, sm_90)
+
+
+def _serial_grid(geo: Geometry, BV: int):
+    """(grid, ord tensor, ORDERED) of a serial state kernel: the 2-D ``(N * Hv, V / BV)`` grid, or with
+    ``serial.order=1`` and a varlen batch whose meta has ``walk_order`` (``prepare_varlen``), the 1-D grid that
+    launches the longest walks first (``common.serial_program``; not yet measured, off by default)."""
+    nv = triton.cdiv(geo.V, BV)
+    if geo.varlen and geo.order is not None and geo.N > 1 and tune("serial")["order"]:
+        return (geo.N * geo.Hv * nv,), geo.order, True
+    return (geo.N * geo.Hv, nv), geo.cu, False
 
 
 def _smem_per_block(device) -> int:
@@ -389,13 +402,14 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         cfg["stages"] = cfg["stages"] or _state_stages(geo.busy * geo.Hv * triton.cdiv(geo.V, BV), BV, dev,
                                                        from_tb)
     dummy = u
-    launch(chunk_state_fwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
+    grid, order, ordered = _serial_grid(geo, BV)
+    launch(chunk_state_fwd_kernel, grid,
         q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         h if h is not None else dummy, vn if vn is not None else dummy, o if o is not None else dummy,
-        geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        geo.cu, geo.coff, order, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, STORE_H=not fuse_output, FUSE_OUTPUT=fuse_output, IEEE=geo.ieee,
-        TRANSPOSED=bool(cfg.get("t")), FROM_TB=from_tb, **_launch(cfg, geo))
+        TRANSPOSED=bool(cfg.get("t")), FROM_TB=from_tb, ORDERED=ordered, **_launch(cfg, geo))
     return (o if fuse_output else h), vn, ht
 
 
@@ -524,12 +538,13 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
     cfg = _bstate_cfg(geo, dev)
     BV = cfg["bv"]
-    launch(chunk_state_bwd_kernel, (geo.N * geo.Hv, triton.cdiv(geo.V, BV)),
+    grid, order, ordered = _serial_grid(geo, BV)
+    launch(chunk_state_bwd_kernel, grid,
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
-        geo.cu, geo.coff, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        geo.cu, geo.coff, order, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
         K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, IEEE=geo.ieee, TRANSPOSED=bool(cfg["t"]), LOCAL_DV=dvl is not None,
-        **_launch(cfg, geo))
+        ORDERED=ordered, **_launch(cfg, geo))
     return dh, dvn, dh0
 
 
