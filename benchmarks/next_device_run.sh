@@ -19,6 +19,7 @@
 #   bash benchmarks/next_device_run.sh tritontests the triton forward-form GPU tests (Tb, half precision, graphs)
 #   bash benchmarks/next_device_run.sh tritonshared the shared suite on triton, then all triton GPU tests (#3's last item)
 #   bash benchmarks/next_device_run.sh faultbisect a CUDA fault in a test selection (FB_K), isolated per variant
+#   bash benchmarks/next_device_run.sh sweeporder  triton serial walks longest-first (serial.order=1) on mixed lengths
 #   bash benchmarks/next_device_run.sh flqfwdgrid FlashQLA's own forward grid, tilelang vs FlashQLA and FLA (#4;
 #                                                 FLQ_FILTER splits it over calls)
 #   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
@@ -108,6 +109,15 @@ case "$STEP" in
     TAIL=14 run_step "triton sweep fwdbwd" 200 python benchmarks/sweep_variants.py --backend triton --mode fwdbwd \
         --rows ${SWEEPBWD_ROWS:-16/32:1x32768,16/32:4x8192,2/8:1x32768} --out $OUT/sweep_fwdbwd.json --variants \
         "${SWEEPBWD_VARIANTS:-default;$X=fwd.savet=0;$X=state.bv=16;$X=wy.bv=128;$X=wy.warps=4;$X=wy.stages=3;$X=dqk.bv=128;$X=dqk.warps=4;$X=bstate.stages=3;$X=bstate.bv=64,bstate.warps=8}" ;;
+  sweeporder)
+    # serial.order=1 (ops._serial_grid, off by default): the serial walks launched longest first, on the mixed-length
+    # rows where session 13's forward lost to FLA (28672+4096: 0.97-0.99x) and their mirror / a 4-sequence mix
+    X=FLASHQLA_TRITON_TUNE
+    for m in fwd fwdbwd; do
+      TAIL=12 run_step "triton sweep order $m" ${SWEEPORDER_S:-120} python benchmarks/sweep_variants.py --backend triton \
+          --mode $m --rows ${SWEEPORDER_ROWS:-16/32:28672+4096,8/32:28672+4096,16/64:28672+4096,16/32:4096+28672,16/32:10237+4573+12813+5145} \
+          --out $OUT/sweep_order_$m.json --variants "default;$X=serial.order=1"
+    done ;;
   tchain)
     # the register-only state chain of the tilelang forward (BV = 64) against the current kernels
     B=FLASHQLA_TILELANG_BV; O=FLASHQLA_TILELANG_WS_OPTS
@@ -334,7 +344,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | faultbisect | tritonshared | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | faultbisect | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
