@@ -102,13 +102,14 @@ case "$STEP" in
     TAIL=30 run_step "FLA profile fwd" ${SWEEP_FLA_S:-150} env FLA_FLASH_QLA=0 python benchmarks/profile_kernels.py \
         --impls fla --rows $R --modes fwd --out $OUT/profile_fla_fwd.json ;;
   sweepbwd)
-    # the backward kernels (16/32 1x32768 fwd+bwd: wy 2.45, state bwd 1.69, dqk 1.52 ms; FLA's whole call 8.2;
-    # fwd.savet=0: the backward recomputes the inverse, as before session 12; state.bv=16 on the w/u path, which
-    # only the Tb form takes by default)
+    # the backward's launch choices still open after session 13 (run 2 set wy on 4 warps and _bstate_cfg): BV 16 for
+    # the w/u state recurrence and the state gradient on the few-head long rows (the Tb forward's BV 16 cut its
+    # state kernel 0.736 -> 0.553 ms at 2/8 1x32768), BV 64 for the state gradient at 16/64, and the rows where
+    # fwd+bwd is below FLA (16/64 1x8k / 1x32k: 0.98-0.99x)
     X=FLASHQLA_TRITON_TUNE
     TAIL=14 run_step "triton sweep fwdbwd" 200 python benchmarks/sweep_variants.py --backend triton --mode fwdbwd \
-        --rows ${SWEEPBWD_ROWS:-16/32:1x32768,16/32:4x8192,2/8:1x32768} --out $OUT/sweep_fwdbwd.json --variants \
-        "${SWEEPBWD_VARIANTS:-default;$X=fwd.savet=0;$X=state.bv=16;$X=wy.bv=128;$X=wy.warps=4;$X=wy.stages=3;$X=dqk.bv=128;$X=dqk.warps=4;$X=bstate.stages=3;$X=bstate.bv=64,bstate.warps=8}" ;;
+        --rows ${SWEEPBWD_ROWS:-2/8:1x32768,4/16:1x32768,16/64:1x32768,16/64:1x8192} --out $OUT/sweep_fwdbwd.json --variants \
+        "${SWEEPBWD_VARIANTS:-default;$X=state.bv=16;$X=bstate.bv=16;$X=state.bv=16,bstate.bv=16;$X=bstate.bv=64;$X=dqk.warps=4;$X=fwd.savet=0}" ;;
   sweeporder)
     # serial.order=1 (ops._serial_grid, off by default): the serial walks launched longest first, on the mixed-length
     # rows where session 13's forward lost to FLA (28672+4096: 0.97-0.99x) and their mirror / a 4-sequence mix
