@@ -256,14 +256,15 @@ def _bstate_cfg(geo: Geometry, device) -> dict:
     return cfg
 
 
-def _wy_cfg(device) -> dict:
+def _wy_cfg(geo: Geometry, device) -> dict:
     """Launch of the WY-gradient kernel: 4 warps on sm_90 (two programs per SM at 255 registers; session 13 run
     2: 2.25 -> 1.31 ms at 16/32 1x32768 and 8/32 4x8192, 0.558 -> 0.324 at 2/8 1x32768), 8 elsewhere (at 4 warps
-    the sm_80 build spills ~440 B per thread; not measured there)."""
+    the sm_80 build spills ~440 B per thread; not measured there) and for fp32 inputs (their full-fp32 dots spill
+    ~21 KB per thread at 4 warps against ~13 KB at 8, sm_90)."""
     cfg = dict(tune("wy"))
     if not cfg["warps"]:
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
-        cfg["warps"] = 4 if cap[0] >= 9 else 8
+        cfg["warps"] = 4 if cap[0] >= 9 and not geo.ieee else 8
     return cfg
 
 
@@ -581,7 +582,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
     dv = torch.empty_like(v)
     dbeta = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
     dg = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
-    cfg = _wy_cfg(dev)
+    cfg = _wy_cfg(geo, dev)
     launch(chunk_bwd_wy_kernel, grid,
         k, v, beta, G, Tm, w, u, h, dvn, dk_a, dG_a, dk, dv, dbeta, dg, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
