@@ -59,8 +59,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_rows, load_tb, load_vec, mm, mmf, store_cols,
-                     tok_rows)
+from .common import (BT, L2_EPS, chunk_coords, chunk_ptr, gdiff, load_cols, load_rows, load_tb, load_vec, mm, mmf,
+                     row_offs, store_cols)
 
 
 @triton.jit
@@ -109,7 +109,7 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     Gd = tl.cumsum(g.to(tl.float64), 0)
     gh = Gd.to(tl.float32)
     gl = (Gd - gh.to(tl.float64)).to(tl.float32)
-    gp = G_ptr + h.to(tl.int64) * TT + tok_rows(t0, r, TT)
+    gp = chunk_ptr(G_ptr + h.to(tl.int64) * TT, t0, 0, 1, 1, TT) + row_offs(r, L, 1, 1)     # as load_gate reads it
     tl.store(gp, gh, mask=valid)
     tl.store(gp + Hv.to(tl.int64) * TT, gl, mask=valid)
     beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0, TT)

@@ -123,33 +123,27 @@ def serial_program(cu_ptr, coff_ptr, ord_ptr, T, NT, TT, Hqk, Hv, K: tl.constexp
 
 
 @triton.jit
-def tok_rows(t0, r, TT):
-    """Global token index of chunk rows ``r`` (int64), clamped into ``[0, TT)``.
-
-    Rows past the end of the sequence are masked at every load/store; the clamp additionally keeps
-    the *address* of a masked lane inside the buffer.  A compiled kernel may issue the loads of a loop
-    iteration that does not exist (the software pipeliner prefetches iteration i+1, predicated off), or
-    keep a masked lane's address in a ``cp.async`` with src-size 0: neither may then point outside the
-    tensor, whatever the hardware does with such an address.  For real rows the clamp is the identity.
-    """
-    return tl.minimum(tl.maximum(t0 + r, 0), TT - 1).to(tl.int64)
-
-
-@triton.jit
 def chunk_ptr(ptr, t0, head, H, D: tl.constexpr, TT):
     """Scalar pointer to element ``(t0, head, 0)`` of a token-major ``[*, H, D]`` tensor, the token clamped into
-    ``[0, TT)`` (see ``tok_rows``; a chunk that does not exist, ``L <= 0``, then points at a real token)."""
+    ``[0, TT)``; with ``row_offs`` the address of every lane of a chunk tile.
+
+    Rows past the end of the sequence are masked at every load/store; the clamps additionally keep the
+    *address* of a masked lane inside the buffer.  A compiled kernel may issue the loads of a loop iteration
+    that does not exist (the software pipeliner prefetches iteration i+1, predicated off; ``L <= 0``, and this
+    pointer then names a real token), or keep a masked lane's address in a ``cp.async`` with src-size 0: neither
+    may then point outside the tensor, whatever the hardware does with such an address.  For real rows the
+    clamps are the identity."""
     return ptr + (tl.minimum(tl.maximum(t0, 0), TT - 1) * H + head) * D
 
 
 @triton.jit
 def row_offs(r, L, H, D: tl.constexpr):
     """int32 element offsets of chunk rows ``r`` from ``chunk_ptr``; a row past the end takes the last real row's
-    offset, so with ``chunk_ptr``'s clamp every address lies inside the tensor (the ``tok_rows`` guarantee).
+    offset, so with ``chunk_ptr``'s clamp every address lies inside the tensor.
 
-    Why not ``tok_rows``: its int64 clamps and products, per row and per load, made the serial state kernel's
-    loop ~1.8x the instructions of FLA's ``fwd_h`` (sm_90 SASS, compile-only, session 13); the per-token int64
-    part is now one scalar per chunk and the per-row part int32 (64 * H * D < 2**31 for any head count we take).
+    Why split so: int64 clamps and products per row and per load (the previous form) made the serial state
+    kernel's loop ~1.8x the instructions of FLA's ``fwd_h`` (sm_90 SASS, compile-only, session 13); the per-token
+    int64 part is one scalar per chunk and the per-row part int32 (64 * H * D < 2**31 for any head count we take).
     """
     return tl.minimum(r, tl.maximum(L - 1, 0)) * (H * D)
 
