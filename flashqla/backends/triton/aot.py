@@ -62,8 +62,8 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
     prep_launch = dict(cfg("prep")[1], num_warps=ops.tune("prep")["warps"] or (8 if ieee else 4))
     prep_bw = min(ops.tune("prep")["bv"], K, V)
     # (every constexpr given: one left out would be compiled as a runtime i32 argument)
-    out = [("prep", chunk_prep.chunk_prep_kernel, dict(feat, STORE_T=True, BW=prep_bw, TB_ONLY=False, LOAD_T=False, DV_LOCAL=False),
-            prep_launch),
+    out = [("prep", chunk_prep.chunk_prep_kernel,
+            dict(feat, STORE_T=True, BW=prep_bw, TB_ONLY=False, LOAD_T=False, DV_LOCAL=False), prep_launch),
            ("prep (Tb only)", chunk_prep.chunk_prep_kernel,
             dict(feat, STORE_T=False, BW=prep_bw, TB_ONLY=True, LOAD_T=False, DV_LOCAL=False), prep_launch),
            ("prep (w, u from the kept inverse)", chunk_prep.chunk_prep_kernel,

@@ -34,8 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_gate, load_gate_last, load_rows,
-                     load_state, load_vec, mm, mma, store_cols, store_rows, store_vec)
+from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_gate, load_gate_last, load_rows, load_state,
+                     load_vec, masked_decay, mm, mma, store_cols, store_rows, store_vec)
 
 
 @triton.jit
@@ -100,7 +100,7 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, do_ptr, dq_
     lh, ll = load_gate_last(G_ptr, t0, L, h, TT, Hv.to(tl.int64) * TT)
     incl = (r[:, None] >= r[None, :]) & valid[:, None]
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])          # G_r - G_j
-    dP = tl.where(incl, ds * tl.exp(tl.where(incl, d, 0.0)), 0.0) * scale
+    dP = masked_decay(ds, incl, d) * scale
 
     # dq (complete here)
     k, rk = _load_qk_hat(k_ptr, t0, L, hk, Hqk, K, USE_L2, DT, TT)
@@ -165,7 +165,7 @@ def chunk_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Tm_ptr, w_ptr, u_ptr, h_p
     # (ordered so that at most three [64, 64] fp32 tiles are live)
     strict = r[:, None] > r[None, :]
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
-    Dm = tl.where(strict, tl.exp(tl.where(strict, d, 0.0)), 0.0)
+    Dm = masked_decay(1.0, strict, d)
     dA = tl.where(strict, dA, 0.0)
     Bm = mm(k, tl.trans(k), IEEE, DT) * Dm                               # (k k^T) D, so A = beta Bm
     t = dA * Bm

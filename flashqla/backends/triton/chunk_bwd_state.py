@@ -37,7 +37,8 @@ import triton
 import triton.language as tl
 
 from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_last, load_rows, load_state,
-                     load_state_t, load_t, mm, serial_program, store_cols, store_state, store_state_t, store_t)
+                     load_state_t, load_t, masked_decay, mm, serial_program, store_cols, store_state, store_state_t,
+                     store_t)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -93,8 +94,7 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
                 # rows: queries r (real), columns: keys j <= r
                 m = (r[:, None] >= r[None, :]) & valid[:, None]
                 pm = mm(q, tl.trans(k), IEEE, DT)
-                pm = tl.where(m, pm * tl.exp(tl.where(m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]),
-                                                      0.0)), 0.0)
+                pm = masked_decay(pm, m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]))
                 dvnt = scale * mm(dot_, pm, IEEE, DT)
             dvnt = dvnt + mm(dS, tl.trans(k), IEEE, DT) * fac[None, :]
             store_t(dvn_ptr, dvnt, t0, L, h, Hv, V, BT, v0, BV, TT)
@@ -109,7 +109,7 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
                 m = (r[:, None] <= r[None, :]) & valid[None, :]
                 pt = mm(k, tl.trans(q), IEEE, DT)
                 d = gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None])
-                pt = tl.where(m, pt * tl.exp(tl.where(m, d, 0.0)), 0.0)
+                pt = masked_decay(pt, m, d)
                 dvn = scale * mm(pt, do, IEEE, DT)
             # gate factors go on the [64, BV] side of each product (diag(c) X) Y = diag(c) (X Y), etc.
             dvn = dvn + fac[:, None] * mm(k, dS, IEEE, DT)

@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import BT, L2_EPS, chunk_coords, gdiff, l2n, load_cols, load_gate, load_rows, load_state, mm, store_cols
+from .common import (BT, L2_EPS, chunk_coords, gdiff, l2n, load_cols, load_gate, load_rows, load_state, masked_decay,
+                     mm, store_cols)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -45,6 +46,6 @@ def chunk_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_
     m = (r[:, None] >= r[None, :]) & valid[:, None]
     a = mm(q, tl.trans(k), IEEE, DT)
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
-    a = tl.where(m, a * tl.exp(tl.where(m, d, 0.0)), 0.0)
+    a = masked_decay(a, m, d)
     o += mm(a, vn, IEEE, DT)
     store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV, TT)

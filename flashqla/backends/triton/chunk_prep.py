@@ -59,8 +59,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, chunk_coords, chunk_ptr, gdiff, load_cols, load_rows, load_tb, load_vec, mm, mmf,
-                     row_offs, store_cols)
+from .common import (BT, L2_EPS, chunk_coords, chunk_ptr, gdiff, load_cols, load_rows, load_tb, load_vec, masked_decay,
+                     mm, mmf, row_offs, store_cols)
 
 
 @triton.jit
@@ -133,7 +133,7 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
             A = A * rk_r[:, None] * rk_c[None, :]
         strict = ri > ci
         d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])
-        A = tl.where(strict, beta[:, None] * A * tl.exp(tl.where(strict, d, 0.0)), 0.0)
+        A = masked_decay(beta[:, None] * A, strict, d)
         Ti = ut_inverse(A, IEEE)
     cw = beta * tl.exp(gh + gl)
     if USE_L2:
@@ -166,8 +166,7 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
                 qf = qq.to(tl.float32)
                 pt = pt * rk_r[:, None] * tl.rsqrt(tl.sum(qf * qf, 1) + L2_EPS)[None, :]
             m = (ri <= ci) & valid[None, :]
-            pt = tl.where(m, pt * tl.exp(tl.where(m, gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None]), 0.0)),
-                          0.0)
+            pt = masked_decay(pt, m, gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None]))
             pt = (pt * scale).to(DT)
             for c in tl.static_range(0, V, BW):
                 store_cols(dvl_ptr, mm(pt, load_cols(do_ptr, t0, L, h, Hv, V, BT, c, BW, TT), IEEE, DT),

@@ -52,8 +52,8 @@ import triton
 import triton.language as tl
 
 from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_last, load_rows, load_state,
-                     load_state_t, load_t, load_tb, mm, mma, serial_program, store_cols, store_state, store_state_t,
-                     store_t)
+                     load_state_t, load_t, load_tb, masked_decay, mm, mma, serial_program, store_cols, store_state,
+                     store_state_t, store_t)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -111,8 +111,7 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                 # Pm^T[j, r] = (k_j . q_r) exp(G_r - G_j) for j <= r (rows r past the end are never stored)
                 mt = (r[:, None] <= r[None, :]) & valid[None, :]
                 at = mm(k, qt, IEEE, DT)
-                at = tl.where(mt, at * tl.exp(tl.where(mt, gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None]),
-                                                       0.0)), 0.0)
+                at = masked_decay(at, mt, gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None]))
                 ot = mma(vnt, at, mm(Sc, qt, IEEE, DT) * tl.exp(gh + gl)[None, :], IEEE, DT)
                 store_t(o_ptr, ot * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
@@ -142,8 +141,7 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                 q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
                 m = (r[:, None] >= r[None, :]) & valid[:, None]
                 a = mm(q, tl.trans(k), IEEE, DT)
-                a = tl.where(m, a * tl.exp(tl.where(m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]),
-                                                     0.0)), 0.0)
+                a = masked_decay(a, m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]))
                 o = mma(a, vn, mm(q, Sc, IEEE, DT) * tl.exp(gh + gl)[:, None], IEEE, DT)
                 store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)

@@ -233,6 +233,14 @@ def gdiff(hi_a, lo_a, hi_b, lo_b):
 
 
 @triton.jit
+def masked_decay(x, m, d):
+    """``x * exp(d)`` where ``m``, else 0 (``d`` an exponent ``G_a - G_b``, ``m`` the causal mask): the exp is taken
+    only of the masked-in exponents, which are <= 0, so however strong the decay nothing overflows and no
+    ``inf * 0`` reaches the masked-out entries."""
+    return tl.where(m, x * tl.exp(tl.where(m, d, 0.0)), 0.0)
+
+
+@triton.jit
 def l2n(x, USE_L2: tl.constexpr, EPS: tl.constexpr):
     """Row-wise x * rsqrt(sum(x^2) + eps) (in fp32) when USE_L2, else x; rows of zeros stay zero."""
     if USE_L2:
