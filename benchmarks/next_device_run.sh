@@ -18,7 +18,6 @@
 #   bash benchmarks/next_device_run.sh tritongrid the forward and forward+backward Step 2 grids, triton vs FLA (#3)
 #   bash benchmarks/next_device_run.sh tritontests the triton forward-form GPU tests (Tb, half precision, graphs)
 #   bash benchmarks/next_device_run.sh tritonshared the shared suite on triton, then all triton GPU tests (#3's last item)
-#   bash benchmarks/next_device_run.sh faultbisect a CUDA fault in a test selection (FB_K), isolated per variant
 #   bash benchmarks/next_device_run.sh sweeporder  triton serial walks longest-first (serial.order=1) on mixed lengths
 #   bash benchmarks/next_device_run.sh flqfwdgrid FlashQLA's own forward grid, tilelang vs FlashQLA and FLA (#4;
 #                                                 FLQ_FILTER splits it over calls)
@@ -173,27 +172,6 @@ case "$STEP" in
     TAIL=40 run_step "flashqla-fwd preset ${FLQ_FILTER:-all}" ${FLQGRID_S:-400} python -m flashqla bench \
         --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla \
         ${FLQ_FILTER:+--filter "$FLQ_FILTER"} --out $OUT/flqfwd ;;
-  faultbisect)
-    # a CUDA fault in the triton GPU tests (session 13 run 2: illegal address from the kept-inverse test with the
-    # fused L2 norm, which killed every later test): the selection FB_K in its own process per variant, launches
-    # synchronous so the traceback names the kernel, under compute-sanitizer when present; then the other tests
-    # alone.  FB_OLD: a common.py to swap in for one more variant (the previous addressing helpers)
-    FB_T=${FB_T:-tests/test_backend_triton.py}; FB_K=${FB_K:-kept_inverse and bf16 and fused}
-    for V in "X=default" "FLASHQLA_TRITON_TUNE=bstate.ldv=0" "FLASHQLA_TRITON_TUNE=fwd.savet=0"; do
-      TAIL=6 run_step "fault: $V" 100 env $V CUDA_LAUNCH_BLOCKING=1 $PYT -x --tb=short "$FB_T" -k "$FB_K"
-      grep -n "ops.py\|chunk_.*py\|Error" "$OUT/logs/"*"$(echo "fault: $V" | tr -c 'a-zA-Z0-9\n' '_' | cut -c1-40)"*.log | head -12
-    done
-    if [ -n "${FB_OLD:-}" ] && [ -f "$FB_OLD" ]; then
-      cp flashqla/backends/triton/common.py /tmp/new_common.py && cp "$FB_OLD" flashqla/backends/triton/common.py
-      TAIL=6 run_step "fault: old common" 100 env CUDA_LAUNCH_BLOCKING=1 $PYT -x --tb=short "$FB_T" -k "$FB_K"
-      cp /tmp/new_common.py flashqla/backends/triton/common.py
-    fi
-    if command -v compute-sanitizer > /dev/null; then
-      TAIL=30 run_step "fault: compute-sanitizer" 150 compute-sanitizer --tool memcheck --print-limit 5 \
-          python -m pytest -q -p no:cacheprovider -m gpu -x --tb=line "$FB_T" -k "$FB_K"
-    else echo "== compute-sanitizer: not on this machine"; fi
-    TAIL=8 run_step "the other triton GPU tests" ${FB_REST_S:-150} $PYT "$FB_T" \
-        -k "(tb_forward or half_precision_forward_backward or cuda_graph or local_dv or kept_inverse) and not ($FB_K)" ;;
   tritonshared)
     # #3's last open item: the shared suite (tests/test_correctness.py) on the triton backend at the current kernels
     # (bf16 K=128 and fp16 K=64 over the standard cases; the triton compiles happen here), then the triton GPU tests
@@ -345,7 +323,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | faultbisect | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

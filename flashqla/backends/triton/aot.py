@@ -91,7 +91,6 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
     # the state gradient as ops._bstate_cfg launches it: BV 32 on 4 warps with 2 or 3 stages, BV 64 on 8 warps;
     # and without the local dv (a backward that recomputes the inverse)
-    st = (lambda n: 1) if ieee else (lambda n: n)
     for label, bv, warps, stages, ldv in (("", 32, 4, 2, False), (" (local dv)", 32, 4, 2, True),
                                           (" (local dv, 3 stages)", 32, 4, 3, True),
                                           (" (local dv, bv=64)", 64, 8, 2, True)):
@@ -100,7 +99,7 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
         out.append(("bwd state" + label, chunk_bwd_state.chunk_state_bwd_kernel,
                     dict(feat, BV=min(bv, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=ldv,
                          ORDERED=False),
-                    dict(num_warps=warps, num_stages=st(stages))))
+                    dict(num_warps=warps, num_stages=1 if ieee else stages)))
     # the longest-first launch order (ops._serial_grid, serial.order=1): both serial kernels once
     bv, launch = cfg("state", 32)
     out.append(("state (longest first)", chunk_state.chunk_state_fwd_kernel,
@@ -108,7 +107,7 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
                      FROM_TB=False, ORDERED=True), launch))
     out.append(("bwd state (longest first)", chunk_bwd_state.chunk_state_bwd_kernel,
                 dict(feat, BV=min(32, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=True,
-                     ORDERED=True), dict(num_warps=4, num_stages=st(2))))
+                     ORDERED=True), dict(num_warps=4, num_stages=1 if ieee else 2)))
     bv, launch = cfg("dqk")
     out.append(("bwd dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
     bv, launch = cfg("wy")
