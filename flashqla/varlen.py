@@ -25,8 +25,6 @@ class VarlenMeta:
     cu_seqlens_cpu  tuple of N+1 Python ints (the same values)
     chunk_offsets   int32 [N+1] on the device: cumulative number of 64-token chunks per sequence
     chunk_indices   int32 [total_chunks, 2] on the device: (sequence, chunk within sequence)
-    walk_order      int32 [N] on the device: the sequences by descending length (ties by index), or None; the
-                    triton serial kernels can launch the longest walks first with it (``serial.order``)
     """
 
     cu_seqlens: torch.Tensor
@@ -34,7 +32,6 @@ class VarlenMeta:
     chunk_offsets: torch.Tensor
     chunk_indices: torch.Tensor
     chunk_size: int
-    walk_order: Optional[torch.Tensor] = None
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +59,18 @@ class VarlenMeta:
         the GPU backends' launch heuristics (V-block, stages) count this rather than the sequences."""
         longest = self.max_seqlen
         return self.total_tokens / longest if longest > 0 else float(self.num_seqs)
+
+    @functools.cached_property
+    def walk_order(self) -> torch.Tensor:
+        """int32 [N] on the device: the sequences by descending length (ties by index).  The triton serial kernels
+        launch the longest walks first with it when asked (``serial.order``), so it is built on first use, not
+        for every batch; that first use uploads it and must not be inside CUDA-graph capture."""
+        if self.cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("VarlenMeta.walk_order is built on the host on first use, which cannot happen during "
+                               "CUDA graph capture: run the call once before capturing it")
+        lens = self.seqlens
+        order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
+        return torch.tensor(order, dtype=torch.int32).to(self.cu_seqlens.device, non_blocking=True)
 
     @property
     def seqlens(self) -> list[int]:
@@ -109,6 +118,4 @@ def prepare_varlen(cu_seqlens: torch.Tensor, total_tokens: Optional[int] = None,
     dev = cu_seqlens.device
     chunk_offsets = torch.tensor(offsets, dtype=torch.int32).to(dev, non_blocking=True)
     chunk_indices = torch.tensor(pairs, dtype=torch.int32).reshape(-1, 2).to(dev, non_blocking=True)
-    order = sorted(range(len(lens)), key=lambda i: (-lens[i], i))
-    walk_order = torch.tensor(order, dtype=torch.int32).to(dev, non_blocking=True)
-    return VarlenMeta(cu_seqlens.contiguous(), values, chunk_offsets, chunk_indices, chunk_size, walk_order)
+    return VarlenMeta(cu_seqlens.contiguous(), values, chunk_offsets, chunk_indices, chunk_size)

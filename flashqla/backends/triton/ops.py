@@ -79,7 +79,6 @@ class Geometry:
             self.NT = 0                       # unused by varlen kernels
             self.chunks = int(meta.chunk_indices.shape[0])
             self.cu, self.coff, self.cidx = meta.cu_seqlens, meta.chunk_offsets, meta.chunk_indices
-            self.order = getattr(meta, "walk_order", None)
         else:
             self.N = B
             self.busy = float(B)
@@ -87,7 +86,7 @@ class Geometry:
             self.chunks = B * self.NT
             # never dereferenced when IS_VARLEN is False; any device tensor will do
             self.cu = self.coff = self.cidx = q
-            self.order = None
+        self.meta = meta
         self.ieee = q.dtype == torch.float32
 
 
@@ -221,11 +220,11 @@ _STATE3_SMEM = 109 * 1024     # the unfused state kernel at BV <= 32 with three 
 
 def _serial_grid(geo: Geometry, BV: int):
     """(grid, ord tensor, ORDERED) of a serial state kernel: the 2-D ``(N * Hv, V / BV)`` grid, or with
-    ``serial.order=1`` and a varlen batch whose meta has ``walk_order`` (``prepare_varlen``), the 1-D grid that
-    launches the longest walks first (``common.serial_program``; not yet measured, off by default)."""
+    ``serial.order=1`` and a varlen batch, the 1-D grid that launches the longest walks first
+    (``common.serial_program`` over ``VarlenMeta.walk_order``; not yet measured, off by default)."""
     nv = triton.cdiv(geo.V, BV)
-    if geo.varlen and geo.order is not None and geo.N > 1 and tune("serial")["order"]:
-        return (geo.N * geo.Hv * nv,), geo.order, True
+    if geo.varlen and geo.N > 1 and tune("serial")["order"]:
+        return (geo.N * geo.Hv * nv,), geo.meta.walk_order, True
     return (geo.N * geo.Hv, nv), geo.cu, False
 
 
