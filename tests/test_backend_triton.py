@@ -533,10 +533,13 @@ def test_local_dv_backward_matches_in_loop(monkeypatch, l2, transposed):
 # --- compile-only (no GPU): the real compiler, not the interpreter ----------------------------------
 
 @pytest.mark.compile
-@pytest.mark.parametrize("dtype,head_dim", [("bfloat16", 128), ("float16", 64), ("float32", 128)])
-def test_kernels_compile_for_sm80_and_sm90(dtype, head_dim):
+@pytest.mark.parametrize("dtype,head_dim,ones", [("bfloat16", 128, False), ("float16", 64, False),
+                                                 ("float32", 128, False), ("bfloat16", 128, True)])
+def test_kernels_compile_for_sm80_and_sm90(dtype, head_dim, ones):
     # every kernel with all features on, default launch configs; fails on a compile error or on more
-    # shared memory than the smallest GPU of the family has (99 KB for sm_8x: sm_86 / sm_89)
+    # shared memory than the smallest GPU of the family has (99 KB for sm_8x: sm_86 / sm_89).
+    # ones: every integer argument Triton specializes set to 1, as a one-head launch compiles (a Python int
+    # there, so `Hv.to(...)` broke the H200's Hv=1 case while the interpreter, wrapping every argument, passed)
     import subprocess
     import sys
 
@@ -544,9 +547,9 @@ def test_kernels_compile_for_sm80_and_sm90(dtype, head_dim):
     if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
         pytest.skip("the triton wheel ships no ptxas here")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    arches = ["90"] if dtype == "float32" else ["90", "80"]  # fp32 at 128 is refused on the 99 KB parts
+    arches = ["90"] if dtype == "float32" or ones else ["90", "80"]  # fp32 at 128 is refused on the 99 KB parts
     proc = subprocess.run([sys.executable, "-m", "flashqla.backends.triton.aot", "--arch", *arches,
-                           "--dtype", dtype, "--head-dim", str(head_dim)],
+                           "--dtype", dtype, "--head-dim", str(head_dim)] + (["--ones"] if ones else []),
                           capture_output=True, text=True, env=env, timeout=900)
     print(proc.stdout)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-4000:]

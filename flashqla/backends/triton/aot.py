@@ -131,8 +131,20 @@ def _resources(cubin: bytes) -> dict:
     return dict(regs=get("REG"), stack=get("STACK"))
 
 
-def compile_all(arch: int, dtype: str = "bfloat16", K: int = 128, V: int = 128) -> list[dict]:
-    """Compile every kernel for ``sm_<arch>``; one dict per kernel (label, ok, regs, stack, smem, error)."""
+def _ones(fn, consts: dict) -> dict:
+    """Every integer scalar Triton would specialize, set to 1: a launch with that argument equal to 1 (one value
+    head, say) gets a kernel where it is a Python int, not a tensor, so ``Hv.to(...)`` fails to compile there
+    while the interpreter, which wraps every argument, never notices."""
+    keep = set(getattr(fn, "do_not_specialize", ()) or ())
+    keep |= {fn.arg_names[i] for i in keep if isinstance(i, int)}
+    ones = {name: 1 for name in fn.arg_names
+            if name not in consts and not name.endswith("_ptr") and name not in _SCALAR_F32 and name not in keep}
+    return {**consts, **ones}
+
+
+def compile_all(arch: int, dtype: str = "bfloat16", K: int = 128, V: int = 128, ones: bool = False) -> list[dict]:
+    """Compile every kernel for ``sm_<arch>``; one dict per kernel (label, ok, regs, stack, smem, error).
+    ``ones``: with every specializable integer argument equal to 1 (``_ones``)."""
     if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
         raise RuntimeError("unset TRITON_INTERPRET: interpreted kernels cannot be compiled")
     import triton
@@ -145,6 +157,8 @@ def compile_all(arch: int, dtype: str = "bfloat16", K: int = 128, V: int = 128) 
         fn = kern  # the JITFunction itself: ASTSource wants it
         # a constexpr left at its default is still a constexpr (else _signature would make it an i32 argument)
         consts = {**{p.name: p.default for p in fn.params if p.is_constexpr and p.has_default}, **consts}
+        if ones:
+            consts = _ones(fn, consts)
         sig, attrs = _signature(fn, consts, dt)
         row = dict(label=label, launch=launch)
         try:
@@ -162,11 +176,13 @@ def main(argv=None) -> int:
     ap.add_argument("--arch", type=int, nargs="+", default=[90, 80])
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(_DT))
     ap.add_argument("--head-dim", type=int, default=128, choices=(64, 128))
+    ap.add_argument("--ones", action="store_true",
+                    help="every specializable integer argument equal to 1, as Triton compiles a launch with one head")
     args = ap.parse_args(argv)
     bad = 0
     for arch in args.arch:
         limit = SMEM_LIMIT.get(arch, 99 * 1024)
-        for row in compile_all(arch, args.dtype, args.head_dim, args.head_dim):
+        for row in compile_all(arch, args.dtype, args.head_dim, args.head_dim, args.ones):
             if not row["ok"]:
                 bad += 1
                 print(f"sm_{arch} {row['label']:<30} FAILED {row['error']}")

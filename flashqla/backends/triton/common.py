@@ -119,7 +119,7 @@ def serial_program(cu_ptr, coff_ptr, ord_ptr, T, NT, TT, Hqk, Hv, K: tl.constexp
     hk = h // (Hv // Hqk)
     bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
     sbase = (n.to(tl.int64) * Hv + h) * K * V
-    return v0, h, hk, bos, eos, nt, cbase, sbase, Hv.to(tl.int64) * TT
+    return v0, h, hk, bos, eos, nt, cbase, sbase, tl.cast(Hv, tl.int64) * TT
 
 
 @triton.jit
