@@ -161,12 +161,34 @@ def test_launch_choices_follow_the_h200_sweep(monkeypatch):
     assert not ops.fuse_forward_output(geo(1, 32), dev)       # 128
     assert ops.fuse_forward_output(geo(4, 32), dev)           # 512: fused (was unfused at 4 per SM)
     assert ops.fuse_forward_output(geo(8, 32), dev)
-    bv_geo = lambda n, hv: SimpleNamespace(busy=float(n), Hv=hv, V=128)  # noqa: E731
+    bv_geo = lambda n, hv, ieee=False: SimpleNamespace(busy=float(n), Hv=hv, V=128, ieee=ieee)  # noqa: E731
     assert ops._state_bv(bv_geo(1, 8), dev, True) == 16                   # Tb form, 64 programs at 16
     assert ops._state_bv(bv_geo(1, 16), dev, True) == 16                  # 128 <= 132
     assert ops._state_bv(bv_geo(1, 32), dev, True) == 32                  # 256 at 16: too many
-    assert ops._state_bv(bv_geo(1, 8), dev) == 32                         # the w/u path keeps 32
+    assert ops._state_bv(bv_geo(1, 8), dev) == 16                         # the w/u path too (session 14)
+    assert ops._state_bv(bv_geo(1, 16), dev) == 16 and ops._state_bv(bv_geo(1, 32), dev) == 32
+    assert ops._state_bv(bv_geo(1, 8, True), dev) == 32                   # fp32 w/u: 16 not measured
     assert ops._state_bv(bv_geo(4, 64), dev, True) == 64
+    # the state gradient: the widest V-block whose programs fit one per SM, BV 64 past the BV-32 wave
+    monkeypatch.setattr(ops, "_smem_per_block", lambda device: 227 * 1024)
+    bst = lambda n, hv, ieee=False: ops._bstate_cfg(bv_geo(n, hv, ieee), dev)  # noqa: E731
+    assert bst(1, 8)["bv"] == 16 and bst(1, 16)["bv"] == 16              # 64 / 128 BV-16 programs
+    assert bst(1, 16)["stages"] == 3 and bst(1, 16)["warps"] == 4
+    assert bst(1, 32)["bv"] == 32 and bst(1, 32)["stages"] == 3           # 128 BV-32 programs (16/32 1x32k)
+    assert bst(1, 64)["bv"] == 64 and bst(1, 64)["warps"] == 8            # 256 BV-32 programs (16/64 1x32k)
+    assert bst(4, 32)["bv"] == 64 and bst(4, 32)["stages"] == 2
+    assert bst(1, 8, True)["bv"] == 32 and bst(4, 32, True)["bv"] == 32   # fp32: 32 throughout
+    monkeypatch.setattr(ops, "_smem_per_block", lambda device: 0)
+    assert bst(1, 32)["stages"] == 2                                      # no room for a third stage
+    # the chunk-parallel gradient kernels: 4 warps on sm_90 for 16-bit inputs, 8 otherwise
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    cuda = torch.device("cuda")
+    assert ops._grads_warps("dqk", bv_geo(1, 8), cuda)["warps"] == 4
+    assert ops._grads_warps("wy", bv_geo(1, 8), cuda)["warps"] == 4
+    assert ops._grads_warps("dqk", bv_geo(1, 8, True), cuda)["warps"] == 8
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert ops._grads_warps("dqk", bv_geo(1, 8), cuda)["warps"] == 8
+    assert ops._grads_warps("wy", bv_geo(1, 8), dev)["warps"] == 8
     monkeypatch.setattr(ops, "_state3_per_sm", lambda device: 1)          # sm_80: one 3-stage program per SM
     assert ops._state_stages(128, 32, dev) == 3 and ops._state_stages(32, 32, dev) == 3
     assert ops._state_stages(146, 32, dev) == 2
@@ -598,14 +620,15 @@ def test_gpu_transposed_state_forward_backward(case, tune, monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tune", ["bstate.bv=64", "bstate.bv=32,bstate.stages=3", "bstate.bv=16,bstate.stages=3",
-                                  "bstate.ldv=0", "wy.warps=8", "state.bv=16"],
-                         ids=["bstate_bv64_8warps", "bstate_3stages", "bstate_bv16", "bstate_in_loop_dv", "wy_8warps",
-                              "state_bv16"])
+@pytest.mark.parametrize("tune", ["bstate.bv=64", "bstate.bv=32,bstate.stages=3", "bstate.bv=32,bstate.stages=2",
+                                  "bstate.ldv=0", "wy.warps=8,dqk.warps=8", "state.bv=32"],
+                         ids=["bstate_bv64_8warps", "bstate_bv32_3stages", "bstate_bv32_2stages", "bstate_in_loop_dv",
+                              "grads_8warps", "state_bv32"])
 @pytest.mark.parametrize("case", GPU_CASES[1:3], ids=lambda c: c.name)
 def test_gpu_backward_launch_forms(case, tune, monkeypatch):
-    # every launch form ops._bstate_cfg / _wy_cfg / _state_bv may pick (the small test cases get only the
-    # few-program one by default), and the in-loop intra-chunk dv_new, against the oracle in bf16
+    # every launch form ops._bstate_cfg / _grads_warps / _state_bv may pick (the small test cases get only the
+    # few-program one by default: BV 16 walks, 4-warp gradient kernels), and the in-loop intra-chunk dv_new,
+    # against the oracle in bf16
     monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune)
     res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.bfloat16, "cuda", grads=True)
     assert res.ok, res.failures

@@ -89,10 +89,12 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
                             dict(launch, num_stages=stages)))
     bv, launch = cfg("output", 64 if ieee else V)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
-    # the state gradient as ops._bstate_cfg launches it: BV 32 on 4 warps with 2 or 3 stages, BV 64 on 8 warps;
+    # the state gradient as ops._bstate_cfg launches it: BV 16 / 32 on 4 warps with 2 or 3 stages, BV 64 on 8 warps;
     # and without the local dv (a backward that recomputes the inverse)
     for label, bv, warps, stages, ldv in (("", 32, 4, 2, False), (" (local dv)", 32, 4, 2, True),
                                           (" (local dv, 3 stages)", 32, 4, 3, True),
+                                          (" (local dv, bv=16)", 16, 4, 2, True),
+                                          (" (local dv, bv=16, 3 stages)", 16, 4, 3, True),
                                           (" (local dv, bv=64)", 64, 8, 2, True)):
         if stages == 3 and arch < 90:
             continue
@@ -108,12 +110,11 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
     out.append(("bwd state (longest first)", chunk_bwd_state.chunk_state_bwd_kernel,
                 dict(feat, BV=min(32, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=True,
                      ORDERED=True), dict(num_warps=4, num_stages=1 if ieee else 2)))
-    bv, launch = cfg("dqk")
-    out.append(("bwd dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel, dict(feat, BV=bv, GRAD_PER_VHEAD=True), launch))
-    bv, launch = cfg("wy")
-    for warps in (4, 8):       # ops._wy_cfg: 4 on sm_90, 8 elsewhere
-        out.append((f"bwd wy (warps={warps})", chunk_bwd_grads.chunk_bwd_wy_kernel,
-                    dict(feat, BV=bv, GRAD_PER_VHEAD=True), dict(launch, num_warps=warps)))
+    for name, kern in (("dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel), ("wy", chunk_bwd_grads.chunk_bwd_wy_kernel)):
+        bv, launch = cfg(name)
+        for warps in (4, 8):       # ops._grads_warps: 4 on sm_90 for 16-bit inputs, 8 elsewhere
+            out.append((f"bwd {name} (warps={warps})", kern, dict(feat, BV=bv, GRAD_PER_VHEAD=True),
+                        dict(launch, num_warps=warps)))
     return out
 
 

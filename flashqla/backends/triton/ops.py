@@ -115,8 +115,8 @@ _DEFAULTS = {
                                                   # (chunk_bwd_state); ldv: the intra-chunk dv_new from the
                                                   # kept-inverse prep (LOCAL_DV)
     "serial": dict(order=0),                     # order=1: the serial walks launch longest first (_serial_grid)
-    "dqk": dict(warps=8, stages=2, bv=64),
-    "wy": dict(warps=0, stages=2, bv=64),         # warps 0: _wy_cfg
+    "dqk": dict(warps=0, stages=2, bv=64),        # warps 0: _grads_warps
+    "wy": dict(warps=0, stages=2, bv=64),         # warps 0: _grads_warps
 }
 _tune_cache: dict = {}
 
@@ -198,18 +198,19 @@ def launch(kernel, grid, *args, **kwargs):
 def _state_bv(geo: Geometry, device, from_tb: bool = False) -> int:
     """V-block of the serial forward state kernel: 64 when (sequences x heads x V/64) programs already
     fill the GPU, else 32 (twice the programs for the latency-bound long-sequence / few-head case), and 16
-    for the Tb form while even the 16-column programs fit one per SM.
+    while even the 16-column programs fit one per SM.
 
     H200 session 12 run 4 (``benchmarks/sweep_variants.py``, Tb form): 2/8 1x32768 (64 programs at 16)
     1.032 -> 0.850 ms (state kernel 0.736 -> 0.553; FLA's whole forward 0.909), 2/8 28672+4096 0.975 -> 0.786
-    (FLA 0.837); 8 warps or 4 stages were slower there.  The w/u path (training forward, the backward's
-    recompute) stays at 32: BV 16 was not measured on it."""
+    (FLA 0.837); 8 warps or 4 stages were slower there.  The w/u path (training forward and the backward's
+    recompute), session 14 run 4 (fwd+bwd, the kernel's two calls): 2/8 1x32768 1.213 -> 0.996 ms, 4/16 1x32768
+    (128 programs) 1.216 -> 0.985; at 16/64 1x32768 (512 programs) 16 doubles it (2.21 -> 4.44)."""
     cfg = tune("state")
     if cfg["bv"]:
         return min(cfg["bv"], geo.V)
     sms = _sm_count(device)
     if sms and geo.busy * geo.Hv * (geo.V // 64) < 2 * sms:
-        if from_tb and geo.busy * geo.Hv * (geo.V // 16) <= sms:
+        if geo.busy * geo.Hv * triton.cdiv(geo.V, 16) <= sms and (from_tb or not geo.ieee):
             return 16
         return 32
     return 64
@@ -236,17 +237,30 @@ def _smem_per_block(device) -> int:
 
 
 def _bstate_cfg(geo: Geometry, device) -> dict:
-    """Launch of the serial state-gradient kernel (``bstate.*`` knobs left at 0 are chosen here).
+    """Launch of the serial state-gradient kernel (``bstate.*`` knobs left at 0 are chosen here): the widest
+    V-block whose programs still fit one per SM, from 16 up to 32; BV 64 on 8 warps once the BV-32 programs
+    would not (a second wave of 32-column walks costs more than the wider step).
 
     H200 session 13 run 2 (``benchmarks/sweep_variants.py``, fwd+bwd, the kernel's own time): where the BV-32
     programs fit one per SM the walk is a latency chain and a third stage hides the next chunk's loads (16/32
     1x32768, 128 programs: 1.168 -> 0.788 ms; 2/8 1x32768: 1.034 -> 0.790), at 154 KB of shared memory, one
-    program per SM; where even the BV-64 programs are many (8/32 4x8192: 256), BV 64 on 8 warps (1.211 ->
-    0.820; it was 1.613 at 16/32 1x32768, 64 programs)."""
+    program per SM; where the BV-32 programs are many, BV 64 on 8 warps (8/32 4x8192, 512 of them: 1.211 ->
+    0.820; it was 1.613 at 16/32 1x32768, where 128 BV-32 programs fit).  Session 14 run 4: 16/64 1x32768 (256
+    BV-32 programs) BV 64 2.371 -> 1.818 ms, 16/64 1x8192 0.600 -> 0.466; 4/16 1x32768 (128 BV-16 programs) BV 16
+    0.747 -> 0.637, 2/8 1x32768 0.777 -> 0.645 (BV 64 there: 1.43)."""
     cfg = dict(tune("bstate"))
     sms = _sm_count(device)
-    wide = bool(not geo.ieee and sms and geo.busy * geo.Hv * triton.cdiv(geo.V, 64) >= 1.5 * sms)
-    cfg["bv"] = min(cfg["bv"] or (64 if wide else 32), geo.V)
+    if not cfg["bv"]:
+        walks = geo.busy * geo.Hv
+        if geo.ieee or not sms:
+            cfg["bv"] = 32
+        elif walks * triton.cdiv(geo.V, 16) <= sms:
+            cfg["bv"] = 16
+        elif walks * triton.cdiv(geo.V, 32) <= sms:
+            cfg["bv"] = 32
+        else:
+            cfg["bv"] = 64
+    cfg["bv"] = min(cfg["bv"], geo.V)
     cfg["warps"] = cfg["warps"] or (8 if cfg["bv"] >= 64 else 4)
     if not cfg["stages"]:
         programs = geo.busy * geo.Hv * triton.cdiv(geo.V, cfg["bv"])
@@ -255,12 +269,16 @@ def _bstate_cfg(geo: Geometry, device) -> dict:
     return cfg
 
 
-def _wy_cfg(geo: Geometry, device) -> dict:
-    """Launch of the WY-gradient kernel: 4 warps on sm_90 (two programs per SM at 255 registers; session 13 run
-    2: 2.25 -> 1.31 ms at 16/32 1x32768 and 8/32 4x8192, 0.558 -> 0.324 at 2/8 1x32768), 8 elsewhere (at 4 warps
-    the sm_80 build spills ~440 B per thread; not measured there) and for fp32 inputs (their full-fp32 dots spill
-    ~21 KB per thread at 4 warps against ~13 KB at 8, sm_90)."""
-    cfg = dict(tune("wy"))
+def _grads_warps(name: str, geo: Geometry, device) -> dict:
+    """Launch of the chunk-parallel gradient kernels (``dqk``, ``wy``): 4 warps on sm_90 (two programs per SM
+    at 255 registers), 8 elsewhere and for fp32 inputs (their full-fp32 dots spill at 4 warps: ~21 KB per thread
+    for wy, ~19 KB for dqk, against ~13 and ~2 KB at 8, sm_90; the sm_80 builds spill ~440 / 232 B at 4, not
+    measured there).
+
+    H200, fwd+bwd, the kernel's own time: wy (session 13 run 2) 2.25 -> 1.31 ms at 16/32 1x32768 and 8/32
+    4x8192, 0.558 -> 0.324 at 2/8 1x32768; dqk (session 14 run 4) 2.874 -> 2.108 at 16/64 1x32768, 0.712 ->
+    0.520 at 4/16 1x32768, 0.357 -> 0.261 at 2/8 1x32768 (gradients within 1.5e-6 of the 8-warp ones)."""
+    cfg = dict(tune(name))
     if not cfg["warps"]:
         cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else (0, 0)
         cfg["warps"] = 4 if cap[0] >= 9 and not geo.ieee else 8
@@ -570,7 +588,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
     grid = (geo.chunks, geo.Hv)
     common = dict(K=geo.K, V=geo.V, IS_VARLEN=geo.varlen, USE_L2=use_l2, GRAD_PER_VHEAD=per_vhead,
                   IEEE=geo.ieee)
-    cfg = tune("dqk")
+    cfg = _grads_warps("dqk", geo, dev)
     launch(chunk_bwd_dqk_kernel, grid,
         q, k, G, h, dh_box.pop(), vn, do, dq, dk_a, dG_a, geo.cu, geo.cidx, float(scale),
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
@@ -581,7 +599,7 @@ def grads(geo: Geometry, q, k, v, beta, G, Tm, w, u, h, dh_box: list, vn, dvn, d
     dv = torch.empty_like(v)
     dbeta = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
     dg = torch.empty(geo.B, geo.T, geo.Hv, dtype=torch.float32, device=dev)
-    cfg = _wy_cfg(geo, dev)
+    cfg = _grads_warps("wy", geo, dev)
     launch(chunk_bwd_wy_kernel, grid,
         k, v, beta, G, Tm, w, u, h, dvn, dk_a, dG_a, dk, dv, dbeta, dg, geo.cu, geo.cidx,
         geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv, BV=min(cfg["bv"], geo.V), **common, **_launch(cfg, geo))
