@@ -119,6 +119,32 @@ def test_kernel_cross_compiles_for_sm90a(kind, key, n_wgmma, tmp_path, monkeypat
 
     if kind in ("fwd", "bwd_state") and key[2] == 2:
         assert "setmaxnreg" in ptx
+    import shutil
+    if shutil.which("cc") or shutil.which("gcc"):
+        # the on-disk cache: the same kernel through TVM-FFI, exported and linked (loading needs a GPU driver)
+        lib = tmp_path / f"{kind}-{'-'.join(map(str, key))}" / "kernel.so"
+        assert lib.is_file() and lib.stat().st_size > 10_000, "no kernel.so kept for the on-disk cache"
+
+
+@pytest.mark.compile
+@needs_dsl
+def test_disk_cache_can_be_turned_off(tmp_path, monkeypatch):
+    import flashqla.backends.cutlass as cb
+    monkeypatch.setenv("FLASHQLA_CUTLASS_DISK_CACHE", "0")
+    monkeypatch.setattr(cb, "_compiled", {})
+    _compile("bwd_dqk", (128, 128), tmp_path)
+    out = tmp_path / "bwd_dqk-128-128"
+    assert list(out.glob("*.ptx")) and not (out / "kernel.so").exists()
+
+
+def test_disk_cache_key_follows_the_sources(tmp_path, monkeypatch):
+    # an edited kernel source changes the directory a kernel is cached in, so a stale library never loads
+    import flashqla.backends.cutlass as cb
+    a = cb._source_digest()
+    monkeypatch.setattr(cb, "_source_digest_memo", [])
+    assert cb._source_digest() == a
+    monkeypatch.setattr(cb, "_source_digest_memo", ["0" * 16])
+    assert cb._source_digest() != a
 
 
 @pytest.mark.compile
@@ -257,6 +283,52 @@ def test_gpu_new_lengths_do_not_recompile():
         ref = oracle(c2, x2, grads=False)
         assert rel_l2(o, ref["o"]) <= BF16_TOL["o"]
     assert compile_count() == n, "a new sequence length recompiled a kernel"
+
+
+_DISK_CACHE_SCRIPT = r"""
+import json, sys, time
+import torch
+import flashqla
+from flashqla.backends import cutlass as cb
+from flashqla.testing import Case, make_inputs
+case = Case("disk", 2, 4, 128, 128, seqlens=(300, 1, 129))
+x = make_inputs(case, torch.bfloat16, "cuda")
+leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+t = time.perf_counter()
+o, ht = flashqla.chunk_gated_delta_rule(*leaves, output_final_state=True, cu_seqlens=x["cu_seqlens"],
+                                        backend="cutlass")
+grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
+torch.cuda.synchronize()
+dt = time.perf_counter() - t
+torch.save([o.detach().cpu(), ht.detach().cpu()] + [g.cpu() for g in grads], sys.argv[1])
+print(json.dumps(dict(compiles=cb.compile_count(), loads=cb.load_count(), seconds=dt)))
+"""
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+def test_gpu_disk_cache_serves_a_new_process(tmp_path):
+    # #5 item 2: a second process loads every kernel of a forward + backward from the on-disk cache (no
+    # compilation) and computes bit for bit what the compiling process computed
+    import json
+    import subprocess
+    import sys
+    env = dict(os.environ, FLASHQLA_CACHE_DIR=str(tmp_path / "cache"))
+    env.pop("FLASHQLA_CUTLASS_DISK_CACHE", None)
+    runs = []
+    for i in range(2):
+        proc = subprocess.run([sys.executable, "-c", _DISK_CACHE_SCRIPT, str(tmp_path / f"out{i}.pt")], env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        print(f"process {i}: {runs[-1]}  {proc.stderr[-600:]}")
+    first, second = runs
+    assert first["compiles"] >= 5 and first["loads"] == 0, first
+    assert second["compiles"] == 0 and second["loads"] == first["compiles"], second
+    a, b = torch.load(tmp_path / "out0.pt"), torch.load(tmp_path / "out1.pt")
+    for name, x, y in zip(("o", "ht", "dq", "dk", "dv", "dg", "dbeta"), a, b):
+        assert torch.equal(x, y), name
 
 
 @pytest.mark.gpu

@@ -26,9 +26,14 @@ gradients of q/k are summed over the value heads of a group with one PyTorch red
 Compiled kernels are cached in memory by (kernel, arch, head dims, dtypes, variant) -- sequence lengths,
 batch and head counts are runtime ``Int32`` arguments of the compiled function, so a new length never
 recompiles.  Each compilation also leaves its PTX and cubin under ``$FLASHQLA_CACHE_DIR`` (default
-``~/.cache/flashqla/cutlass``) next to a ``key.json``; a new process compiles again (CuTe DSL 4.3 can
-only reload a compiled host launcher through ``export_to_c`` plus a C toolchain).
-:func:`compile_count` says how many compilations this process did.
+``~/.cache/flashqla/cutlass``) next to a ``key.json``, and, as the on-disk cache, ``kernel.so``: the same
+kernel compiled through CuTe DSL's TVM-FFI path, exported with ``export_to_c`` and linked with the C compiler
+(``cc``).  A new process on a GPU loads that library instead of compiling (milliseconds against 2-5 s per
+kernel).  The directory name holds a digest of the key, the DSL version and this package's cutlass sources,
+so an edited kernel never loads a stale library.  A library that fails to load, or whose first call raises,
+is set aside (logged) and the kernel compiled as before; ``FLASHQLA_CUTLASS_DISK_CACHE=0`` turns the disk cache
+off.  :func:`compile_count` says how many compilations this process did, :func:`load_count` how many kernels
+came from the disk.
 
 ``backend_options``: ``{"num_wg": 1 | 2}`` forces the recurrence kernels' V block (64 or 128 value
 columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs.
@@ -61,6 +66,7 @@ _compiled: dict = {}
 _artifacts: dict = {}
 _smem: dict = {}
 _compile_counter = [0]
+_load_counter = [0]
 _meta_cache: dict = {}
 # Tests set this to a dict to receive the backward's workspaces (kernel-by-kernel checks); None otherwise.
 debug_capture = None
@@ -69,6 +75,11 @@ debug_capture = None
 def compile_count() -> int:
     """Number of kernel compilations done by this process (tests read it to prove caching)."""
     return _compile_counter[0]
+
+
+def load_count() -> int:
+    """Number of kernels this process loaded from the on-disk cache instead of compiling them."""
+    return _load_counter[0]
 
 
 def cache_dir() -> Path:
@@ -150,12 +161,127 @@ def _make_kernel(kind: str, key: tuple):
     raise KeyError(kind)
 
 
+def _disk_cache_on() -> bool:
+    return os.environ.get("FLASHQLA_CUTLASS_DISK_CACHE", "1") != "0"
+
+
+_source_digest_memo: list = []
+
+
+def _source_digest() -> str:
+    """Digest of this package's cutlass kernel sources: part of every cache key, so that an edited kernel
+    compiles again instead of loading a library built from the old source."""
+    if not _source_digest_memo:
+        h = hashlib.sha1()
+        for f in sorted(Path(__file__).parent.glob("*.py")):
+            h.update(f.name.encode())
+            h.update(f.read_bytes())
+        _source_digest_memo.append(h.hexdigest()[:16])
+    return _source_digest_memo[0]
+
+
+def _library_name(kind: str) -> str:
+    return f"flashqla_cutlass_{kind}"
+
+
+class _LoadedKernel:
+    """A kernel from the on-disk cache: the TVM-FFI function of ``kernel.so``, called with the JIT function's
+    arguments (cute pointers pass as opaque pointers; Int32 / Float32 / CUstream as plain values).  Until its
+    first call has returned, an exception falls back to compiling the kernel (``fallback``) and the library is
+    set aside; after that, exceptions propagate."""
+
+    def __init__(self, fn, path: Path, fallback):
+        self.fn, self.path, self._fallback, self._checked = fn, path, fallback, False
+        self.__ptx__ = self.__cubin__ = None
+
+    @staticmethod
+    def _plain(a):
+        if hasattr(a, "__tvm_ffi_opaque_ptr__"):
+            return a
+        name = type(a).__name__
+        if name in ("Int32", "Int64", "Boolean", "Float32"):
+            return a.value
+        if name == "CUstream":
+            return int(a)
+        return a
+
+    def __call__(self, *args):
+        if self._checked:
+            return self.fn(*(self._plain(a) for a in args))
+        try:
+            out = self.fn(*(self._plain(a) for a in args))
+        except Exception as exc:
+            log.warning("flashqla cutlass: the cached library %s failed at its first call (%s: %s); compiling "
+                        "the kernel instead", self.path, type(exc).__name__, str(exc)[:300])
+            _set_aside(self.path)
+            return self._fallback()(*args)
+        self._checked = True
+        return out
+
+
+def _set_aside(path: Path) -> None:
+    try:
+        path.rename(path.with_suffix(".so.bad"))
+    except OSError:
+        pass
+
+
+def _load_library(out: Path, kind: str, full_key: tuple, fallback):
+    """The kernel from ``out/kernel.so``, or None (absent, no GPU driver, or it fails to load: logged)."""
+    lib = out / "kernel.so"
+    if not (_disk_cache_on() and lib.is_file() and torch.cuda.is_available()):
+        return None
+    try:
+        from cutlass.cute.runtime import load_module
+        mod = load_module(str(lib))
+        name = _library_name(kind)
+        fn = mod[name] if hasattr(mod, "__getitem__") else getattr(mod, name)
+    except Exception as exc:
+        log.warning("flashqla cutlass: cannot load the cached %s (%s: %s); compiling instead", lib,
+                    type(exc).__name__, str(exc)[:300])
+        _set_aside(lib)
+        return None
+    log.info("flashqla cutlass: %s %s loaded from %s", full_key[0], full_key[2:], lib)
+    return _LoadedKernel(fn, lib, fallback)
+
+
+def _export_library(cute, kernel, kind: str, key: tuple, arch: str, out: Path) -> None:
+    """Compile ``kernel`` again through TVM-FFI, export it and link ``out/kernel.so`` (written under a temporary
+    name, then renamed, so a concurrent reader never sees half a file).  Never raises: the disk cache is an
+    optimisation."""
+    import shutil
+    import subprocess
+    import tempfile
+    if not _disk_cache_on():
+        return
+    cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if cc is None:
+        log.info("flashqla cutlass: no C compiler (cc): %s is not kept on disk", kind)
+        return
+    try:
+        from cutlass.cute.runtime import find_runtime_libraries
+        fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=f"--gpu-arch {arch} --enable-tvm-ffi")
+        with tempfile.TemporaryDirectory(dir=out) as tmp:
+            obj, so = os.path.join(tmp, "kernel.o"), os.path.join(tmp, "kernel.so")
+            fn.export_to_c(obj, _library_name(kind))
+            libs = [p for p in find_runtime_libraries(enable_tvm_ffi=True) if os.path.exists(p)]
+            rpath = ":".join(sorted({os.path.dirname(p) for p in libs}))
+            r = subprocess.run([cc, "-shared", "-o", so, obj, *libs, f"-Wl,-rpath,{rpath}"], capture_output=True,
+                               text=True, timeout=120)
+            if r.returncode:
+                raise RuntimeError(f"{cc} failed: {r.stderr[-800:]}")
+            os.replace(so, out / "kernel.so")
+    except Exception as exc:
+        log.info("flashqla cutlass: %s %s not kept on disk (%s: %s)", kind, key, type(exc).__name__, str(exc)[:300])
+
+
 def compile_kernel(kind: str, key: tuple, arch: str = ARCH, keep_dir=None):
-    """Compile (or fetch from the in-memory cache) kernel ``kind`` for ``key`` and ``arch``.
+    """Compile (or fetch from the in-memory or on-disk cache) kernel ``kind`` for ``key`` and ``arch``.
 
     Passing the arch as a compile option (never through ``CUTE_DSL_ARCH``) makes this work without a GPU
     driver when the option differs from the detected arch: that is how the CPU tests cross-compile.
-    Returns the compiled function (``__ptx__`` / ``__cubin__`` hold the artifacts).
+    Returns the compiled function (``__ptx__`` / ``__cubin__`` hold the artifacts; None for a kernel loaded
+    from the disk, whose directory keeps them from its compilation).
     """
     full_key = (kind, arch) + tuple(key)
     fn = _compiled.get(full_key)
@@ -165,30 +291,53 @@ def compile_kernel(kind: str, key: tuple, arch: str = ARCH, keep_dir=None):
         fn = _compiled.get(full_key)
         if fn is not None:
             return fn
-        cute = _cute()
-        digest = hashlib.sha1(repr((full_key, dsl_version())).encode()).hexdigest()[:16]
+        digest = hashlib.sha1(repr((full_key, dsl_version(), _source_digest())).encode()).hexdigest()[:16]
         out = Path(keep_dir) if keep_dir is not None else cache_dir() / f"{kind}-{arch}-{digest}"
-        opts = f"--gpu-arch {arch}"
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            (out / "key.json").write_text(json.dumps({"key": [str(x) for x in full_key],
-                                                      "nvidia-cutlass-dsl": dsl_version()}))
-            opts += f" --keep-ptx --keep-cubin --dump-dir {out}"
-        except OSError as exc:  # an unwritable cache dir must not stop the kernels
-            log.warning("flashqla cutlass: cannot keep artifacts in %s (%s)", out, exc)
-        log.info("flashqla cutlass: compiling %s %s for %s", kind, key, arch)
-        try:
-            with build_notice("cutlass", kind, key):
-                kernel = _make_kernel(kind, key)
-                fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
-        except Exception as exc:
-            from ...dispatch.registry import KernelBuildError
-            raise KernelBuildError("cutlass", kind, (arch,) + tuple(key), exc) from exc
-        _compile_counter[0] += 1
+
+        def recompile():
+            # the fallback of a library whose first call failed: compile, and serve this key from now on
+            with _lock:
+                fn = _compile(kind, key, arch, out, full_key, export=False)
+                _compiled[full_key] = fn
+                return fn
+
+        fn = _load_library(out, kind, full_key, recompile)
+        if fn is not None:
+            _load_counter[0] += 1
+            _compiled[full_key] = fn
+            _artifacts[full_key] = out
+            return fn
+        fn = _compile(kind, key, arch, out, full_key, export=True)
         _compiled[full_key] = fn
-        _artifacts[full_key] = out
-        _smem[full_key] = getattr(kernel, "smem_bytes", None)
         return fn
+
+
+def _compile(kind: str, key: tuple, arch: str, out: Path, full_key: tuple, export: bool):
+    cute = _cute()
+    opts = f"--gpu-arch {arch}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "key.json").write_text(json.dumps({"key": [str(x) for x in full_key],
+                                                  "nvidia-cutlass-dsl": dsl_version(),
+                                                  "sources": _source_digest()}))
+        opts += f" --keep-ptx --keep-cubin --dump-dir {out}"
+    except OSError as exc:  # an unwritable cache dir must not stop the kernels
+        log.warning("flashqla cutlass: cannot keep artifacts in %s (%s)", out, exc)
+        export = False
+    log.info("flashqla cutlass: compiling %s %s for %s", kind, key, arch)
+    try:
+        with build_notice("cutlass", kind, key):
+            kernel = _make_kernel(kind, key)
+            fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
+            if export:
+                _export_library(cute, kernel, kind, key, arch, out)
+    except Exception as exc:
+        from ...dispatch.registry import KernelBuildError
+        raise KernelBuildError("cutlass", kind, (arch,) + tuple(key), exc) from exc
+    _compile_counter[0] += 1
+    _artifacts[full_key] = out
+    _smem[full_key] = getattr(kernel, "smem_bytes", None)
+    return fn
 
 
 def smem_bytes(kind: str, key: tuple, arch: str = ARCH):
