@@ -121,7 +121,10 @@ def test_kernel_cross_compiles_for_sm90a(kind, key, n_wgmma, tmp_path, monkeypat
         assert "setmaxnreg" in ptx
     import shutil
     if shutil.which("cc") or shutil.which("gcc"):
-        # the on-disk cache: the same kernel through TVM-FFI, exported and linked (loading needs a GPU driver)
+        # the on-disk cache: the same kernel through TVM-FFI, exported and linked by a detached child process
+        # (loading needs a GPU driver)
+        from flashqla.backends.cutlass import wait_for_exports
+        wait_for_exports()
         lib = tmp_path / f"{kind}-{'-'.join(map(str, key))}" / "kernel.so"
         assert lib.is_file() and lib.stat().st_size > 10_000, "no kernel.so kept for the on-disk cache"
 
@@ -133,8 +136,15 @@ def test_disk_cache_can_be_turned_off(tmp_path, monkeypatch):
     monkeypatch.setenv("FLASHQLA_CUTLASS_DISK_CACHE", "0")
     monkeypatch.setattr(cb, "_compiled", {})
     _compile("bwd_dqk", (128, 128), tmp_path)
+    cb.wait_for_exports()
     out = tmp_path / "bwd_dqk-128-128"
     assert list(out.glob("*.ptx")) and not (out / "kernel.so").exists()
+    monkeypatch.delenv("FLASHQLA_CUTLASS_DISK_CACHE")
+    monkeypatch.setenv("FLASHQLA_CUTLASS_EXPORT", "off")
+    monkeypatch.setattr(cb, "_compiled", {})
+    _compile("bwd_dqk", (128, 128), tmp_path / "off")
+    cb.wait_for_exports()
+    assert not (tmp_path / "off" / "bwd_dqk-128-128" / "kernel.so").exists()
 
 
 def test_disk_cache_key_follows_the_sources(tmp_path, monkeypatch):
@@ -301,6 +311,7 @@ grads = torch.autograd.grad([o, ht], leaves, [x["do"], x["dht"]])
 torch.cuda.synchronize()
 dt = time.perf_counter() - t
 torch.save([o.detach().cpu(), ht.detach().cpu()] + [g.cpu() for g in grads], sys.argv[1])
+cb.wait_for_exports()   # the libraries are built by detached children: let them finish before the next process
 print(json.dumps(dict(compiles=cb.compile_count(), loads=cb.load_count(), seconds=dt)))
 """
 

@@ -28,8 +28,8 @@ batch and head counts are runtime ``Int32`` arguments of the compiled function, 
 recompiles.  Each compilation also leaves its PTX and cubin under ``$FLASHQLA_CACHE_DIR`` (default
 ``~/.cache/flashqla/cutlass``) next to a ``key.json``, and, as the on-disk cache, ``kernel.so``: the same
 kernel compiled through CuTe DSL's TVM-FFI path, exported with ``export_to_c`` and linked with the C compiler
-(``cc``).  A new process on a GPU loads that library instead of compiling (milliseconds against 2-5 s per
-kernel).  The directory name holds a digest of the key, the DSL version and this package's cutlass sources,
+(``cc``), in a detached child process by default (``FLASHQLA_CUTLASS_EXPORT=async|sync|off``).  A new process
+on a GPU loads that library instead of compiling (milliseconds against 2-5 s per kernel).  The directory name holds a digest of the key, the DSL version and this package's cutlass sources,
 so an edited kernel never loads a stale library.  A library that fails to load, or whose first call raises,
 is set aside (logged) and the kernel compiled as before; ``FLASHQLA_CUTLASS_DISK_CACHE=0`` turns the disk cache
 off.  :func:`compile_count` says how many compilations this process did, :func:`load_count` how many kernels
@@ -245,6 +245,46 @@ def _load_library(out: Path, kind: str, full_key: tuple, fallback):
     return _LoadedKernel(fn, lib, fallback)
 
 
+def _export_mode() -> str:
+    """``FLASHQLA_CUTLASS_EXPORT``: ``async`` (default) builds the library in a detached child process, so the
+    first call waits only for the JIT compile it needs (session 14: an in-line export took the cold first call of
+    a forward from 7.1 to 17.1 s); ``sync`` builds it before returning (tests); ``off`` keeps no library."""
+    mode = os.environ.get("FLASHQLA_CUTLASS_EXPORT", "async")
+    return mode if mode in ("async", "sync", "off") else "async"
+
+
+_export_children: list = []
+
+
+def _start_export(kind: str, key: tuple, arch: str, out: Path) -> None:
+    """Build ``out/kernel.so`` as :func:`_export_mode` says (never raises)."""
+    import subprocess
+    import sys
+    mode = _export_mode() if _disk_cache_on() else "off"
+    if mode == "off":
+        return
+    if mode == "sync":
+        _export_library(_cute(), _make_kernel(kind, key), kind, key, arch, out)
+        return
+    try:
+        spec = json.dumps([kind, list(key), arch, str(out)])
+        _export_children.append(subprocess.Popen(
+            [sys.executable, "-m", "flashqla.backends.cutlass", spec], stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            env=dict(os.environ, FLASHQLA_CUTLASS_EXPORT="sync")))
+    except OSError as exc:
+        log.info("flashqla cutlass: %s %s not kept on disk (%s)", kind, key, exc)
+
+
+def wait_for_exports(timeout: float = 600.0) -> None:
+    """Wait until the libraries this process started building in the background are written (tests, tools)."""
+    while _export_children:
+        try:
+            _export_children.pop().wait(timeout=timeout)
+        except Exception:
+            pass
+
+
 def _export_library(cute, kernel, kind: str, key: tuple, arch: str, out: Path) -> None:
     """Compile ``kernel`` again through TVM-FFI, export it and link ``out/kernel.so`` (written under a temporary
     name, then renamed, so a concurrent reader never sees half a file).  Never raises: the disk cache is an
@@ -252,7 +292,7 @@ def _export_library(cute, kernel, kind: str, key: tuple, arch: str, out: Path) -
     import shutil
     import subprocess
     import tempfile
-    if not _disk_cache_on():
+    if (out / "kernel.so").is_file():
         return
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if cc is None:
@@ -329,15 +369,22 @@ def _compile(kind: str, key: tuple, arch: str, out: Path, full_key: tuple, expor
         with build_notice("cutlass", kind, key):
             kernel = _make_kernel(kind, key)
             fn = cute.compile(kernel, *_example_args(kind, tuple(key)), options=opts)
-            if export:
-                _export_library(cute, kernel, kind, key, arch, out)
     except Exception as exc:
         from ...dispatch.registry import KernelBuildError
         raise KernelBuildError("cutlass", kind, (arch,) + tuple(key), exc) from exc
     _compile_counter[0] += 1
     _artifacts[full_key] = out
     _smem[full_key] = getattr(kernel, "smem_bytes", None)
+    if export:
+        _start_export(kind, tuple(key), arch, out)
     return fn
+
+
+def _export_main(argv) -> int:
+    """``python -m flashqla.backends.cutlass '[kind, key, arch, out]'``: the background library build."""
+    kind, key, arch, out = json.loads(argv[0])
+    _export_library(_cute(), _make_kernel(kind, tuple(key)), kind, tuple(key), arch, Path(out))
+    return 0
 
 
 def smem_bytes(kind: str, key: tuple, arch: str = ARCH):
