@@ -110,12 +110,23 @@ def test_fused_order_exact_math(case):
     assert all(e < 1e-9 for e in errs.values()), errs
 
 
+@pytest.mark.parametrize("case", _F64_CASES, ids=lambda c: c.name)
+def test_w_free_chain_exact_math(case):
+    """The whole-V design's chain (c4 as k^T dVg from g4's dY, no w tile) is the oracle's gradient in float64,
+    and equals the w form to rounding."""
+    errs = _errors(case, _run(case, w_free=True))
+    assert all(e < 1e-9 for e in errs.values()), errs
+    for name, a, b in zip(GRADS, _run(case, w_free=True), _unsplit(case)):
+        assert rel_l2(a, b) < 1e-10, (name, rel_l2(a, b))
+
+
+@pytest.mark.parametrize("w_free", [False, True], ids=["w", "w_free"])
 @pytest.mark.parametrize("segments", [None, 1], ids=["walk", "seg1"])
 @pytest.mark.parametrize("case", _BF16_CASES, ids=lambda c: c.name)
-def test_fused_precision_plan_bf16(case, segments):
+def test_fused_precision_plan_bf16(case, segments, w_free):
     """The kernel's 16-bit rounding points keep every gradient within 0.8x of the bf16 tolerance (also with
-    seeds from the 16-bit seed walks)."""
-    grads = _run(case, torch.bfloat16, torch.bfloat16, segments=segments, windows=True)
+    seeds from the 16-bit seed walks, and with the w-free chain, whose dVg is one more 16-bit tile)."""
+    grads = _run(case, torch.bfloat16, torch.bfloat16, segments=segments, windows=True, w_free=w_free)
     errs = _errors(case, grads, torch.bfloat16)
     tol = TOLERANCES["bfloat16"]
     assert len(errs) == len(GRADS)

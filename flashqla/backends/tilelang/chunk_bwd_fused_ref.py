@@ -158,8 +158,13 @@ def _prep(cx: _Ctx, t: dict) -> dict:
     return dict(Pt=Pt, dOs=dOs, dQKq=dQKq, Y=Y, dG=dG, dq=R(dq))
 
 
-def _chain(cx: _Ctx, t: dict, p: dict, dS: torch.Tensor):
-    """c1-c4: returns (dS at the chunk start, dSb, ndvn, <S, dS>)."""
+def _chain(cx: _Ctx, t: dict, p: dict, dS: torch.Tensor, w_free: bool = False):
+    """c1-c4: returns (dS at the chunk start, dSb, ndvn, <S, dS>).
+
+    ``w_free`` (the whole-V design of BACKWARD_PLAN.md, session 14): c4 without w.  The forward's
+    ``w = X diag(beta eG nk) k``, so ``w^T ndvn = k^T diag(eG nk) diag(beta) X^T ndvn = k^T dVg`` with
+    ``dVg = -diag(eG nk) dY`` and ``dY = -diag(beta) X^T ndvn`` (g4's dv): the kernel forms dY anyway, and the
+    walk then needs neither w's tile nor its bytes."""
     R = cx.R
     # c1
     dSb = R(dS)
@@ -172,7 +177,12 @@ def _chain(cx: _Ctx, t: dict, p: dict, dS: torch.Tensor):
     acc = torch.where(t["valid"][None, :, None], acc, 0.)
     ndvn = R(-acc)
     # c4
-    dS = dS + _k("c4.w_ndvn", t["w"].transpose(-1, -2) @ ndvn)
+    if w_free:
+        dY = R(-t["b"][..., None] * (t["X"].transpose(-1, -2) @ ndvn))
+        dVg = R(-(t["eG"] * t["nk"])[..., None] * dY)
+        dS = dS + _k("c4.w_ndvn", t["k"].transpose(-1, -2) @ dVg)
+    else:
+        dS = dS + _k("c4.w_ndvn", t["w"].transpose(-1, -2) @ ndvn)
     return dS, dSb, ndvn, SdS
 
 
@@ -215,13 +225,13 @@ def _grad(cx: _Ctx, t: dict, p: dict, dSb, ndvn, SdS) -> dict:
     return dict(dk=R(dk), dv=dY, db=db, dg=dg)
 
 
-def _fused_walk(cx: _Ctx, out: dict, n: int, chunks, dS: torch.Tensor) -> torch.Tensor:
+def _fused_walk(cx: _Ctx, out: dict, n: int, chunks, dS: torch.Tensor, w_free: bool = False) -> torch.Tensor:
     """The fused kernel's walk over ``chunks`` of sequence n (in reverse) from the end gradient dS;
     writes every chunk's gradients, returns dS at the first chunk's start."""
     for ci in reversed(chunks):
         t = cx.tile(n, ci)
         p = _prep(cx, t)
-        dS, dSb, ndvn, SdS = _chain(cx, t, p, dS)
+        dS, dSb, ndvn, SdS = _chain(cx, t, p, dS, w_free)
         gr = _grad(cx, t, p, dSb, ndvn, SdS)
         sl = slice(t["bos"], t["bos"] + t["nv"])
         nv = t["nv"]
@@ -271,7 +281,7 @@ def _windows(cx: _Ctx, n: int, chunks) -> torch.Tensor:
 
 def bwd_fused_ref(q, k, v, beta, G, X, h, v_new, w, do, dht=None, *, scale: float, cu_seqlens=None,
                   l2norm: bool = False, round_to: Optional[torch.dtype] = None, segments: Optional[int] = None,
-                  windows: bool = False, info: Optional[dict] = None):
+                  windows: bool = False, info: Optional[dict] = None, w_free: bool = False):
     """The fused backward of one call.
 
     q, k ``[NT, Hqk, K]``; v, do ``[NT, Hv, V]``; beta ``[NT, Hv]`` (leading [B, T] is flattened); G
@@ -280,7 +290,7 @@ def bwd_fused_ref(q, k, v, beta, G, X, h, v_new, w, do, dht=None, *, scale: floa
     None; cu_seqlens ``[N + 1]`` (None: one sequence of NT tokens).  Returns (dq ``[NT, Hqk, K]``, dk, dv
     ``[NT, Hv, V]``, dg ``[NT, Hv]``, dbeta ``[NT, Hv]``, dh0 ``[N, Hv, K, V]``) in the compute dtype, rounded
     as the kernel writes them.  ``info`` (a dict) receives ``windows``: how many (segment, head) seed walks
-    had a window."""
+    had a window.  ``w_free``: the chain's c4 through ``k^T dVg`` instead of ``w^T ndvn`` (``_chain``)."""
     K, V = q.shape[-1], v.shape[-1]
     Hqk, Hv = q.shape[-2], v.shape[-2]
     q, k = q.reshape(-1, Hqk, K), k.reshape(-1, Hqk, K)
@@ -299,7 +309,7 @@ def bwd_fused_ref(q, k, v, beta, G, X, h, v_new, w, do, dht=None, *, scale: floa
         dS_end = dht[n].to(cd).clone() if dht is not None else torch.zeros(Hv, K, V, dtype=cd)
         allc = list(range(cx.nch[n]))
         if not segments or cx.nch[n] <= segments:
-            dh0[n] = _fused_walk(cx, out, n, allc, dS_end)
+            dh0[n] = _fused_walk(cx, out, n, allc, dS_end, w_free)
             continue
         segs = [allc[a:a + segments] for a in range(0, len(allc), segments)]
         P = len(segs)
@@ -319,7 +329,7 @@ def bwd_fused_ref(q, k, v, beta, G, X, h, v_new, w, do, dht=None, *, scale: floa
         for p in range(P - 1, 0, -1):
             seeds[p - 1] = dloc[p] + _k("scan.M", Mt[p] @ seeds[p])
         for p in range(P - 1, -1, -1):
-            dS0 = _fused_walk(cx, out, n, segs[p], seeds[p])
+            dS0 = _fused_walk(cx, out, n, segs[p], seeds[p], w_free)
             if p == 0:
                 dh0[n] = dS0
     if info is not None:
