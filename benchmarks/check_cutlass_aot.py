@@ -1,5 +1,9 @@
 """Probe: can the cutlass backend's kernels be compiled ahead of time and loaded by a new process?
 
+(Session 14: yes.  The backend does this itself now, as its on-disk cache: ``flashqla/backends/cutlass``
+``compile_kernel`` / ``_export_library``; its GPU test is ``test_gpu_disk_cache_serves_a_new_process``.  This
+probe stays as the standalone, step-by-step version.)
+
 CuTe DSL 4.3.5 keeps no disk cache of compiled functions (a new process compiles the cutlass kernels again;
 issue #5 item 2, and the cold first call of #7 on shapes where auto picks cutlass).  Its TVM-FFI path can:
 ``cute.compile(..., options="--enable-tvm-ffi")`` -> ``export_to_c(obj)`` -> link a shared library against

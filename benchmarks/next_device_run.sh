@@ -22,6 +22,8 @@
 #   bash benchmarks/next_device_run.sh flqfwdgrid FlashQLA's own forward grid, tilelang vs FlashQLA and FLA (#4;
 #                                                 FLQ_FILTER splits it over calls)
 #   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
+#   bash benchmarks/next_device_run.sh cutlassaot carry [".gpu_cute"] (benchmarks/make_gpu_cute.sh): the cutlass
+#                                                 on-disk cache on the GPU, and the first call cold / warm (#5)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
 #   bash benchmarks/next_device_run.sh trace      per-role clock64 timeline of the tilelang ws recurrence (#4)
 #   bash benchmarks/next_device_run.sh fused      the fused tilelang inference forward: GPU tests, sweep, trace (#4)
@@ -190,10 +192,16 @@ case "$STEP" in
     TAIL=30 run_step "qwen35-fwd, eager too" 300 python -m flashqla bench --preset qwen35-fwd --no-progress \
         --filter "${EAGER_FILTER:-1x8192|1024x8}" --backends tilelang --baselines flashqla --eager-too --out $OUT/eager ;;
   cutlassaot)
-    # carry [".gpu_cute"]: the cutlass first call of a fresh process (it compiles: no disk cache in CuTe DSL 4.3.5),
-    # then the TVM-FFI AOT probe (compile, export, link, load, run against the JIT kernels) (#5, #7)
-    TAIL=3 run_step "cutlass first call 8-32" 120 python benchmarks/first_call.py --backend cutlass --heads 8/32
-    TAIL=20 run_step "cutlass AOT probe" 200 python benchmarks/check_cutlass_aot.py --out /tmp/flq_aot ;;
+    # carry [".gpu_cute"] built by benchmarks/make_gpu_cute.sh (it adds the apache-tvm-ffi the disk cache needs):
+    # the cutlass on-disk cache (session 14): its two-process GPU test (the second process loads every kernel,
+    # bitwise equal), then the first call of a fresh process twice on one cache directory (cold: compiles and
+    # starts the background library builds; warm: loads) (#5, #7)
+    TAIL=6 run_step "cutlass disk cache test" ${CUTAOT_TEST_S:-200} $PYT -s tests/test_backend_cutlass.py -k disk_cache
+    for i in 1 2; do
+      TAIL=2 run_step "cutlass first call 8-32 ($i)" 90 env FLASHQLA_CACHE_DIR=/tmp/flq_fc python \
+          benchmarks/first_call.py --backend cutlass --heads 8/32
+      [ $i = 1 ] && sleep 30    # the libraries are built by detached children of the first process
+    done ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
