@@ -42,6 +42,7 @@
 #   bash benchmarks/next_device_run.sh gvasum     the Triton GVA-sum kernel: bitwise vs the PyTorch forms, times
 #   bash benchmarks/next_device_run.sh bwdfused   the fused backward: GPU tests, A/B against the split one, the
 #                                                 flashqla-bwd grid against FlashQLA, profile (#4)
+#   bash benchmarks/next_device_run.sh bwdwhole   the whole-V fused backward (session 14): GPU tests, A/B, flashqla-bwd rows (#4)
 #   bash benchmarks/next_device_run.sh bwdtrace   the fused backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
@@ -251,6 +252,18 @@ case "$STEP" in
     TAIL=16 run_step "profile fwd+bwd, fused backward" 60 env FLASHQLA_TILELANG_BWD=fused \
         python benchmarks/profile_kernels.py --impls tilelang --rows ${PROFILE_ROWS:-16/32:32768,16/32:4x8192} \
         --modes fwdbwd --out $OUT/profile_fused.json ;;
+  bwdwhole)
+    # the whole-V fused backward (FLASHQLA_TILELANG_BWD=whole, chunk_bwd_whole_sm90, session 14; its 8 variants in
+    # the carried kcache): its GPU tests first (a protocol bug would hang: the step's timeout ends it), then the
+    # A/B against the split backward and the first fused one, and the flashqla-bwd rows against FlashQLA (#4)
+    TAIL=8 run_step "whole backward GPU tests" ${BWDW_TEST_S:-180} $PYT tests/test_tilelang_bwd_whole.py
+    case $RUN_RC in 0) ;; *) echo "== whole backward: tests did not pass; later steps skipped"; continue ;; esac
+    TAIL=12 run_step "backward variants sweep" ${BWDW_SWEEP_S:-150} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --rows ${BWDW_ROWS:-16/32:1x32768,16/32:4x8192,4/8:1x32768,8/16:1x8192} \
+        --out $OUT/sweep_bwd_whole.json --variants "default;FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=fused"
+    TAIL=45 run_step "flashqla-bwd rows, whole backward" ${BWDW_BENCH_S:-200} env FLASHQLA_TILELANG_BWD=whole \
+        python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDW_FILTER:-16/32}" \
+        --backends tilelang --baselines flashqla --out $OUT/bwdwhole ;;
   bwdtrace)
     # the fused backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)

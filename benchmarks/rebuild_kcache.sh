@@ -21,6 +21,7 @@ pre() { python -m flashqla precompile --cache-dir "$KC/tilelang" --jobs "$JOBS" 
 pre --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0 --modes fwd,bwd
 for dt in bfloat16 float16; do
   FLASHQLA_TILELANG_BWD=fused pre --modes bwd --flags l2norm=0 --kernels bwd_fused --dtypes $dt --beta-dtypes $dt
+  FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 --kernels bwd_whole --dtypes $dt --beta-dtypes $dt
 done
 python - <<'PY'
 # the traced fused backward (benchmarks/trace_bwd_fused.py), built the way ops.bwd_fused_kernel builds it

@@ -1091,6 +1091,26 @@ def _sim_bwd_fused(key, q, k, v, beta, do, G, X, h, vn, w, cu, coff, dht, dq_p, 
             dh0[..., cols] = d0
 
 
+def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out, db_out, dh0,
+                   scale, ratio):
+    # chunk_bwd_whole_sm90: the CPU model in its w-free order (bwd_fused_ref(w_free=True), the kernel's order) at
+    # whole V, with q / k given per value head (ratio 1): dq, dk per value head, as the kernel writes them
+    from flashqla.backends.tilelang.chunk_bwd_fused_ref import bwd_fused_ref
+    dt, _, K, V, has_dht, need_dh0 = key[:6]
+    qv, kv = q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1)
+    w = torch.zeros(G.shape[0], G.shape[1], 64, K)         # not read by the w-free chain
+    dq, dk, dv, dg, db, d0 = bwd_fused_ref(qv, kv, v, beta, G, X, h, vn, w, do, dht if has_dht else None,
+                                           scale=scale, cu_seqlens=cu, l2norm=False, round_to=dt_of(dq_h),
+                                           w_free=True)
+    dq_h.copy_(dq.to(dq_h.dtype))
+    dk_h.copy_(dk.to(dk_h.dtype))
+    dv_out.copy_(dv.to(dv_out.dtype))
+    dg_out.copy_(dg)
+    db_out.copy_(db.float())
+    if need_dh0:
+        dh0.copy_(d0)
+
+
 def _sim_fwd_ws(key, *args):
     # the ws kernel's last two parameters: its (diagnostic) trace buffer, untouched unless built with trace,
     # and the scores from stage 1 (pscores, key entry 17; a placeholder otherwise)
@@ -1102,7 +1122,7 @@ _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy,
-               "bwd_fused_sm90": _sim_bwd_fused}
+               "bwd_fused_sm90": _sim_bwd_fused, "bwd_whole_sm90": _sim_bwd_whole}
 
 
 @pytest.fixture
@@ -1189,7 +1209,7 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "fused-bwd"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "fused-bwd", "whole-bwd"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
     # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "fused-bwd" is the
@@ -1198,8 +1218,8 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
     if variant == "ws-noopts":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
         variant = "ws"
-    if variant == "fused-bwd":
-        variant, bwd = "ws", "fused"
+    if variant in ("fused-bwd", "whole-bwd"):
+        variant, bwd = "ws", variant.split("-")[0]
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     if variant == "fused":
         variant = "ws"
@@ -1212,8 +1232,8 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
     sfx = "_ws" if variant == "ws" else ""
-    if bwd == "fused" and not case.l2norm:
-        assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", "bwd_fused_sm90"]
+    if bwd in ("fused", "whole") and not case.l2norm:
+        assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", f"bwd_{bwd}_sm90"]
     else:
         assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",
                                      "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]

@@ -28,9 +28,9 @@ SRC = Path(__file__).resolve().parents[1] / "flashqla" / "backends" / "tilelang"
 ROLES = {"chain": 128, "prep": 128, "grad": 128, "producer": 32}
 
 
-def _protocol():
+def _protocol(src: Path = SRC):
     """(barrier arrive counts, per-role list of (op, barrier expr, parity expr)) from the kernel source."""
-    text = SRC.read_text()
+    text = src.read_text()
     counts = {}
     for name, arg in re.findall(r"(\w+) = T\.alloc_barrier\(arrive_count=([^)]*)\)", text):
         val = eval(arg)                                   # noqa: S307 - our own source
@@ -54,9 +54,11 @@ def _resolve(expr, i):
     return m.group(1), idx
 
 
-def _simulate(counts, ops, nchunks, rng):
+def _simulate(counts, ops, nchunks, rng, roles=None):
     """Step the roles' barrier ops for a walk of nchunks chunks, choosing a random runnable role each time.
-    Returns the completed-phase counts; raises AssertionError on a deadlock or a parity alias."""
+    Returns the completed-phase counts; raises AssertionError on a deadlock or a parity alias.  ``roles``:
+    role -> threads (default: this kernel's)."""
+    ROLES = roles or globals()["ROLES"]
     done = {(b, j): 0 for b, c in counts.items() for j in range(len(c))}
     pending = dict.fromkeys(done, 0)
     pc = {r: 0 for r in ROLES}                            # program counter over (step, op)

@@ -19,6 +19,7 @@ from ..gva import gva_sum
 from ._compile import get_kernel
 from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
 from .chunk_bwd_fused_sm90 import BV_FUSED, build_bwd_fused
+from .chunk_bwd_whole_sm90 import build_bwd_whole
 from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
 from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
@@ -256,13 +257,47 @@ def bwd_variant() -> str:
     """``ws`` (warp-specialised state-gradient recurrence, then the per-chunk dqk and wy kernels; default),
     ``serial`` (the same with a serial state kernel) or ``fused`` (``chunk_bwd_fused_sm90``: the walk and every
     per-chunk gradient in one kernel; experimental: correct on the H200 but 2-3x slower than ``ws`` in
-    session 11, and without the fused L2 norm: such calls take ``ws``); ``FLASHQLA_TILELANG_BWD`` overrides."""
-    return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial", "fused"), "ws")
+    session 11, and without the fused L2 norm: such calls take ``ws``) or ``whole`` (``chunk_bwd_whole_sm90``: the
+    same at whole V with the work split by MAC count, session 14; lowered and protocol-checked on the CPU, not yet
+    run on a GPU; K = V = 128 without the fused L2 norm); ``FLASHQLA_TILELANG_BWD`` overrides."""
+    return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial", "fused", "whole"), "ws")
 
 
 def bwd_fused_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
     return get_kernel("bwd_fused_sm90", build_bwd_fused, key + ((True,) if BWD_TRACE_BUFFER is not None else ()))
+
+
+def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
+    key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
+    return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
+
+
+def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
+    """Whether the whole-V fused backward serves this call (K = V = 128, no fused L2 norm)."""
+    return K == 128 and V == 128 and not l2norm
+
+
+def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0):
+    """The whole-V fused backward's launch and the GVA sums of its per-value-head dq / dk.  Returns (dq, dk, dv,
+    dg, dbeta) flattened, as ``backward``'s split path has them before its reshape."""
+    B, T, Hqk, Hv, K, V = shape
+    NT = B * T
+    dev, dt = q.device, q.dtype
+    ratio = Hv // Hqk
+    f32 = torch.float32
+    dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+    dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+    dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
+    dg = torch.empty(NT, Hv, dtype=f32, device=dev)
+    db = torch.empty(NT, Hv, dtype=f32, device=dev)
+    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0)(
+        q, k, v, beta, dof, G, X, hs, vn, meta.cu_seqlens, meta.chunk_offsets, dhtf,
+        dq_h, dk_h, dv, dg, db, dh0, float(scale), ratio)
+    dq = gva_sum(dq_h, ratio, dt)
+    del dq_h
+    dk = gva_sum(dk_h, ratio, dt)
+    return dq, dk, dv, dg, db.to(beta.dtype)
 
 
 def bwd_fused_ok(K: int, V: int, l2norm: bool) -> bool:
@@ -435,6 +470,10 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     variant = bwd_variant()
     if variant == "fused" and bwd_fused_ok(K, V, l2norm):
         dq, dk, dv, dg, db = _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
+                                             has_dht, has_h0)
+        return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
+    if variant == "whole" and bwd_whole_ok(K, V, l2norm):
+        dq, dk, dv, dg, db = _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
                                              has_dht, has_h0)
         return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)

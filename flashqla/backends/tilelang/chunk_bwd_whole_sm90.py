@@ -1,0 +1,495 @@
+"""The fused backward at whole V (Hopper), second design: one CTA per (value head, sequence) walks dS [K, V] and
+forms every gradient of each chunk, with the work split by its MAC count over three math warpgroups
+(``BACKWARD_PLAN.md``, "Status (session 14)"; CPU model: ``chunk_bwd_fused_ref.bwd_fused_ref(w_free=True)``,
+whose order, rounding points and masks this kernel follows).
+
+Why a second design: the first (``chunk_bwd_fused_sm90``, BV = 64) runs each (chunk, head) in two CTAs that both
+repeat the K-side products, and one warpgroup carries the whole dA chain: 33 K cycles per step at 16/32 4x8192,
+slower than the split backward (session 14 run 3).  Here nothing is repeated, w is not read at all (the chain
+updates dS with ``k^T dVg``, ``dVg = -diag(eG) dY``, from the dY that the value warpgroup forms anyway), and the
+~12 M MAC of a step are split about 2 / 5.8 / 5.5 M over the chain, value and key warpgroups.
+
+Grid ``(Hv, N)``, 512 threads, chunks walked in reverse.  Notation per chunk (as the CPU model): ``E[r, j] =
+exp(G_r - G_j)`` for ``j <= r``, ``D_r = exp(G_last - G_r)``, ``eG = exp(G)``, ``M`` the causal mask with rows
+``r < eos``; no L2 norm in this kernel (such calls take the split backward).
+
+* warpgroup 0, **chain** (dS fp32 in registers, 128 per thread)::
+
+      dSb = bf16(dS) -> value, key;  <S, dSb> row sums -> key's dg warp
+      dOs = bf16(scale eG dO) (rows < eos);  dS = e^{G_last} dS + q^T dOs;  dS += k^T dVg (from value)
+
+* warpgroup 1, **value** (state-free part first, while the chain finishes the previous chunk)::
+
+      P = q k^T -> Pm = bf16(scale P E M);  dPm = dO vn^T -> dQK = bf16(scale E M dPm) -> key;
+      Z = dQK P: row sums, and column sums as the row sums of the [j, r] frame (vn dO^T, k q^T)
+      acc = diag(D) k dSb + Pm^T dO (rows >= eos 0) -> dvn (bf16, own tile);  Z' = X^T dvn;  dv = dY = b Z';
+      m = dvn Y^T;  dVg = bf16(-eG dY) over dvn -> chain, key;  db = rowsum(Z' Y)
+      dX = bf16(m diag(b));  T1 = X^T dX;  dA = -(T1 X^T), dA^T = -(X T1^T) (strict);  KK = k k^T;
+      Ws = bf16(W + W^T), W = dA diag(b) E -> key;  db += rowsum(dA KK E);  dAA sums -> key's dg warp
+
+* warpgroup 2, **key**::
+
+      U = k S -> Y = bf16(v - eG U) over v's tile -> value
+      t = vn dSb^T (K halves): dk = diag(D) t, dD = rowsum(k t)  (frees dSb: the chain's next step waits on it)
+      dq = scale eG (dO S^T) + dQK k (K halves, stored), ginter = scale eG rowsum(q dO S^T)
+      dk += dQK^T q;  dk += dVg S^T, gv = rowsum(k dVg S^T);  dk += Ws k (stored)
+      dG = [r < eos](rowZ - colZ + ginter - D dD + gv) + rowsum(dAA) - colsum(dAA), plus e^{G_last} <S, dS> + sum D dD
+      on the last row: dg = its reverse cumsum (one warp), db
+
+* warpgroup 3, the **producer**: one warp issues the TMA loads of q, k with G, S, dO, vn, v and X, each as soon as
+  the previous chunk's last readers of that tile have arrived on its ``empty`` barrier.
+
+Shared memory (bf16, K = V = 128): inputs q 16, k 16, v / Y 16, dO 16, S 32, vn 16, X 8 KB; hand-offs dSb 32,
+dOs 16, Pm 8, dvn / dVg 16, dQK 8, dX / T1 8, Ws 8 KB; vectors ~3 KB: ~219 KB of the 227.  Registers (setmaxnreg):
+chain 168, value 160, key 160, producer 24 (ptxas, bf16: 64 bytes of stack, no local memory; at value 168 / key 152
+it was 72).  Every tile is single-buffered; a hand-off is written only after its
+previous readers arrived on its ``free`` barrier, and each ``ready`` barrier is arrived by a writer that has
+waited for that, so no barrier runs two phases ahead of a waiter (the vectors for the dg warp alternate over two
+slots and two barriers, as the chain can be one chunk ahead of the key warpgroup).
+
+Outputs: ``dq``, ``dk`` ``[NT, Hv, K]`` per value head in the inputs' dtype (the host sums each GVA group in
+fp32), ``dv`` ``[NT, Hv, V]``, ``dg``, ``db`` ``[NT, Hv]`` fp32, ``dh0`` ``[N, Hv, K, V]`` fp32.  Rows past a
+sequence's end are never stored.
+"""
+
+CHUNK = 64
+
+
+# setmaxnreg of (chain, value, key, producer): they sum to 512 (x 128 threads = the 64K-register file)
+NREGS = (168, 160, 160, 24)
+
+
+def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool, nregs=None):
+    import tilelang.language as T
+
+    from ._common import symbolic_sizes
+
+    C = CHUNK
+    KH = K // 2        # K halves of the key warpgroup's [C, K] products
+    SQ = 8             # column block of <S, dSb> (the chain's)
+    acc = "float32"
+    assert K == 128 and V == 128
+    NT, NC, NS, Hqk, Hv = symbolic_sizes()
+    DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
+    D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
+    LOG2E = 1.4426950408889634
+    R_CHAIN, R_VALUE, R_KEY, R_PROD = nregs or NREGS
+    assert R_CHAIN + R_VALUE + R_KEY + R_PROD <= 512
+
+    def fexp(x):
+        # the hardware ex2 (~2 ulp), as the first fused backward; only differences of G are exponentiated
+        return T.exp2(x * LOG2E)
+
+    @T.prim_func
+    def gdn_bwd_whole(
+        q: T.Tensor((NT, Hqk, K), dtype),
+        k: T.Tensor((NT, Hqk, K), dtype),
+        v: T.Tensor((NT, Hv, V), dtype),
+        beta: T.Tensor((NT, Hv), beta_dtype),
+        do: T.Tensor((NT, Hv, V), dtype),
+        G: T.Tensor((NC, Hv, C), acc),
+        X: T.Tensor((NC, Hv, C, C), dtype),
+        h: T.Tensor((NC, Hv, K, V), dtype),
+        vn: T.Tensor((NC, Hv, C, V), dtype),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_offsets: T.Tensor((NS + 1,), "int32"),
+        dht: T.Tensor((DTN, DTH, K, V), acc),
+        dq_out: T.Tensor((NT, Hv, K), dtype),
+        dk_out: T.Tensor((NT, Hv, K), dtype),
+        dv_out: T.Tensor((NT, Hv, V), dtype),
+        dg_out: T.Tensor((NT, Hv), acc),
+        db_out: T.Tensor((NT, Hv), acc),
+        dh0: T.Tensor((D0N, D0H, K, V), acc),
+        scale: T.float32,
+        ratio: T.int32,
+    ):
+        with T.Kernel(Hv, NS, threads=512) as (hv, n):
+            # ---- input tiles (TMA), single-buffered
+            q_s = T.alloc_shared((C, K), dtype)
+            k_s = T.alloc_shared((C, K), dtype)
+            G_s = T.alloc_shared((C,), acc)
+            v_s = T.alloc_shared((C, V), dtype)       # v, then Y (key writes it in place)
+            do_s = T.alloc_shared((C, V), dtype)
+            S_s = T.alloc_shared((K, V), dtype)
+            vn_s = T.alloc_shared((C, V), dtype)
+            X_s = T.alloc_shared((C, C), dtype)
+            # ---- hand-offs and private tiles
+            dSb_s = T.alloc_shared((K, V), dtype)     # chain -> value, key
+            dOs_s = T.alloc_shared((C, V), dtype)     # chain's own
+            Pm_s = T.alloc_shared((C, C), dtype)      # value's own
+            dvn_s = T.alloc_shared((C, V), dtype)     # value's dvn, then dVg -> chain, key
+            dQK_s = T.alloc_shared((C, C), dtype)     # value -> key
+            dX_s = T.alloc_shared((C, C), dtype)      # value's own: dX, then T1
+            Ws_s = T.alloc_shared((C, C), dtype)      # value -> key
+            b_s = T.alloc_shared((C,), acc)           # value's own
+            vz_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: rowZ - colZ (rows < eos)
+            va_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: rowsum(dAA) - colsum(dAA)
+            vb_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: dbeta
+            sdr_s = T.alloc_shared((2, K), acc)       # chain -> key's dg warp: <S, dSb> row sums
+            kg_s = T.alloc_shared((C,), acc)          # key's own: its dG terms
+            dD_s = T.alloc_shared((C,), acc)          # key's own
+
+            # chain fragments
+            dS_f = T.alloc_fragment((K, V), acc)
+            sd_f = T.alloc_fragment((K, SQ), acc)
+            sdr_f = T.alloc_fragment((K,), acc)
+            glast = T.alloc_local((1,), acc)
+            # value fragments
+            P_f = T.alloc_fragment((C, C), acc)
+            M_f = T.alloc_fragment((C, C), acc)
+            KK_f = T.alloc_fragment((C, C), acc)
+            A_f = T.alloc_fragment((C, V), acc)
+            rowf_f = T.alloc_fragment((C,), acc)
+            vr_f = T.alloc_fragment((C,), acc)
+            vc_f = T.alloc_fragment((C,), acc)
+            vk_f = T.alloc_fragment((C,), acc)
+            # key fragments
+            U_f = T.alloc_fragment((C, V), acc)
+            dk0_f = T.alloc_fragment((C, KH), acc)
+            dk1_f = T.alloc_fragment((C, KH), acc)
+            t_f = T.alloc_fragment((C, KH), acc)
+            tq_f = T.alloc_fragment((C, KH), acc)
+            kr_f = T.alloc_fragment((C,), acc)
+
+            # inputs: 0 q, 1 k + G, 2 v, 3 dO, 4 S, 5 vn, 6 X; their readers arrive on empty_in
+            full_in = T.alloc_barrier(arrive_count=[32] * 7)
+            empty_in = T.alloc_barrier(arrive_count=[384, 384, 128, 384, 256, 256, 128])
+            dsb_ready = T.alloc_barrier(arrive_count=128)
+            dsb_free = T.alloc_barrier(arrive_count=256)
+            y_ready = T.alloc_barrier(arrive_count=128)
+            dqk_ready = T.alloc_barrier(arrive_count=128)
+            dqk_free = T.alloc_barrier(arrive_count=128)
+            dvg_ready = T.alloc_barrier(arrive_count=128)
+            dvg_free = T.alloc_barrier(arrive_count=256)
+            ws_ready = T.alloc_barrier(arrive_count=128)
+            ws_free = T.alloc_barrier(arrive_count=128)
+            vec_ready = T.alloc_barrier(arrive_count=[256, 256])
+
+            tx = T.get_thread_binding()
+            hq = hv // ratio
+            bos0 = cu_seqlens[n]
+            eos = cu_seqlens[n + 1]
+            c0 = chunk_offsets[n]
+            nchunks = chunk_offsets[n + 1] - c0
+
+            if tx < 128:
+                # ---------------- chain ----------------
+                T.set_max_nreg(R_CHAIN, 1)
+                if has_dht:
+                    T.copy(dht[n, hv, :, :], dS_f)
+                else:
+                    T.clear(dS_f)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    T.barrier_wait(full_in[1], i % 2)          # k, G
+                    T.barrier_wait(dsb_free, (i + 1) % 2)
+                    T.copy(dS_f, dSb_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dsb_ready)
+                    # <S, dSb> by column blocks, its row sums for the dg warp (slot s: the key warpgroup reads
+                    # slot s of chunk i before it frees dSb of chunk i + 1, which this role waits for before
+                    # writing slot s again at chunk i + 2)
+                    T.barrier_wait(full_in[4], i % 2)          # S
+                    for qb in T.unroll(V // SQ):
+                        for a, b in T.Parallel(K, SQ):
+                            sd_f[a, b] = T.cast(S_s[a, qb * SQ + b], acc) * T.cast(dSb_s[a, qb * SQ + b], acc)
+                        T.reduce_sum(sd_f, sdr_f, dim=1)
+                        if qb == 0:
+                            for a in T.Parallel(K):
+                                sdr_s[s, a] = sdr_f[a]
+                        else:
+                            for a in T.Parallel(K):
+                                sdr_s[s, a] = sdr_s[s, a] + sdr_f[a]
+                    T.barrier_arrive(empty_in[4])
+                    T.barrier_arrive(vec_ready[s])
+                    # dS = e^{G_last} dS + q^T dOs
+                    T.barrier_wait(full_in[3], i % 2)          # dO
+                    for r, j in T.Parallel(C, V):
+                        dOs_s[r, j] = T.if_then_else(
+                            bos + r < eos, T.cast(do_s[r, j], acc) * (scale * fexp(G_s[r])), 0.0)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(empty_in[3])
+                    glast[0] = fexp(G_s[C - 1])
+                    for a, b in T.Parallel(K, V):
+                        dS_f[a, b] = dS_f[a, b] * glast[0]
+                    T.barrier_wait(full_in[0], i % 2)          # q
+                    T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
+                    T.barrier_arrive(empty_in[0])
+                    # dS += k^T dVg
+                    T.barrier_wait(dvg_ready, i % 2)
+                    T.gemm(k_s, dvn_s, dS_f, transpose_A=True)
+                    T.barrier_arrive(dvg_free)
+                    T.barrier_arrive(empty_in[1])
+                if need_dh0:
+                    T.copy(dS_f, dh0[n, hv, :, :])
+            elif tx < 256:
+                # ---------------- value ----------------
+                T.set_max_nreg(R_VALUE, 1)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    for r in T.Parallel(C):
+                        b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, hv], acc), 0.0)
+                    T.barrier_wait(full_in[1], i % 2)          # k, G
+                    T.barrier_wait(full_in[0], i % 2)          # q
+                    # P = q k^T, Pm = bf16(scale P E M) [r, j]
+                    T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
+                    for r, j in T.Parallel(C, C):
+                        Pm_s[r, j] = T.if_then_else(
+                            (j <= r) & (bos + r < eos), P_f[r, j] * scale * fexp(G_s[r] - G_s[j]), 0.0)
+                    T.fence_proxy_async()
+                    # dQK = scale E M (dO vn^T) -> key; Z = dQK P: its row sums here, its column sums as the row
+                    # sums of the [j, r] frame below (a column reduction of a wgmma fragment would be a cross-warp
+                    # AllReduce on bar.sync 1, which every warpgroup would share)
+                    T.barrier_wait(full_in[3], i % 2)          # dO
+                    T.barrier_wait(full_in[5], i % 2)          # vn
+                    T.gemm(do_s, vn_s, M_f, transpose_B=True, clear_accum=True)
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = T.if_then_else(
+                            (j <= r) & (bos + r < eos), M_f[r, j] * scale * fexp(G_s[r] - G_s[j]), 0.0)
+                    T.barrier_wait(dqk_free, (i + 1) % 2)
+                    T.copy(M_f, dQK_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dqk_ready)
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = M_f[r, j] * P_f[r, j]
+                    T.reduce_sum(M_f, vr_f, dim=1)
+                    T.gemm(vn_s, do_s, M_f, transpose_B=True, clear_accum=True)
+                    T.gemm(k_s, q_s, P_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(empty_in[5])
+                    T.barrier_arrive(empty_in[0])
+                    for j, r in T.Parallel(C, C):
+                        M_f[j, r] = T.if_then_else(
+                            (j <= r) & (bos + r < eos), M_f[j, r] * scale * fexp(G_s[r] - G_s[j]), 0.0) \
+                            * P_f[j, r]
+                    T.reduce_sum(M_f, vc_f, dim=1)
+                    for r in T.Parallel(C):
+                        vz_s[s, r] = vr_f[r] - vc_f[r]
+                    # acc = diag(D) k dSb + Pm^T dO  (dv_new's gradient), rows past the end 0
+                    T.barrier_wait(dsb_ready, i % 2)
+                    T.gemm(k_s, dSb_s, A_f, clear_accum=True)
+                    T.barrier_arrive(dsb_free)
+                    for r in T.Parallel(C):
+                        rowf_f[r] = fexp(G_s[C - 1] - G_s[r])
+                    for r, j in T.Parallel(C, V):
+                        A_f[r, j] = A_f[r, j] * rowf_f[r]
+                    T.gemm(Pm_s, do_s, A_f, transpose_A=True)
+                    T.barrier_arrive(empty_in[3])
+                    T.barrier_wait(dvg_free, (i + 1) % 2)
+                    for r, j in T.Parallel(C, V):
+                        dvn_s[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
+                    T.fence_proxy_async()
+                    # Z' = X^T dvn; dv = dY = b Z'
+                    T.barrier_wait(full_in[6], i % 2)          # X
+                    T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
+                    for r, j in T.Parallel(C, V):
+                        if bos + r < eos:
+                            dv_out[bos + r, hv, j] = T.cast(b_s[r] * A_f[r, j], dtype)
+                    # m = dvn Y^T, before dVg overwrites dvn
+                    T.barrier_wait(y_ready, i % 2)
+                    T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
+                    # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key
+                    for r, j in T.Parallel(C, V):
+                        dvn_s[r, j] = -fexp(G_s[r]) * T.cast(T.cast(b_s[r] * A_f[r, j], dtype), acc)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvg_ready)
+                    # db = rowsum(Z' Y)
+                    for r, j in T.Parallel(C, V):
+                        A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
+                    T.reduce_sum(A_f, vk_f, dim=1)
+                    T.barrier_arrive(empty_in[2])
+                    for r in T.Parallel(C):
+                        vb_s[s, r] = vk_f[r]
+                    # dX = bf16(m diag(b)); T1 = X^T dX; dA^T = -(X T1^T), dA = -(T1 X^T) (strict)
+                    T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
+                    for r, j in T.Parallel(C, C):
+                        dX_s[r, j] = M_f[r, j] * b_s[j]
+                    T.fence_proxy_async()
+                    T.gemm(X_s, dX_s, M_f, transpose_A=True, clear_accum=True)
+                    T.copy(M_f, dX_s)
+                    T.fence_proxy_async()
+                    T.barrier_wait(ws_free, (i + 1) % 2)
+                    # W^T[r, j] = dA[j, r] b_j E[j, r] (j > r) into Ws, and in the same pass the column sums of
+                    # dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] as row sums over the dA^T frame
+                    T.gemm(X_s, dX_s, M_f, transpose_B=True, clear_accum=True)
+                    for r, j in T.Parallel(C, C):
+                        wt = T.if_then_else(j > r, -M_f[r, j] * b_s[j] * fexp(G_s[j] - G_s[r]), 0.0)
+                        Ws_s[r, j] = wt
+                        M_f[r, j] = wt * KK_f[r, j]
+                    T.reduce_sum(M_f, vc_f, dim=1)
+                    # then W from dA, added to the same elements, and dA KK E's row sums (db and dAA's rows)
+                    T.gemm(dX_s, X_s, M_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(empty_in[6])
+                    for r, j in T.Parallel(C, C):
+                        wr = T.if_then_else(r > j, -M_f[r, j] * fexp(G_s[r] - G_s[j]), 0.0)
+                        Ws_s[r, j] = T.cast(Ws_s[r, j], acc) + wr * b_s[r]
+                        KK_f[r, j] = wr * KK_f[r, j]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ws_ready)
+                    T.reduce_sum(KK_f, vk_f, dim=1)
+                    T.barrier_arrive(empty_in[1])
+                    for r in T.Parallel(C):
+                        vb_s[s, r] = vb_s[s, r] + vk_f[r]
+                    for r in T.Parallel(C):
+                        va_s[s, r] = b_s[r] * vk_f[r] - vc_f[r]
+                    T.barrier_arrive(vec_ready[s])
+            elif tx < 384:
+                # ---------------- key ----------------
+                T.set_max_nreg(R_KEY, 1)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    # Y = v - diag(eG) k S over v's tile -> value
+                    T.barrier_wait(full_in[1], i % 2)          # k, G
+                    T.barrier_wait(full_in[4], i % 2)          # S
+                    T.gemm(k_s, S_s, U_f, clear_accum=True)
+                    T.barrier_wait(full_in[2], i % 2)          # v
+                    for r, j in T.Parallel(C, V):
+                        v_s[r, j] = T.cast(v_s[r, j], acc) - fexp(G_s[r]) * U_f[r, j]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(y_ready)
+                    # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
+                    T.barrier_wait(full_in[5], i % 2)          # vn
+                    T.barrier_wait(dsb_ready, i % 2)
+                    T.gemm(vn_s, dSb_s[0:KH, :], dk0_f, transpose_B=True, clear_accum=True)
+                    T.gemm(vn_s, dSb_s[KH:K, :], dk1_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(dsb_free)
+                    T.barrier_arrive(empty_in[5])
+                    for r, d in T.Parallel(C, KH):
+                        t_f[r, d] = dk0_f[r, d] * T.cast(k_s[r, d], acc)
+                    T.reduce_sum(t_f, kr_f, dim=1)
+                    for r in T.Parallel(C):
+                        dD_s[r] = kr_f[r]
+                    for r, d in T.Parallel(C, KH):
+                        t_f[r, d] = dk1_f[r, d] * T.cast(k_s[r, KH + d], acc)
+                    T.reduce_sum(t_f, kr_f, dim=1)
+                    for r in T.Parallel(C):
+                        dD_s[r] = dD_s[r] + kr_f[r]
+                    for r, d in T.Parallel(C, KH):
+                        dk0_f[r, d] = dk0_f[r, d] * fexp(G_s[C - 1] - G_s[r])
+                    for r, d in T.Parallel(C, KH):
+                        dk1_f[r, d] = dk1_f[r, d] * fexp(G_s[C - 1] - G_s[r])
+                    # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
+                    T.barrier_wait(full_in[3], i % 2)          # dO
+                    T.barrier_wait(full_in[0], i % 2)          # q
+                    T.barrier_wait(dqk_ready, i % 2)
+                    for hb in T.unroll(2):
+                        T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
+                        for r, d in T.Parallel(C, KH):
+                            tq_f[r, d] = t_f[r, d] * T.cast(q_s[r, hb * KH + d], acc)
+                        T.reduce_sum(tq_f, kr_f, dim=1)
+                        if hb == 0:
+                            for r in T.Parallel(C):
+                                kg_s[r] = kr_f[r]
+                        else:
+                            for r in T.Parallel(C):
+                                kg_s[r] = (kg_s[r] + kr_f[r]) * scale * fexp(G_s[r])
+                        for r, d in T.Parallel(C, KH):
+                            t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
+                        T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
+                        for r, d in T.Parallel(C, KH):
+                            if bos + r < eos:
+                                dq_out[bos + r, hv, hb * KH + d] = T.cast(t_f[r, d], dtype)
+                    T.barrier_arrive(empty_in[3])
+                    # dk += dQK^T q
+                    T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
+                    T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
+                    T.barrier_arrive(dqk_free)
+                    T.barrier_arrive(empty_in[0])
+                    # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
+                    T.barrier_wait(dvg_ready, i % 2)
+                    for hb in T.unroll(2):
+                        T.gemm(dvn_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
+                        if hb == 0:
+                            for r, d in T.Parallel(C, KH):
+                                dk0_f[r, d] = dk0_f[r, d] + t_f[r, d]
+                        else:
+                            for r, d in T.Parallel(C, KH):
+                                dk1_f[r, d] = dk1_f[r, d] + t_f[r, d]
+                        for r, d in T.Parallel(C, KH):
+                            t_f[r, d] = t_f[r, d] * T.cast(k_s[r, hb * KH + d], acc)
+                        T.reduce_sum(t_f, kr_f, dim=1)
+                        for r in T.Parallel(C):
+                            kg_s[r] = kg_s[r] + kr_f[r]
+                    T.barrier_arrive(dvg_free)
+                    T.barrier_arrive(empty_in[4])
+                    # dk += Ws k, stored
+                    T.barrier_wait(ws_ready, i % 2)
+                    T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
+                    T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
+                    T.barrier_arrive(ws_free)
+                    for r, d in T.Parallel(C, KH):
+                        if bos + r < eos:
+                            dk_out[bos + r, hv, d] = T.cast(dk0_f[r, d], dtype)
+                    for r, d in T.Parallel(C, KH):
+                        if bos + r < eos:
+                            dk_out[bos + r, hv, KH + d] = T.cast(dk1_f[r, d], dtype)
+                    # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
+                    # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
+                    # rows 2l, 2l + 1
+                    T.barrier_wait(vec_ready[s], (i // 2) % 2)
+                    for r in T.Parallel(C):
+                        kg_s[r] = T.if_then_else(
+                            bos + r < eos,
+                            vz_s[s, r] + kg_s[r] - fexp(G_s[C - 1] - G_s[r]) * dD_s[r], 0.0) + va_s[s, r]
+                    if tx < 288:
+                        lane = tx - 256
+                        part = T.alloc_var(acc)
+                        part = (sdr_s[s, lane] + sdr_s[s, lane + 32] + sdr_s[s, lane + 64] + sdr_s[s, lane + 96]) \
+                            * fexp(G_s[C - 1]) \
+                            + fexp(G_s[C - 1] - G_s[lane]) * dD_s[lane] \
+                            + fexp(G_s[C - 1] - G_s[lane + 32]) * dD_s[lane + 32]
+                        last = T.alloc_var(acc)
+                        last = T.warp_reduce_sum(part)
+                        lo = T.alloc_var(acc)
+                        lo = kg_s[2 * lane]
+                        suf = T.alloc_var(acc)
+                        suf = lo + kg_s[2 * lane + 1]
+                        for sh in T.unroll(5):
+                            y = T.alloc_var(acc)
+                            y = T.shfl_down(suf, 1 << sh)
+                            if lane + (1 << sh) < 32:
+                                suf = suf + y
+                        if bos + 2 * lane < eos:
+                            dg_out[bos + 2 * lane, hv] = suf + last
+                            db_out[bos + 2 * lane, hv] = vb_s[s, 2 * lane]
+                        if bos + 2 * lane + 1 < eos:
+                            dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
+                            db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
+                    T.barrier_arrive(empty_in[1])
+            else:
+                # ---------------- producer: one warp issues every TMA load ----------------
+                T.set_max_nreg(R_PROD, 0)
+                if tx < 416:
+                    for i in T.serial(nchunks):
+                        ci = nchunks - 1 - i
+                        bos = bos0 + ci * C
+                        c = c0 + ci
+                        # in the order the roles first need them
+                        T.barrier_wait(empty_in[1], (i + 1) % 2)
+                        T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=full_in[1])
+                        T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
+                        T.barrier_arrive(full_in[1])
+                        T.barrier_wait(empty_in[0], (i + 1) % 2)
+                        T.tma_copy(q[bos:bos + C, hq, :], q_s, barrier=full_in[0])
+                        T.barrier_arrive(full_in[0])
+                        T.barrier_wait(empty_in[4], (i + 1) % 2)
+                        T.tma_copy(h[c, hv, :, :], S_s, barrier=full_in[4])
+                        T.barrier_arrive(full_in[4])
+                        T.barrier_wait(empty_in[3], (i + 1) % 2)
+                        T.tma_copy(do[bos:bos + C, hv, :], do_s, barrier=full_in[3])
+                        T.barrier_arrive(full_in[3])
+                        T.barrier_wait(empty_in[5], (i + 1) % 2)
+                        T.tma_copy(vn[c, hv, :, :], vn_s, barrier=full_in[5])
+                        T.barrier_arrive(full_in[5])
+                        T.barrier_wait(empty_in[2], (i + 1) % 2)
+                        T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=full_in[2])
+                        T.barrier_arrive(full_in[2])
+                        T.barrier_wait(empty_in[6], (i + 1) % 2)
+                        T.tma_copy(X[c, hv, :, :], X_s, barrier=full_in[6])
+                        T.barrier_arrive(full_in[6])
+    return gdn_bwd_whole

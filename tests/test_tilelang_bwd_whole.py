@@ -1,0 +1,149 @@
+"""The whole-V fused tilelang backward (``chunk_bwd_whole_sm90``, ``FLASHQLA_TILELANG_BWD=whole``; session 14).
+
+* Its mbarrier protocol, read from the kernel's source and stepped through the mbarrier-phase model of
+  ``test_tilelang_bwd_fused`` under random interleavings of the four roles: no deadlock for walks of 0..6
+  chunks, no barrier two phases ahead of a waiter, every phase whole; the model fails a broken protocol.
+* Lowering for sm_90a: wgmma, TMA, 512 threads, setmaxnreg within the register file, no cross-warp
+  AllReduce, no local memory, shared memory within one CTA.
+* Its algebra (the w-free chain) is ``bwd_fused_ref(w_free=True)``, checked in ``test_tilelang_bwd_fused_ref``.
+* On an sm_90 GPU: the oracle comparison of the shared backward cases and 20-run bitwise determinism.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from flashqla.testing import Case
+from test_backend_tilelang import needs_sm90
+from test_tilelang_bwd_fused import _protocol, _simulate
+
+HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
+SRC = Path(__file__).resolve().parents[1] / "flashqla" / "backends" / "tilelang" / "chunk_bwd_whole_sm90.py"
+ROLES = {"chain": 128, "value": 128, "key": 128, "producer": 32}
+
+
+def test_whole_protocol_is_parsed():
+    counts, ops = _protocol(SRC)
+    assert set(ops) == set(ROLES)
+    assert all(ops[r] for r in ROLES)
+    used = {re.fullmatch(r"(\w+)(?:\[.*\])?", e).group(1) for seq in ops.values() for _, e, _ in seq}
+    assert used == set(counts)
+    # each input's readers arrive on its empty barrier as many times as its count says
+    per_input = {}
+    for role, seq in ops.items():
+        for op, e, _ in seq:
+            m = re.fullmatch(r"empty_in\[(\d)\]", e)
+            if op == "arrive" and m:
+                per_input[int(m.group(1))] = per_input.get(int(m.group(1)), 0) + ROLES[role]
+    assert [per_input[j] for j in range(7)] == counts["empty_in"]
+
+
+@pytest.mark.parametrize("nchunks", [0, 1, 2, 3, 4, 6])
+def test_whole_protocol_no_deadlock(nchunks):
+    counts, ops = _protocol(SRC)
+    rng = random.Random(nchunks)
+    for _ in range(300):
+        done = _simulate(counts, ops, nchunks, rng, ROLES)
+    assert all(done[("full_in", j)] == nchunks and done[("empty_in", j)] == nchunks for j in range(7))
+    assert done[("vec_ready", 0)] + done[("vec_ready", 1)] == nchunks
+
+
+def test_whole_protocol_model_catches_a_broken_protocol():
+    counts, ops = _protocol(SRC)
+    # the key warpgroup never frees dSb: the chain's second publish waits forever
+    broken = dict(ops, key=[o for o in ops["key"] if o[1] != "dsb_free"])
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate(counts, broken, 3, random.Random(0), ROLES)
+    # the key warpgroup never frees S: the producer's second S load waits forever
+    broken = dict(ops, key=[o for o in ops["key"] if o[1] != "empty_in[4]"])
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate(counts, broken, 2, random.Random(0), ROLES)
+    # the chain publishes dSb twice per chunk
+    broken = dict(ops, chain=ops["chain"] + [("arrive", "dsb_ready", "")])
+    with pytest.raises(AssertionError, match="arrivals in one phase|deadlock|partial|two phases"):
+        for seed in range(20):
+            _simulate(counts, broken, 3, random.Random(seed), ROLES)
+
+
+def _variants():
+    return [("bfloat16", "bfloat16", 128, 128, False, False), ("bfloat16", "float32", 128, 128, True, True),
+            ("float16", "float16", 128, 128, True, False)]
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("args", _variants(), ids=lambda x: str(x).replace(" ", ""))
+def test_whole_kernel_lowers_for_sm90a(args):
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
+    from test_backend_tilelang import _SM90_SMEM, _smem_bytes, resource_usage
+
+    kern = tilelang.compile(build_bwd_whole(*args), out_idx=None, target=TARGET)
+    src = kern.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
+    assert "__launch_bounds__(512, 1)" in src
+    inc = [int(x) for x in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
+    dec = [int(x) for x in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
+    assert len(inc) + len(dec) == 4, (inc, dec)
+    assert all(n >= 128 for n in inc) and all(n <= 128 for n in dec), (inc, dec)
+    assert sum(inc) + sum(dec) <= 512, (inc, dec)
+    assert src.count("__syncthreads()") == 1
+    assert not re.search(r"AllReduce<tl::SumOp, (64|128), ", src)
+    usage = resource_usage(kern)
+    print(f"bwd_whole{args}: {usage}")
+    assert "LOCAL:0" in usage or "unavailable" in usage, usage
+    stack = re.search(r"STACK:(\d+)", usage)
+    assert stack is None or int(stack.group(1)) <= 64, f"spills: {usage}"
+    if "unavailable" not in usage:
+        assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
+
+
+# ---- GPU ------------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_whole_backward_matches_oracle(dtype, monkeypatch):
+    import test_backend_tilelang as tb
+    from flashqla.backends.tilelang import _compile
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
+    ran = 0
+    for case in tb._GPU_BWD_CASES:
+        if case.l2norm or case.K != 128 or case.V != 128:
+            continue
+        tb._gpu_case(case, dtype, grads=True)
+        ran += 1
+    assert ran >= 3
+    assert any(n == "bwd_whole_sm90" for n, _ in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_whole_backward_deterministic(monkeypatch):
+    import flashqla
+    from flashqla.testing import make_inputs
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
+    case = Case("whole_det", 2, 4, 128, 128, seqlens=(300, 1, 700, 64), l2norm=False)
+    inp = make_inputs(case, torch.bfloat16, "cuda")
+    leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
+
+    def grads():
+        o, _ = flashqla.chunk_gated_delta_rule(*leaves, scale=case.scale, cu_seqlens=inp["cu_seqlens"],
+                                               backend="tilelang")
+        return torch.autograd.grad(o, leaves, inp["do"])
+
+    first = grads()
+    for _ in range(20):
+        for a, b in zip(first, grads()):
+            assert torch.equal(a, b)
