@@ -148,25 +148,31 @@ def test_fused_kernel_lowers_for_sm90a(args):
 
     from flashqla.backends.tilelang._compile import TARGET
     from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import build_bwd_fused
-    from test_backend_tilelang import _SM90_SMEM, _smem_bytes, resource_usage
 
     kern = tilelang.compile(build_bwd_fused(*args), out_idx=None, target=TARGET)
+    check_ws_kernel(kern, f"bwd_fused{args}")
+
+
+def check_ws_kernel(kern, label: str) -> None:
+    """What a lowered warp-specialised backward (four 128-thread roles) must show: wgmma and TMA, 512 threads,
+    setmaxnreg .inc only above the launch's 128 registers per thread and .dec only below (anything else is an
+    illegal instruction on the device) within the 64K-register file, one __syncthreads (after the barrier init;
+    the roles sync on named barriers of their own), no cross-warp AllReduce (its bar.sync 1, 128 would be shared
+    by the warpgroups), no local memory, at most 64 bytes of stack, shared memory within one CTA."""
+    from test_backend_tilelang import _SM90_SMEM, _smem_bytes, resource_usage
+
     src = kern.get_kernel_source()
     assert "wgmma" in src and "tma_load" in src
     assert "__launch_bounds__(512, 1)" in src
-    # setmaxnreg: .inc only above the launch's 128 registers per thread, .dec only below (anything else is an
-    # illegal instruction on the device), and the four warpgroups together within the 64K-register file
     inc = [int(x) for x in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
     dec = [int(x) for x in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
     assert len(inc) + len(dec) == 4, (inc, dec)
     assert all(n >= 128 for n in inc) and all(n <= 128 for n in dec), (inc, dec)
     assert sum(inc) + sum(dec) <= 512, (inc, dec)
-    # one __syncthreads (after the barrier init); the roles sync on named barriers of their own
     assert src.count("__syncthreads()") == 1
-    # no cross-warp AllReduce (bar.sync 1, 128 would be shared by the warpgroups)
     assert not re.search(r"AllReduce<tl::SumOp, (64|128), ", src)
     usage = resource_usage(kern)
-    print(f"bwd_fused{args}: {usage}")
+    print(f"{label}: {usage}")
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
     stack = re.search(r"STACK:(\d+)", usage)
     assert stack is None or int(stack.group(1)) <= 64, f"spills: {usage}"

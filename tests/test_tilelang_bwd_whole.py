@@ -85,26 +85,9 @@ def test_whole_kernel_lowers_for_sm90a(args):
 
     from flashqla.backends.tilelang._compile import TARGET
     from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
-    from test_backend_tilelang import _SM90_SMEM, _smem_bytes, resource_usage
+    from test_tilelang_bwd_fused import check_ws_kernel
 
-    kern = tilelang.compile(build_bwd_whole(*args), out_idx=None, target=TARGET)
-    src = kern.get_kernel_source()
-    assert "wgmma" in src and "tma_load" in src
-    assert "__launch_bounds__(512, 1)" in src
-    inc = [int(x) for x in re.findall(r"warpgroup_reg_alloc<(\d+)>", src)]
-    dec = [int(x) for x in re.findall(r"warpgroup_reg_dealloc<(\d+)>", src)]
-    assert len(inc) + len(dec) == 4, (inc, dec)
-    assert all(n >= 128 for n in inc) and all(n <= 128 for n in dec), (inc, dec)
-    assert sum(inc) + sum(dec) <= 512, (inc, dec)
-    assert src.count("__syncthreads()") == 1
-    assert not re.search(r"AllReduce<tl::SumOp, (64|128), ", src)
-    usage = resource_usage(kern)
-    print(f"bwd_whole{args}: {usage}")
-    assert "LOCAL:0" in usage or "unavailable" in usage, usage
-    stack = re.search(r"STACK:(\d+)", usage)
-    assert stack is None or int(stack.group(1)) <= 64, f"spills: {usage}"
-    if "unavailable" not in usage:
-        assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
+    check_ws_kernel(tilelang.compile(build_bwd_whole(*args), out_idx=None, target=TARGET), f"bwd_whole{args}")
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------

@@ -469,7 +469,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         ci = nchunks - 1 - i
                         bos = bos0 + ci * C
                         c = c0 + ci
-                        # in the order the roles first need them
+                        # in the order the roles first need them (written out, not looped: the protocol-model
+                        # test reads every barrier operation from this source)
                         T.barrier_wait(empty_in[1], (i + 1) % 2)
                         T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=full_in[1])
                         T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
