@@ -42,7 +42,8 @@
 #   bash benchmarks/next_device_run.sh gvasum     the Triton GVA-sum kernel: bitwise vs the PyTorch forms, times
 #   bash benchmarks/next_device_run.sh bwdfused   the fused backward: GPU tests, A/B against the split one, the
 #                                                 flashqla-bwd grid against FlashQLA, profile (#4)
-#   bash benchmarks/next_device_run.sh bwdwhole   the whole-V fused backward (session 14): GPU tests, A/B, flashqla-bwd rows (#4)
+#   bash benchmarks/next_device_run.sh bwdwhole   the whole-V fused backward (session 14): GPU tests, A/B, flashqla-bwd rows,
+#                                                 role trace (#4)
 #   bash benchmarks/next_device_run.sh bwdtrace   the fused backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
@@ -263,7 +264,9 @@ case "$STEP" in
         --out $OUT/sweep_bwd_whole.json --variants "default;FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=fused"
     TAIL=45 run_step "flashqla-bwd rows, whole backward" ${BWDW_BENCH_S:-200} env FLASHQLA_TILELANG_BWD=whole \
         python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDW_FILTER:-16/32}" \
-        --backends tilelang --baselines flashqla --out $OUT/bwdwhole ;;
+        --backends tilelang --baselines flashqla --out $OUT/bwdwhole
+    TAIL=60 run_step "whole backward trace" ${BWDW_TRACE_S:-90} python benchmarks/trace_bwd_fused.py --kernel whole \
+        --rows ${BWDW_TRACE_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_whole.json ;;
   bwdtrace)
     # the fused backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)

@@ -28,6 +28,8 @@ python - <<'PY'
 from flashqla.backends.tilelang._compile import get_kernel
 from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import build_bwd_fused
 get_kernel("bwd_fused_sm90", build_bwd_fused, ("bfloat16", "bfloat16", 128, 128, False, False, True))
+from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
+get_kernel("bwd_whole_sm90", build_bwd_whole, ("bfloat16", "bfloat16", 128, 128, False, False, True))
 PY
 [ "${QUICK:-0}" = 1 ] || pre --modes fwd,bwd
 ( cd "$KC" && tar cf - --exclude=.restored --exclude=./triton --exclude='*/cuda-binaries' \

@@ -1,4 +1,6 @@
-"""Role timeline of the fused tilelang backward (``FLASHQLA_TILELANG_BWD=fused``), from in-kernel clock64 stamps.
+"""Role timeline of the fused tilelang backwards (``FLASHQLA_TILELANG_BWD=fused``, or ``whole`` with
+``--kernel whole``: ``chunk_bwd_whole_sm90``, whose roles are chain, value, key and producer), from in-kernel
+clock64 stamps.
 
 ``chunk_bwd_fused_sm90`` runs four roles per CTA (chain, prep, grad, TMA producer).  Built with ``trace=True``,
 the first thread of each role in CTA (0, 0, 0) stamps ``clock64()`` at the points of ``TRACE_EVENTS`` for the
@@ -30,12 +32,16 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="16/32:4x8192,16/32:1x32768")
     ap.add_argument("--first", type=int, default=4, help="first step of the steady-state window")
     ap.add_argument("--out", default="")
+    ap.add_argument("--kernel", default="fused", choices=("fused", "whole"))
     args = ap.parse_args(argv)
-    os.environ["FLASHQLA_TILELANG_BWD"] = "fused"
+    os.environ["FLASHQLA_TILELANG_BWD"] = args.kernel
 
     import flashqla
     from flashqla.backends.tilelang import ops
-    from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import TRACE_CHUNKS, TRACE_EVENTS
+    if args.kernel == "whole":
+        from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import TRACE_CHUNKS, TRACE_EVENTS
+    else:
+        from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import TRACE_CHUNKS, TRACE_EVENTS
 
     out = []
     for row in args.rows.split(","):

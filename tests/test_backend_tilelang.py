@@ -1092,7 +1092,7 @@ def _sim_bwd_fused(key, q, k, v, beta, do, G, X, h, vn, w, cu, coff, dht, dq_p, 
 
 
 def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out, db_out, dh0,
-                   scale, ratio):
+                   trace, scale, ratio):
     # chunk_bwd_whole_sm90: the CPU model in its w-free order (bwd_fused_ref(w_free=True), the kernel's order) at
     # whole V, with q / k given per value head (ratio 1): dq, dk per value head, as the kernel writes them
     from flashqla.backends.tilelang.chunk_bwd_fused_ref import bwd_fused_ref

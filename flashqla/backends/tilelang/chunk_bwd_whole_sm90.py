@@ -54,12 +54,28 @@ sequence's end are never stored.
 
 CHUNK = 64
 
+# (event, role): what has just happened when the role's first thread of CTA (0, 0) stamps clock64() (``trace=True``,
+# ``benchmarks/trace_bwd_fused.py --kernel whole``), for the first TRACE_CHUNKS steps of its walk
+TRACE_EVENTS = (
+    ("chain: k, G ready", "chain"), ("chain: dSb published", "chain"), ("chain: q^T dOs done", "chain"),
+    ("chain: dVg ready", "chain"), ("chain: step done", "chain"),
+    ("value: q, k ready", "value"), ("value: dQK published", "value"), ("value: Z sums done", "value"),
+    ("value: dSb ready", "value"), ("value: dvn written", "value"), ("value: dVg published", "value"),
+    ("value: db done", "value"), ("value: Ws published", "value"), ("value: step done", "value"),
+    ("key: k, S ready", "key"), ("key: Y published", "key"), ("key: dSb freed", "key"), ("key: dq stored", "key"),
+    ("key: dVg S^T done", "key"), ("key: dk stored", "key"), ("key: dg stored", "key"),
+    ("producer: k issued", "producer"), ("producer: S issued", "producer"), ("producer: X issued", "producer"),
+)
+TRACE_CHUNKS = 64
 
 # setmaxnreg of (chain, value, key, producer): they sum to 512 (x 128 threads = the 64K-register file)
 NREGS = (168, 160, 160, 24)
 
 
-def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool, nregs=None):
+def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
+                    trace: bool = False, nregs=None):
+    """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
+    the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``)."""
     import tilelang.language as T
 
     from ._common import symbolic_sizes
@@ -72,6 +88,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
     DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
     D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
+    TR0, TR1 = (len(TRACE_EVENTS), TRACE_CHUNKS) if trace else T.dynamic("TR0, TR1")
+    EV = {name: e for e, (name, _) in enumerate(TRACE_EVENTS)}
     LOG2E = 1.4426950408889634
     R_CHAIN, R_VALUE, R_KEY, R_PROD = nregs or NREGS
     assert R_CHAIN + R_VALUE + R_KEY + R_PROD <= 512
@@ -79,6 +97,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     def fexp(x):
         # the hardware ex2 (~2 ulp), as the first fused backward; only differences of G are exponentiated
         return T.exp2(x * LOG2E)
+
+    @T.macro
+    def stamp(trace_out, name, i, tx, tx0, hv, n):
+        if trace:
+            if T.And(T.And(tx == tx0, hv + n == 0), i < TRACE_CHUNKS):
+                trace_out[EV[name], i] = T.call_extern("int64", "clock64")
 
     @T.prim_func
     def gdn_bwd_whole(
@@ -100,6 +124,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         dg_out: T.Tensor((NT, Hv), acc),
         db_out: T.Tensor((NT, Hv), acc),
         dh0: T.Tensor((D0N, D0H, K, V), acc),
+        trace_out: T.Tensor((TR0, TR1), "int64"),
         scale: T.float32,
         ratio: T.int32,
     ):
@@ -184,10 +209,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
                     T.barrier_wait(full_in[1], i % 2)          # k, G
+                    stamp(trace_out, "chain: k, G ready", i, tx, 0, hv, n)
                     T.barrier_wait(dsb_free, (i + 1) % 2)
                     T.copy(dS_f, dSb_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dsb_ready)
+                    stamp(trace_out, "chain: dSb published", i, tx, 0, hv, n)
                     # <S, dSb> by column blocks, its row sums for the dg warp (slot s: the key warpgroup reads
                     # slot s of chunk i before it frees dSb of chunk i + 1, which this role waits for before
                     # writing slot s again at chunk i + 2)
@@ -217,11 +244,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_in[0], i % 2)          # q
                     T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
                     T.barrier_arrive(empty_in[0])
+                    stamp(trace_out, "chain: q^T dOs done", i, tx, 0, hv, n)
                     # dS += k^T dVg
                     T.barrier_wait(dvg_ready, i % 2)
+                    stamp(trace_out, "chain: dVg ready", i, tx, 0, hv, n)
                     T.gemm(k_s, dvn_s, dS_f, transpose_A=True)
                     T.barrier_arrive(dvg_free)
                     T.barrier_arrive(empty_in[1])
+                    stamp(trace_out, "chain: step done", i, tx, 0, hv, n)
                 if need_dh0:
                     T.copy(dS_f, dh0[n, hv, :, :])
             elif tx < 256:
@@ -235,6 +265,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, hv], acc), 0.0)
                     T.barrier_wait(full_in[1], i % 2)          # k, G
                     T.barrier_wait(full_in[0], i % 2)          # q
+                    stamp(trace_out, "value: q, k ready", i, tx, 128, hv, n)
                     # P = q k^T, Pm = bf16(scale P E M) [r, j]
                     T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
@@ -254,6 +285,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.copy(M_f, dQK_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dqk_ready)
+                    stamp(trace_out, "value: dQK published", i, tx, 128, hv, n)
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = M_f[r, j] * P_f[r, j]
                     T.reduce_sum(M_f, vr_f, dim=1)
@@ -268,8 +300,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.reduce_sum(M_f, vc_f, dim=1)
                     for r in T.Parallel(C):
                         vz_s[s, r] = vr_f[r] - vc_f[r]
+                    stamp(trace_out, "value: Z sums done", i, tx, 128, hv, n)
                     # acc = diag(D) k dSb + Pm^T dO  (dv_new's gradient), rows past the end 0
                     T.barrier_wait(dsb_ready, i % 2)
+                    stamp(trace_out, "value: dSb ready", i, tx, 128, hv, n)
                     T.gemm(k_s, dSb_s, A_f, clear_accum=True)
                     T.barrier_arrive(dsb_free)
                     for r in T.Parallel(C):
@@ -282,6 +316,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, j in T.Parallel(C, V):
                         dvn_s[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
                     T.fence_proxy_async()
+                    stamp(trace_out, "value: dvn written", i, tx, 128, hv, n)
                     # Z' = X^T dvn; dv = dY = b Z'
                     T.barrier_wait(full_in[6], i % 2)          # X
                     T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
@@ -296,6 +331,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         dvn_s[r, j] = -fexp(G_s[r]) * T.cast(T.cast(b_s[r] * A_f[r, j], dtype), acc)
                     T.fence_proxy_async()
                     T.barrier_arrive(dvg_ready)
+                    stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
                     # db = rowsum(Z' Y)
                     for r, j in T.Parallel(C, V):
                         A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
@@ -303,6 +339,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(empty_in[2])
                     for r in T.Parallel(C):
                         vb_s[s, r] = vk_f[r]
+                    stamp(trace_out, "value: db done", i, tx, 128, hv, n)
                     # dX = bf16(m diag(b)); T1 = X^T dX; dA^T = -(X T1^T), dA = -(T1 X^T) (strict)
                     T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
@@ -329,6 +366,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         KK_f[r, j] = wr * KK_f[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(ws_ready)
+                    stamp(trace_out, "value: Ws published", i, tx, 128, hv, n)
                     T.reduce_sum(KK_f, vk_f, dim=1)
                     T.barrier_arrive(empty_in[1])
                     for r in T.Parallel(C):
@@ -336,6 +374,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         va_s[s, r] = b_s[r] * vk_f[r] - vc_f[r]
                     T.barrier_arrive(vec_ready[s])
+                    stamp(trace_out, "value: step done", i, tx, 128, hv, n)
             elif tx < 384:
                 # ---------------- key ----------------
                 T.set_max_nreg(R_KEY, 1)
@@ -346,12 +385,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # Y = v - diag(eG) k S over v's tile -> value
                     T.barrier_wait(full_in[1], i % 2)          # k, G
                     T.barrier_wait(full_in[4], i % 2)          # S
+                    stamp(trace_out, "key: k, S ready", i, tx, 256, hv, n)
                     T.gemm(k_s, S_s, U_f, clear_accum=True)
                     T.barrier_wait(full_in[2], i % 2)          # v
                     for r, j in T.Parallel(C, V):
                         v_s[r, j] = T.cast(v_s[r, j], acc) - fexp(G_s[r]) * U_f[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(y_ready)
+                    stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
                     T.barrier_wait(full_in[5], i % 2)          # vn
                     T.barrier_wait(dsb_ready, i % 2)
@@ -359,6 +400,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(vn_s, dSb_s[KH:K, :], dk1_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(dsb_free)
                     T.barrier_arrive(empty_in[5])
+                    stamp(trace_out, "key: dSb freed", i, tx, 256, hv, n)
                     for r, d in T.Parallel(C, KH):
                         t_f[r, d] = dk0_f[r, d] * T.cast(k_s[r, d], acc)
                     T.reduce_sum(t_f, kr_f, dim=1)
@@ -395,6 +437,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             if bos + r < eos:
                                 dq_out[bos + r, hv, hb * KH + d] = T.cast(t_f[r, d], dtype)
                     T.barrier_arrive(empty_in[3])
+                    stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # dk += dQK^T q
                     T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
                     T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
@@ -417,6 +460,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             kg_s[r] = kg_s[r] + kr_f[r]
                     T.barrier_arrive(dvg_free)
                     T.barrier_arrive(empty_in[4])
+                    stamp(trace_out, "key: dVg S^T done", i, tx, 256, hv, n)
                     # dk += Ws k, stored
                     T.barrier_wait(ws_ready, i % 2)
                     T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
@@ -428,6 +472,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, d in T.Parallel(C, KH):
                         if bos + r < eos:
                             dk_out[bos + r, hv, KH + d] = T.cast(dk1_f[r, d], dtype)
+                    stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
                     # rows 2l, 2l + 1
@@ -460,6 +505,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         if bos + 2 * lane + 1 < eos:
                             dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
                             db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
+                    stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
                     T.barrier_arrive(empty_in[1])
             else:
                 # ---------------- producer: one warp issues every TMA load ----------------
@@ -475,12 +521,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=full_in[1])
                         T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
                         T.barrier_arrive(full_in[1])
+                        stamp(trace_out, "producer: k issued", i, tx, 384, hv, n)
                         T.barrier_wait(empty_in[0], (i + 1) % 2)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s, barrier=full_in[0])
                         T.barrier_arrive(full_in[0])
                         T.barrier_wait(empty_in[4], (i + 1) % 2)
                         T.tma_copy(h[c, hv, :, :], S_s, barrier=full_in[4])
                         T.barrier_arrive(full_in[4])
+                        stamp(trace_out, "producer: S issued", i, tx, 384, hv, n)
                         T.barrier_wait(empty_in[3], (i + 1) % 2)
                         T.tma_copy(do[bos:bos + C, hv, :], do_s, barrier=full_in[3])
                         T.barrier_arrive(full_in[3])
@@ -493,4 +541,5 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.barrier_wait(empty_in[6], (i + 1) % 2)
                         T.tma_copy(X[c, hv, :, :], X_s, barrier=full_in[6])
                         T.barrier_arrive(full_in[6])
+                        stamp(trace_out, "producer: X issued", i, tx, 384, hv, n)
     return gdn_bwd_whole

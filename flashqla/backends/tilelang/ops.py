@@ -125,7 +125,7 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
 # Set by benchmarks/trace_ws.py only: while it is a tensor, ws forwards are built with ``trace=True`` and
 # stamp their role timeline into it (see build_fwd_ws).
 TRACE_BUFFER: Optional[torch.Tensor] = None
-# the fused backward's trace buffer (``benchmarks/trace_bwd_fused.py``; None: the untraced kernel)
+# the fused backwards' trace buffer (``benchmarks/trace_bwd_fused.py``; None: the untraced kernels)
 BWD_TRACE_BUFFER: Optional[torch.Tensor] = None
 
 
@@ -270,7 +270,7 @@ def bwd_fused_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
 
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
+    return get_kernel("bwd_whole_sm90", build_bwd_whole, key + ((True,) if BWD_TRACE_BUFFER is not None else ()))
 
 
 def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
@@ -293,7 +293,7 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     db = torch.empty(NT, Hv, dtype=f32, device=dev)
     bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0)(
         q, k, v, beta, dof, G, X, hs, vn, meta.cu_seqlens, meta.chunk_offsets, dhtf,
-        dq_h, dk_h, dv, dg, db, dh0, float(scale), ratio)
+        dq_h, dk_h, dv, dg, db, dh0, _trace_arg(dev, bwd=True), float(scale), ratio)
     dq = gva_sum(dq_h, ratio, dt)
     del dq_h
     dk = gva_sum(dk_h, ratio, dt)
