@@ -210,14 +210,13 @@ def test_v_block_partials_sum_to_the_whole(case):
 
 # ---- GPU ------------------------------------------------------------------------------------------------
 
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_fused_backward_matches_oracle(dtype, monkeypatch):
+def gpu_backward_matches_oracle(variant: str, kernel: str, dtype, monkeypatch) -> None:
+    """The shared backward GPU cases without the L2 norm through ``FLASHQLA_TILELANG_BWD=variant``, at the
+    Step 2 tolerances; ``kernel`` must have been built."""
     import test_backend_tilelang as tb
     from flashqla.backends.tilelang import _compile
 
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "fused")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
     ran = 0
     for case in tb._GPU_BWD_CASES:
         if case.l2norm:
@@ -225,17 +224,16 @@ def test_gpu_fused_backward_matches_oracle(dtype, monkeypatch):
         tb._gpu_case(case, dtype, grads=True)
         ran += 1
     assert ran >= 3
-    assert any(n == "bwd_fused_sm90" for n, _ in _compile.cached_kernels())
+    assert any(n == kernel for n, _ in _compile.cached_kernels())
 
 
-@pytest.mark.gpu
-@needs_sm90
-def test_gpu_fused_backward_deterministic(monkeypatch):
+def gpu_backward_deterministic(variant: str, monkeypatch, runs: int = 20) -> None:
+    """``runs`` forward+backward calls through ``FLASHQLA_TILELANG_BWD=variant`` give bitwise equal gradients."""
     import flashqla
     from flashqla.testing import make_inputs
 
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "fused")
-    case = Case("fused_det", 2, 4, 128, 128, seqlens=(300, 1, 700, 64), l2norm=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", variant)
+    case = Case(f"{variant}_det", 2, 4, 128, 128, seqlens=(300, 1, 700, 64), l2norm=False)
     inp = make_inputs(case, torch.bfloat16, "cuda")
     leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
 
@@ -245,6 +243,19 @@ def test_gpu_fused_backward_deterministic(monkeypatch):
         return torch.autograd.grad(o, leaves, inp["do"])
 
     first = grads()
-    for _ in range(20):
+    for _ in range(runs):
         for a, b in zip(first, grads()):
             assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_fused_backward_matches_oracle(dtype, monkeypatch):
+    gpu_backward_matches_oracle("fused", "bwd_fused_sm90", dtype, monkeypatch)
+
+
+@pytest.mark.gpu
+@needs_sm90
+def test_gpu_fused_backward_deterministic(monkeypatch):
+    gpu_backward_deterministic("fused", monkeypatch)

@@ -19,9 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from flashqla.testing import Case
 from test_backend_tilelang import needs_sm90
-from test_tilelang_bwd_fused import _protocol, _simulate
+from test_tilelang_bwd_fused import _protocol, _simulate, gpu_backward_deterministic, gpu_backward_matches_oracle
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
 SRC = Path(__file__).resolve().parents[1] / "flashqla" / "backends" / "tilelang" / "chunk_bwd_whole_sm90.py"
@@ -96,37 +95,10 @@ def test_whole_kernel_lowers_for_sm90a(args):
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_gpu_whole_backward_matches_oracle(dtype, monkeypatch):
-    import test_backend_tilelang as tb
-    from flashqla.backends.tilelang import _compile
-
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
-    ran = 0
-    for case in tb._GPU_BWD_CASES:
-        if case.l2norm or case.K != 128 or case.V != 128:
-            continue
-        tb._gpu_case(case, dtype, grads=True)
-        ran += 1
-    assert ran >= 3
-    assert any(n == "bwd_whole_sm90" for n, _ in _compile.cached_kernels())
+    gpu_backward_matches_oracle("whole", "bwd_whole_sm90", dtype, monkeypatch)
 
 
 @pytest.mark.gpu
 @needs_sm90
 def test_gpu_whole_backward_deterministic(monkeypatch):
-    import flashqla
-    from flashqla.testing import make_inputs
-
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
-    case = Case("whole_det", 2, 4, 128, 128, seqlens=(300, 1, 700, 64), l2norm=False)
-    inp = make_inputs(case, torch.bfloat16, "cuda")
-    leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta")]
-
-    def grads():
-        o, _ = flashqla.chunk_gated_delta_rule(*leaves, scale=case.scale, cu_seqlens=inp["cu_seqlens"],
-                                               backend="tilelang")
-        return torch.autograd.grad(o, leaves, inp["do"])
-
-    first = grads()
-    for _ in range(20):
-        for a, b in zip(first, grads()):
-            assert torch.equal(a, b)
+    gpu_backward_deterministic("whole", monkeypatch)
