@@ -147,6 +147,32 @@ def test_disk_cache_can_be_turned_off(tmp_path, monkeypatch):
     assert not (tmp_path / "off" / "bwd_dqk-128-128" / "kernel.so").exists()
 
 
+@needs_dsl
+def test_cached_library_failing_its_first_call_falls_back_to_compiling(tmp_path):
+    # a library whose first call raises (a calling-convention mismatch, say) is set aside and the compiled kernel
+    # serves this call and every later one; a library that worked once is trusted
+    import cutlass
+    import flashqla.backends.cutlass as cb
+    lib = tmp_path / "kernel.so"
+    lib.write_bytes(b"x")
+    seen, compiled = [], []
+
+    def broken(*args):
+        raise TypeError("mismatch")
+
+    def fallback():
+        compiled.append(1)
+        return lambda *args: seen.append(args) or "compiled"
+
+    k = cb._LoadedKernel(broken, lib, fallback)
+    assert k(cutlass.Int32(3), 1.5) == "compiled" and k(cutlass.Int32(4)) == "compiled"
+    assert len(compiled) == 1 and not lib.exists() and (tmp_path / "kernel.so.bad").exists()
+    assert isinstance(seen[0][0], cutlass.Int32)          # the compiled kernel gets the original arguments
+    ok = cb._LoadedKernel(lambda *a: a, tmp_path / "other.so", fallback)
+    assert ok(cutlass.Int32(7), cutlass.Float32(0.5)) == (7, 0.5)   # plain values for the TVM-FFI function
+    assert len(compiled) == 1
+
+
 def test_disk_cache_key_follows_the_sources(tmp_path, monkeypatch):
     # an edited kernel source changes the directory a kernel is cached in, so a stale library never loads
     import flashqla.backends.cutlass as cb

@@ -29,8 +29,9 @@ recompiles.  Each compilation also leaves its PTX and cubin under ``$FLASHQLA_CA
 ``~/.cache/flashqla/cutlass``) next to a ``key.json``, and, as the on-disk cache, ``kernel.so``: the same
 kernel compiled through CuTe DSL's TVM-FFI path, exported with ``export_to_c`` and linked with the C compiler
 (``cc``), in a detached child process by default (``FLASHQLA_CUTLASS_EXPORT=async|sync|off``).  A new process
-on a GPU loads that library instead of compiling (milliseconds against 2-5 s per kernel).  The directory name holds a digest of the key, the DSL version and this package's cutlass sources,
-so an edited kernel never loads a stale library.  A library that fails to load, or whose first call raises,
+on a GPU loads that library instead of compiling (milliseconds against 2-5 s per kernel).  The directory name
+holds a digest of the key, the DSL version and this package's cutlass sources, so an edited kernel never loads
+a stale library.  A library that fails to load, or whose first call raises,
 is set aside (logged) and the kernel compiled as before; ``FLASHQLA_CUTLASS_DISK_CACHE=0`` turns the disk cache
 off.  :func:`compile_count` says how many compilations this process did, :func:`load_count` how many kernels
 came from the disk.
@@ -52,6 +53,7 @@ from pathlib import Path
 
 import torch
 
+from ..._env import env_choice
 from ...dispatch.registry import Backend, register_backend
 from ..._build_notice import build_notice
 
@@ -162,7 +164,7 @@ def _make_kernel(kind: str, key: tuple):
 
 
 def _disk_cache_on() -> bool:
-    return os.environ.get("FLASHQLA_CUTLASS_DISK_CACHE", "1") != "0"
+    return env_choice("FLASHQLA_CUTLASS_DISK_CACHE", ("0", "1"), "1") == "1"
 
 
 _source_digest_memo: list = []
@@ -192,6 +194,7 @@ class _LoadedKernel:
 
     def __init__(self, fn, path: Path, fallback):
         self.fn, self.path, self._fallback, self._checked = fn, path, fallback, False
+        self._compiled = None        # the compiled kernel, once the library failed its first call
         self.__ptx__ = self.__cubin__ = None
 
     @staticmethod
@@ -206,6 +209,8 @@ class _LoadedKernel:
         return a
 
     def __call__(self, *args):
+        if self._compiled is not None:
+            return self._compiled(*args)
         if self._checked:
             return self.fn(*(self._plain(a) for a in args))
         try:
@@ -214,7 +219,8 @@ class _LoadedKernel:
             log.warning("flashqla cutlass: the cached library %s failed at its first call (%s: %s); compiling "
                         "the kernel instead", self.path, type(exc).__name__, str(exc)[:300])
             _set_aside(self.path)
-            return self._fallback()(*args)
+            self._compiled = self._fallback()
+            return self._compiled(*args)
         self._checked = True
         return out
 
@@ -249,15 +255,15 @@ def _export_mode() -> str:
     """``FLASHQLA_CUTLASS_EXPORT``: ``async`` (default) builds the library in a detached child process, so the
     first call waits only for the JIT compile it needs (session 14: an in-line export took the cold first call of
     a forward from 7.1 to 17.1 s); ``sync`` builds it before returning (tests); ``off`` keeps no library."""
-    mode = os.environ.get("FLASHQLA_CUTLASS_EXPORT", "async")
-    return mode if mode in ("async", "sync", "off") else "async"
+    return env_choice("FLASHQLA_CUTLASS_EXPORT", ("async", "sync", "off"), "async")
 
 
 _export_children: list = []
 
 
 def _start_export(kind: str, key: tuple, arch: str, out: Path) -> None:
-    """Build ``out/kernel.so`` as :func:`_export_mode` says (never raises)."""
+    """Build ``out/kernel.so`` as :func:`_export_mode` says (a failed build is logged, never raised; a bad
+    ``FLASHQLA_CUTLASS_EXPORT`` value is a ValueError)."""
     import subprocess
     import sys
     mode = _export_mode() if _disk_cache_on() else "off"
