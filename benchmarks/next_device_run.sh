@@ -256,17 +256,19 @@ case "$STEP" in
   bwdwhole)
     # the whole-V fused backward (FLASHQLA_TILELANG_BWD=whole, chunk_bwd_whole_sm90, session 14; its 8 variants in
     # the carried kcache): its GPU tests first (a protocol bug would hang: the step's timeout ends it), then the
-    # A/B against the split backward and the first fused one, and the flashqla-bwd rows against FlashQLA (#4)
+    # A/B against the split backward and the first fused one, its role trace, and the flashqla-bwd rows against
+    # FlashQLA (#4)
     TAIL=8 run_step "whole backward GPU tests" ${BWDW_TEST_S:-180} $PYT tests/test_tilelang_bwd_whole.py
     case $RUN_RC in 0) ;; *) echo "== whole backward: tests did not pass; later steps skipped"; continue ;; esac
     TAIL=12 run_step "backward variants sweep" ${BWDW_SWEEP_S:-150} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --rows ${BWDW_ROWS:-16/32:1x32768,16/32:4x8192,4/8:1x32768,8/16:1x8192} \
         --out $OUT/sweep_bwd_whole.json --variants "default;FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=fused"
+    TAIL=60 run_step "whole backward trace" ${BWDW_TRACE_S:-90} python benchmarks/trace_bwd_fused.py --kernel whole \
+        --rows ${BWDW_TRACE_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_whole.json
+    # last: FlashQLA's backward kernels compile on first use unless a carried kcache holds them (memwarm)
     TAIL=45 run_step "flashqla-bwd rows, whole backward" ${BWDW_BENCH_S:-200} env FLASHQLA_TILELANG_BWD=whole \
         python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDW_FILTER:-16/32}" \
-        --backends tilelang --baselines flashqla --out $OUT/bwdwhole
-    TAIL=60 run_step "whole backward trace" ${BWDW_TRACE_S:-90} python benchmarks/trace_bwd_fused.py --kernel whole \
-        --rows ${BWDW_TRACE_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_whole.json ;;
+        --backends tilelang --baselines flashqla --out $OUT/bwdwhole ;;
   bwdtrace)
     # the fused backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)
