@@ -34,8 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, chunk_coords, gdiff, load_cols, load_gate, load_gate_last, load_rows, load_state,
-                     load_vec, masked_decay, mm, mma, store_cols, store_rows, store_vec)
+from .common import (BT, L2_EPS, chunk_coords, gate_plane, gdiff, load_cols, load_gate, load_gate_last, load_rows,
+                     load_state, load_vec, masked_decay, mm, mma, store_cols, store_rows, store_vec)
 
 
 @triton.jit
@@ -96,8 +96,8 @@ def chunk_bwd_dqk_kernel(q_ptr, k_ptr, G_ptr, h_ptr, dh_ptr, vn_ptr, do_ptr, dq_
         ds = mma(do, tl.trans(vn), ds, IEEE, DT)
         sdot += tl.sum(tl.sum(S.to(tl.float32) * dSn.to(tl.float32), 1), 0)
 
-    gh, gl = load_gate(G_ptr, t0, L, h, TT, tl.cast(Hv, tl.int64) * TT, BT, 0)
-    lh, ll = load_gate_last(G_ptr, t0, L, h, TT, tl.cast(Hv, tl.int64) * TT)
+    gh, gl = load_gate(G_ptr, t0, L, h, TT, gate_plane(Hv, TT), BT, 0)
+    lh, ll = load_gate_last(G_ptr, t0, L, h, TT, gate_plane(Hv, TT))
     incl = (r[:, None] >= r[None, :]) & valid[:, None]
     d = gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :])          # G_r - G_j
     dP = masked_decay(ds, incl, d) * scale
@@ -154,7 +154,7 @@ def chunk_bwd_wy_kernel(k_ptr, v_ptr, beta_ptr, G_ptr, Tm_ptr, w_ptr, u_ptr, h_p
 
     ww = load_rows(w_ptr, t0, L, h, Hv, K, BT, 0, TT)
     dA = mma(-dyw, tl.trans(ww), dA, IEEE, DT)
-    gh, gl = load_gate(G_ptr, t0, L, h, TT, tl.cast(Hv, tl.int64) * TT, BT, 0)
+    gh, gl = load_gate(G_ptr, t0, L, h, TT, gate_plane(Hv, TT), BT, 0)
     eg = tl.exp(gh + gl)
     k, rk = _load_qk_hat(k_ptr, t0, L, hk, Hqk, K, USE_L2, DT, TT)
     kdy = tl.sum(dyw * k.to(tl.float32), 1)

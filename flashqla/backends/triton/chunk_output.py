@@ -18,8 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, chunk_coords, gdiff, l2n, load_cols, load_gate, load_rows, load_state, masked_decay,
-                     mm, store_cols)
+from .common import (BT, L2_EPS, chunk_coords, gate_plane, gdiff, l2n, load_cols, load_gate, load_rows, load_state,
+                     masked_decay, mm, store_cols)
 
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
@@ -38,7 +38,7 @@ def chunk_output_kernel(q_ptr, k_ptr, G_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr, cidx_
 
     q = l2n(load_rows(q_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
     k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
-    gh, gl = load_gate(G_ptr, t0, L, h, TT, tl.cast(Hv, tl.int64) * TT, BT, 0)
+    gh, gl = load_gate(G_ptr, t0, L, h, TT, gate_plane(Hv, TT), BT, 0)
     S = load_state(h_ptr, (pid.to(tl.int64) * Hv + h) * K * V, K, V, v0, BV)
     vn = load_cols(vn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)
 

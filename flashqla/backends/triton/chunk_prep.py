@@ -59,8 +59,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import (BT, L2_EPS, chunk_coords, chunk_ptr, gdiff, load_cols, load_rows, load_tb, load_vec, masked_decay,
-                     mm, mmf, row_offs, store_cols)
+from .common import (BT, L2_EPS, chunk_coords, chunk_ptr, gate_plane, gdiff, load_cols, load_rows, load_tb, load_vec,
+                     masked_decay, mm, mmf, row_offs, store_cols)
 
 
 @triton.jit
@@ -111,7 +111,7 @@ def chunk_prep_kernel(k_ptr, v_ptr, g_ptr, beta_ptr, w_ptr, u_ptr, G_ptr, Tm_ptr
     gl = (Gd - gh.to(tl.float64)).to(tl.float32)
     gp = chunk_ptr(G_ptr + h.to(tl.int64) * TT, t0, 0, 1, 1, TT) + row_offs(r, L, 1, 1)     # as load_gate reads it
     tl.store(gp, gh, mask=valid)
-    tl.store(gp + tl.cast(Hv, tl.int64) * TT, gl, mask=valid)
+    tl.store(gp + gate_plane(Hv, TT), gl, mask=valid)
     beta = load_vec(beta_ptr, t0, L, h, Hv, BT, 0, TT)
 
     blk = pid.to(tl.int64) * Hv + h                      # this (chunk, head)'s [64, 64] tile of Tm

@@ -119,7 +119,7 @@ def serial_program(cu_ptr, coff_ptr, ord_ptr, T, NT, TT, Hqk, Hv, K: tl.constexp
     hk = h // (Hv // Hqk)
     bos, eos, nt, cbase = seq_bounds(n, cu_ptr, coff_ptr, T, NT, IS_VARLEN, BT)
     sbase = (n.to(tl.int64) * Hv + h) * K * V
-    return v0, h, hk, bos, eos, nt, cbase, sbase, tl.cast(Hv, tl.int64) * TT
+    return v0, h, hk, bos, eos, nt, cbase, sbase, gate_plane(Hv, TT)
 
 
 @triton.jit
@@ -196,6 +196,14 @@ def load_vec(ptr, t0, L, head, H, R: tl.constexpr, row0, TT):
 def store_vec(ptr, x, t0, L, head, H, R: tl.constexpr, TT):
     r = tl.arange(0, R)
     tl.store(chunk_ptr(ptr, t0, head, H, 1, TT) + row_offs(r, L, H, 1), x.to(ptr.dtype.element_ty), mask=r < L)
+
+
+@triton.jit
+def gate_plane(Hv, TT):
+    """``GS = Hv * TT`` (int64): the offset of the gate buffer's ``lo`` plane (``load_gate``).  ``tl.cast``, not
+    ``Hv.to``: a launch with one value head gets ``Hv`` as the Python int 1 (Triton specialises integer arguments
+    equal to 1), which has no ``.to`` (the shared suite's one-head case on the H200, session 14)."""
+    return tl.cast(Hv, tl.int64) * TT
 
 
 @triton.jit

@@ -250,8 +250,8 @@ def _bstate_cfg(geo: Geometry, device) -> dict:
     0.747 -> 0.637, 2/8 1x32768 0.777 -> 0.645 (BV 64 there: 1.43)."""
     cfg = dict(tune("bstate"))
     sms = _sm_count(device)
+    walks = geo.busy * geo.Hv
     if not cfg["bv"]:
-        walks = geo.busy * geo.Hv
         if geo.ieee or not sms:
             cfg["bv"] = 32
         elif walks * triton.cdiv(geo.V, 16) <= sms:
@@ -263,7 +263,7 @@ def _bstate_cfg(geo: Geometry, device) -> dict:
     cfg["bv"] = min(cfg["bv"], geo.V)
     cfg["warps"] = cfg["warps"] or (8 if cfg["bv"] >= 64 else 4)
     if not cfg["stages"]:
-        programs = geo.busy * geo.Hv * triton.cdiv(geo.V, cfg["bv"])
+        programs = walks * triton.cdiv(geo.V, cfg["bv"])
         deep = sms and cfg["bv"] <= 32 and programs <= sms and _smem_per_block(device) >= 160 * 1024
         cfg["stages"] = 3 if deep else 2
     return cfg
