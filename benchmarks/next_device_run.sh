@@ -44,6 +44,8 @@
 #                                                 flashqla-bwd grid against FlashQLA, profile (#4)
 #   bash benchmarks/next_device_run.sh bwdwhole   the whole-V fused backward (session 14): GPU tests, A/B, flashqla-bwd rows,
 #                                                 role trace (#4)
+#   bash benchmarks/next_device_run.sh ncubwd     the whole-V fused backward under Nsight Compute (stalls, pipes,
+#                                                 bank conflicts, hottest SASS) at 16/32 4x8192 (#4)
 #   bash benchmarks/next_device_run.sh bwdtrace   the fused backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
@@ -306,6 +308,15 @@ case "$STEP" in
           python benchmarks/profile_kernels.py --impls tilelang --rows $row --modes fwd --iters 3
     done
     save_kcache ;;
+  ncubwd)
+    # the whole-V fused backward under Nsight Compute at 16/32 4x8192 (one launch): pipe use, issue slots, warp
+    # stall reasons, shared-memory bank conflicts and the source counters' hottest SASS, to see where its ~45 K
+    # cycles per step go when its GEMMs need ~6 K (#4)
+    TAIL=${NCUBWD_TAIL:-140} run_step "ncu whole backward" ${NCUBWD_S:-200} env FLASHQLA_TILELANG_BWD=whole ncu \
+        --clock-control none -k regex:gdn_bwd_whole --launch-skip 1 --launch-count 1 --section SpeedOfLight \
+        --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters \
+        python benchmarks/run_fwdbwd.py --row ${NCUBWD_ROW:-16/32:4x8192} --iters 2 ;;
   ncuintra)
     # the fused forward's stage 1 (0.28 ms at 16/32 x 32k tokens, over a third of the forward at 16/64 4x8192):
     # where its per-CTA latency goes (stall reasons, occupancy) before rewriting its inverse (#4)
@@ -349,7 +360,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | ncubwd | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -15,7 +15,7 @@ exp(G_r - G_j)`` for ``j <= r``, ``D_r = exp(G_last - G_r)``, ``eG = exp(G)``, `
 
 * warpgroup 0, **chain** (dS fp32 in registers, 128 per thread)::
 
-      dSb = bf16(dS) -> value, key;  <S, dSb> row sums -> key's dg warp
+      dSb = bf16(dS) -> value, key;  e^{G_last} <S, dSb> row sums -> key's dg warp
       dOs = bf16(scale eG dO) (rows < eos);  dS = e^{G_last} dS + q^T dOs;  dS += k^T dVg (from value)
 
 * warpgroup 1, **value** (state-free part first, while the chain finishes the previous chunk)::
@@ -59,11 +59,17 @@ CHUNK = 64
 TRACE_EVENTS = (
     ("chain: k, G ready", "chain"), ("chain: dSb published", "chain"), ("chain: q^T dOs done", "chain"),
     ("chain: dVg ready", "chain"), ("chain: step done", "chain"),
-    ("value: q, k ready", "value"), ("value: dQK published", "value"), ("value: Z sums done", "value"),
-    ("value: dSb ready", "value"), ("value: dvn written", "value"), ("value: dVg published", "value"),
-    ("value: db done", "value"), ("value: Ws published", "value"), ("value: step done", "value"),
-    ("key: k, S ready", "key"), ("key: Y published", "key"), ("key: dSb freed", "key"), ("key: dq stored", "key"),
-    ("key: dVg S^T done", "key"), ("key: dk stored", "key"), ("key: dg stored", "key"),
+    ("value: q, k ready", "value"), ("value: Pm written", "value"), ("value: dO vn^T done", "value"),
+    ("value: dQK published", "value"), ("value: Z rows done", "value"), ("value: [j, r] products done", "value"),
+    ("value: Z sums done", "value"), ("value: dSb ready", "value"), ("value: k dSb done", "value"),
+    ("value: Pm^T dO done", "value"), ("value: dvn written", "value"), ("value: X^T dvn done", "value"),
+    ("value: dv stored", "value"), ("value: dvn Y^T done", "value"), ("value: dVg published", "value"),
+    ("value: db done", "value"), ("value: KK, dX done", "value"), ("value: T1 written", "value"),
+    ("value: W^T pass done", "value"), ("value: Ws published", "value"), ("value: step done", "value"),
+    ("key: k, S ready", "key"), ("key: k S done", "key"), ("key: Y published", "key"), ("key: dSb freed", "key"),
+    ("key: dD done", "key"), ("key: dQK ready", "key"), ("key: dq stored", "key"), ("key: dQK^T q done", "key"),
+    ("key: dVg ready", "key"), ("key: dVg S^T done", "key"), ("key: Ws ready", "key"), ("key: Ws k done", "key"),
+    ("key: dk stored", "key"), ("key: dg stored", "key"),
     ("producer: k issued", "producer"), ("producer: S issued", "producer"), ("producer: X issued", "producer"),
 )
 TRACE_CHUNKS = 64
@@ -150,7 +156,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             vz_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: rowZ - colZ (rows < eos)
             va_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: rowsum(dAA) - colsum(dAA)
             vb_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: dbeta
-            sdr_s = T.alloc_shared((2, K), acc)       # chain -> key's dg warp: <S, dSb> row sums
+            sdr_s = T.alloc_shared((2, K), acc)       # chain -> key's dg warp: e^{G_last} <S, dSb> row sums
             kg_s = T.alloc_shared((C,), acc)          # key's own: its dG terms
             dD_s = T.alloc_shared((C,), acc)          # key's own
 
@@ -226,6 +232,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         if qb == 0:
                             for a in T.Parallel(K):
                                 sdr_s[s, a] = sdr_f[a]
+                        elif qb == V // SQ - 1:
+                            # scaled by e^{G_last} here: the dg warp runs after the key role released G
+                            for a in T.Parallel(K):
+                                sdr_s[s, a] = (sdr_s[s, a] + sdr_f[a]) * fexp(G_s[C - 1])
                         else:
                             for a in T.Parallel(K):
                                 sdr_s[s, a] = sdr_s[s, a] + sdr_f[a]
@@ -272,12 +282,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         Pm_s[r, j] = T.if_then_else(
                             (j <= r) & (bos + r < eos), P_f[r, j] * scale * fexp(G_s[r] - G_s[j]), 0.0)
                     T.fence_proxy_async()
+                    stamp(trace_out, "value: Pm written", i, tx, 128, hv, n)
                     # dQK = scale E M (dO vn^T) -> key; Z = dQK P: its row sums here, its column sums as the row
                     # sums of the [j, r] frame below (a column reduction of a wgmma fragment would be a cross-warp
                     # AllReduce on bar.sync 1, which every warpgroup would share)
                     T.barrier_wait(full_in[3], i % 2)          # dO
                     T.barrier_wait(full_in[5], i % 2)          # vn
                     T.gemm(do_s, vn_s, M_f, transpose_B=True, clear_accum=True)
+                    stamp(trace_out, "value: dO vn^T done", i, tx, 128, hv, n)
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = T.if_then_else(
                             (j <= r) & (bos + r < eos), M_f[r, j] * scale * fexp(G_s[r] - G_s[j]), 0.0)
@@ -289,8 +301,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = M_f[r, j] * P_f[r, j]
                     T.reduce_sum(M_f, vr_f, dim=1)
+                    stamp(trace_out, "value: Z rows done", i, tx, 128, hv, n)
                     T.gemm(vn_s, do_s, M_f, transpose_B=True, clear_accum=True)
                     T.gemm(k_s, q_s, P_f, transpose_B=True, clear_accum=True)
+                    stamp(trace_out, "value: [j, r] products done", i, tx, 128, hv, n)
                     T.barrier_arrive(empty_in[5])
                     T.barrier_arrive(empty_in[0])
                     for j, r in T.Parallel(C, C):
@@ -306,12 +320,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: dSb ready", i, tx, 128, hv, n)
                     T.gemm(k_s, dSb_s, A_f, clear_accum=True)
                     T.barrier_arrive(dsb_free)
+                    stamp(trace_out, "value: k dSb done", i, tx, 128, hv, n)
                     for r in T.Parallel(C):
                         rowf_f[r] = fexp(G_s[C - 1] - G_s[r])
                     for r, j in T.Parallel(C, V):
                         A_f[r, j] = A_f[r, j] * rowf_f[r]
                     T.gemm(Pm_s, do_s, A_f, transpose_A=True)
                     T.barrier_arrive(empty_in[3])
+                    stamp(trace_out, "value: Pm^T dO done", i, tx, 128, hv, n)
                     T.barrier_wait(dvg_free, (i + 1) % 2)
                     for r, j in T.Parallel(C, V):
                         dvn_s[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
@@ -320,15 +336,20 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # Z' = X^T dvn; dv = dY = b Z'
                     T.barrier_wait(full_in[6], i % 2)          # X
                     T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
+                    stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                     for r, j in T.Parallel(C, V):
                         if bos + r < eos:
                             dv_out[bos + r, hv, j] = T.cast(b_s[r] * A_f[r, j], dtype)
+                    stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # m = dvn Y^T, before dVg overwrites dvn
                     T.barrier_wait(y_ready, i % 2)
                     T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
-                    # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key
+                    stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
+                    # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key (eG once per row, not per element)
+                    for r in T.Parallel(C):
+                        rowf_f[r] = -fexp(G_s[r])
                     for r, j in T.Parallel(C, V):
-                        dvn_s[r, j] = -fexp(G_s[r]) * T.cast(T.cast(b_s[r] * A_f[r, j], dtype), acc)
+                        dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(b_s[r] * A_f[r, j], dtype), acc)
                     T.fence_proxy_async()
                     T.barrier_arrive(dvg_ready)
                     stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
@@ -345,9 +366,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, j in T.Parallel(C, C):
                         dX_s[r, j] = M_f[r, j] * b_s[j]
                     T.fence_proxy_async()
+                    stamp(trace_out, "value: KK, dX done", i, tx, 128, hv, n)
                     T.gemm(X_s, dX_s, M_f, transpose_A=True, clear_accum=True)
                     T.copy(M_f, dX_s)
                     T.fence_proxy_async()
+                    stamp(trace_out, "value: T1 written", i, tx, 128, hv, n)
                     T.barrier_wait(ws_free, (i + 1) % 2)
                     # W^T[r, j] = dA[j, r] b_j E[j, r] (j > r) into Ws, and in the same pass the column sums of
                     # dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] as row sums over the dA^T frame
@@ -357,6 +380,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         Ws_s[r, j] = wt
                         M_f[r, j] = wt * KK_f[r, j]
                     T.reduce_sum(M_f, vc_f, dim=1)
+                    stamp(trace_out, "value: W^T pass done", i, tx, 128, hv, n)
                     # then W from dA, added to the same elements, and dA KK E's row sums (db and dAA's rows)
                     T.gemm(dX_s, X_s, M_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(empty_in[6])
@@ -387,9 +411,13 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_in[4], i % 2)          # S
                     stamp(trace_out, "key: k, S ready", i, tx, 256, hv, n)
                     T.gemm(k_s, S_s, U_f, clear_accum=True)
+                    stamp(trace_out, "key: k S done", i, tx, 256, hv, n)
+                    # (eG once per row, not per element)
+                    for r in T.Parallel(C):
+                        kr_f[r] = fexp(G_s[r])
                     T.barrier_wait(full_in[2], i % 2)          # v
                     for r, j in T.Parallel(C, V):
-                        v_s[r, j] = T.cast(v_s[r, j], acc) - fexp(G_s[r]) * U_f[r, j]
+                        v_s[r, j] = T.cast(v_s[r, j], acc) - kr_f[r] * U_f[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(y_ready)
                     stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
@@ -411,14 +439,21 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.reduce_sum(t_f, kr_f, dim=1)
                     for r in T.Parallel(C):
                         dD_s[r] = dD_s[r] + kr_f[r]
+                    # D once per row; dD_s keeps D dD, the only form the dg warp reads
+                    for r in T.Parallel(C):
+                        kr_f[r] = fexp(G_s[C - 1] - G_s[r])
+                    for r in T.Parallel(C):
+                        dD_s[r] = dD_s[r] * kr_f[r]
                     for r, d in T.Parallel(C, KH):
-                        dk0_f[r, d] = dk0_f[r, d] * fexp(G_s[C - 1] - G_s[r])
+                        dk0_f[r, d] = dk0_f[r, d] * kr_f[r]
                     for r, d in T.Parallel(C, KH):
-                        dk1_f[r, d] = dk1_f[r, d] * fexp(G_s[C - 1] - G_s[r])
+                        dk1_f[r, d] = dk1_f[r, d] * kr_f[r]
+                    stamp(trace_out, "key: dD done", i, tx, 256, hv, n)
                     # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
                     T.barrier_wait(full_in[3], i % 2)          # dO
                     T.barrier_wait(full_in[0], i % 2)          # q
                     T.barrier_wait(dqk_ready, i % 2)
+                    stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
                     for hb in T.unroll(2):
                         T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
                         for r, d in T.Parallel(C, KH):
@@ -443,8 +478,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
                     T.barrier_arrive(dqk_free)
                     T.barrier_arrive(empty_in[0])
+                    stamp(trace_out, "key: dQK^T q done", i, tx, 256, hv, n)
                     # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
                     T.barrier_wait(dvg_ready, i % 2)
+                    stamp(trace_out, "key: dVg ready", i, tx, 256, hv, n)
                     for hb in T.unroll(2):
                         T.gemm(dvn_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
                         if hb == 0:
@@ -463,9 +500,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "key: dVg S^T done", i, tx, 256, hv, n)
                     # dk += Ws k, stored
                     T.barrier_wait(ws_ready, i % 2)
+                    stamp(trace_out, "key: Ws ready", i, tx, 256, hv, n)
                     T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
                     T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
                     T.barrier_arrive(ws_free)
+                    # k's (and G's) last read in this role: the next chunk's k may load while dk is stored and
+                    # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
+                    T.barrier_arrive(empty_in[1])
+                    stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
                     for r, d in T.Parallel(C, KH):
                         if bos + r < eos:
                             dk_out[bos + r, hv, d] = T.cast(dk0_f[r, d], dtype)
@@ -478,16 +520,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # rows 2l, 2l + 1
                     T.barrier_wait(vec_ready[s], (i // 2) % 2)
                     for r in T.Parallel(C):
-                        kg_s[r] = T.if_then_else(
-                            bos + r < eos,
-                            vz_s[s, r] + kg_s[r] - fexp(G_s[C - 1] - G_s[r]) * dD_s[r], 0.0) + va_s[s, r]
+                        kg_s[r] = T.if_then_else(bos + r < eos, vz_s[s, r] + kg_s[r] - dD_s[r], 0.0) + va_s[s, r]
                     if tx < 288:
                         lane = tx - 256
                         part = T.alloc_var(acc)
                         part = (sdr_s[s, lane] + sdr_s[s, lane + 32] + sdr_s[s, lane + 64] + sdr_s[s, lane + 96]) \
-                            * fexp(G_s[C - 1]) \
-                            + fexp(G_s[C - 1] - G_s[lane]) * dD_s[lane] \
-                            + fexp(G_s[C - 1] - G_s[lane + 32]) * dD_s[lane + 32]
+                            + dD_s[lane] + dD_s[lane + 32]
                         last = T.alloc_var(acc)
                         last = T.warp_reduce_sum(part)
                         lo = T.alloc_var(acc)
@@ -506,7 +544,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
                             db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
                     stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
-                    T.barrier_arrive(empty_in[1])
             else:
                 # ---------------- producer: one warp issues every TMA load ----------------
                 T.set_max_nreg(R_PROD, 0)
