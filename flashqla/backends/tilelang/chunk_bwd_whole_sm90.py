@@ -89,6 +89,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
     SQ = 8             # column block of <S, dSb> (the chain's)
+    DB = 16            # column block of the chain's dOs pass
     acc = "float32"
     assert K == 128 and V == 128
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
@@ -164,6 +165,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             dS_f = T.alloc_fragment((K, V), acc)
             sd_f = T.alloc_fragment((K, SQ), acc)
             sdr_f = T.alloc_fragment((K,), acc)
+            sda_f = T.alloc_fragment((K,), acc)
+            dos_f = T.alloc_fragment((C, DB), acc)
             glast = T.alloc_local((1,), acc)
             # value fragments
             P_f = T.alloc_fragment((C, C), acc)
@@ -174,6 +177,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             vr_f = T.alloc_fragment((C,), acc)
             vc_f = T.alloc_fragment((C,), acc)
             vk_f = T.alloc_fragment((C,), acc)
+            bf_f = T.alloc_fragment((C,), acc)
             # key fragments
             U_f = T.alloc_fragment((C, V), acc)
             dk0_f = T.alloc_fragment((C, KH), acc)
@@ -225,27 +229,29 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # slot s of chunk i before it frees dSb of chunk i + 1, which this role waits for before
                     # writing slot s again at chunk i + 2)
                     T.barrier_wait(full_in[4], i % 2)          # S
+                    # (summed in registers, stored once: see the value role on stores between shared loads)
                     for qb in T.unroll(V // SQ):
                         for a, b in T.Parallel(K, SQ):
                             sd_f[a, b] = T.cast(S_s[a, qb * SQ + b], acc) * T.cast(dSb_s[a, qb * SQ + b], acc)
                         T.reduce_sum(sd_f, sdr_f, dim=1)
                         if qb == 0:
                             for a in T.Parallel(K):
-                                sdr_s[s, a] = sdr_f[a]
-                        elif qb == V // SQ - 1:
-                            # scaled by e^{G_last} here: the dg warp runs after the key role released G
-                            for a in T.Parallel(K):
-                                sdr_s[s, a] = (sdr_s[s, a] + sdr_f[a]) * fexp(G_s[C - 1])
+                                sda_f[a] = sdr_f[a]
                         else:
                             for a in T.Parallel(K):
-                                sdr_s[s, a] = sdr_s[s, a] + sdr_f[a]
+                                sda_f[a] = sda_f[a] + sdr_f[a]
+                    # scaled by e^{G_last} here: the dg warp runs after the key role released G
+                    for a in T.Parallel(K):
+                        sdr_s[s, a] = sda_f[a] * fexp(G_s[C - 1])
                     T.barrier_arrive(empty_in[4])
                     T.barrier_arrive(vec_ready[s])
                     # dS = e^{G_last} dS + q^T dOs
                     T.barrier_wait(full_in[3], i % 2)          # dO
-                    for r, j in T.Parallel(C, V):
-                        dOs_s[r, j] = T.if_then_else(
-                            bos + r < eos, T.cast(do_s[r, j], acc) * (scale * fexp(G_s[r])), 0.0)
+                    for jb in T.unroll(V // DB):
+                        for r, j in T.Parallel(C, DB):
+                            dos_f[r, j] = T.if_then_else(
+                                bos + r < eos, T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r])), 0.0)
+                        T.copy(dos_f, dOs_s[:, jb * DB:(jb + 1) * DB])
                     T.fence_proxy_async()
                     T.barrier_arrive(empty_in[3])
                     glast[0] = fexp(G_s[C - 1])
@@ -278,9 +284,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: q, k ready", i, tx, 128, hv, n)
                     # P = q k^T, Pm = bf16(scale P E M) [r, j]
                     T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
+                    # every elementwise pass computes in registers and then stores its tile in one T.copy: a pass
+                    # that stores to shared memory element by element between its loads of G / b from shared
+                    # memory is compiled in program order (the stores may alias the loads), one load -> ex2 ->
+                    # store latency chain per element (session 15's SASS: ~4 K cycles for a [64, 64] pass)
                     for r, j in T.Parallel(C, C):
-                        Pm_s[r, j] = T.if_then_else(
+                        M_f[r, j] = T.if_then_else(
                             (j <= r) & (bos + r < eos), P_f[r, j] * scale * fexp(G_s[r] - G_s[j]), 0.0)
+                    T.copy(M_f, Pm_s)
                     T.fence_proxy_async()
                     stamp(trace_out, "value: Pm written", i, tx, 128, hv, n)
                     # dQK = scale E M (dO vn^T) -> key; Z = dQK P: its row sums here, its column sums as the row
@@ -337,9 +348,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_in[6], i % 2)          # X
                     T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
                     stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
+                    for r in T.Parallel(C):
+                        bf_f[r] = b_s[r]
                     for r, j in T.Parallel(C, V):
                         if bos + r < eos:
-                            dv_out[bos + r, hv, j] = T.cast(b_s[r] * A_f[r, j], dtype)
+                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
                     stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # m = dvn Y^T, before dVg overwrites dvn
                     T.barrier_wait(y_ready, i % 2)
@@ -349,7 +362,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         rowf_f[r] = -fexp(G_s[r])
                     for r, j in T.Parallel(C, V):
-                        dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(b_s[r] * A_f[r, j], dtype), acc)
+                        dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
                     T.fence_proxy_async()
                     T.barrier_arrive(dvg_ready)
                     stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
@@ -364,7 +377,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # dX = bf16(m diag(b)); T1 = X^T dX; dA^T = -(X T1^T), dA = -(T1 X^T) (strict)
                     T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
-                        dX_s[r, j] = M_f[r, j] * b_s[j]
+                        M_f[r, j] = M_f[r, j] * b_s[j]
+                    T.copy(M_f, dX_s)
                     T.fence_proxy_async()
                     stamp(trace_out, "value: KK, dX done", i, tx, 128, hv, n)
                     T.gemm(X_s, dX_s, M_f, transpose_A=True, clear_accum=True)
@@ -376,18 +390,21 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] as row sums over the dA^T frame
                     T.gemm(X_s, dX_s, M_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
-                        wt = T.if_then_else(j > r, -M_f[r, j] * b_s[j] * fexp(G_s[j] - G_s[r]), 0.0)
-                        Ws_s[r, j] = wt
-                        M_f[r, j] = wt * KK_f[r, j]
+                        P_f[r, j] = T.if_then_else(j > r, -M_f[r, j] * b_s[j] * fexp(G_s[j] - G_s[r]), 0.0)
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = P_f[r, j] * KK_f[r, j]
                     T.reduce_sum(M_f, vc_f, dim=1)
                     stamp(trace_out, "value: W^T pass done", i, tx, 128, hv, n)
                     # then W from dA, added to the same elements, and dA KK E's row sums (db and dAA's rows)
                     T.gemm(dX_s, X_s, M_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(empty_in[6])
                     for r, j in T.Parallel(C, C):
-                        wr = T.if_then_else(r > j, -M_f[r, j] * fexp(G_s[r] - G_s[j]), 0.0)
-                        Ws_s[r, j] = T.cast(Ws_s[r, j], acc) + wr * b_s[r]
-                        KK_f[r, j] = wr * KK_f[r, j]
+                        M_f[r, j] = T.if_then_else(r > j, -M_f[r, j] * fexp(G_s[r] - G_s[j]), 0.0)
+                    for r, j in T.Parallel(C, C):
+                        P_f[r, j] = P_f[r, j] + M_f[r, j] * bf_f[r]
+                    T.copy(P_f, Ws_s)
+                    for r, j in T.Parallel(C, C):
+                        KK_f[r, j] = M_f[r, j] * KK_f[r, j]
                     T.fence_proxy_async()
                     T.barrier_arrive(ws_ready)
                     stamp(trace_out, "value: Ws published", i, tx, 128, hv, n)
@@ -417,7 +434,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         kr_f[r] = fexp(G_s[r])
                     T.barrier_wait(full_in[2], i % 2)          # v
                     for r, j in T.Parallel(C, V):
-                        v_s[r, j] = T.cast(v_s[r, j], acc) - kr_f[r] * U_f[r, j]
+                        U_f[r, j] = T.cast(v_s[r, j], acc) - kr_f[r] * U_f[r, j]
+                    T.copy(U_f, v_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(y_ready)
                     stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
