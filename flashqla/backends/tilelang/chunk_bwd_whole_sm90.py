@@ -249,8 +249,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_in[3], i % 2)          # dO
                     for jb in T.unroll(V // DB):
                         for r, j in T.Parallel(C, DB):
-                            dos_f[r, j] = T.if_then_else(
-                                bos + r < eos, T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r])), 0.0)
+                            dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
+                        for r, j in T.Parallel(C, DB):
+                            dos_f[r, j] = T.if_then_else(bos + r < eos, dos_f[r, j], 0.0)
                         T.copy(dos_f, dOs_s[:, jb * DB:(jb + 1) * DB])
                     T.fence_proxy_async()
                     T.barrier_arrive(empty_in[3])
@@ -284,13 +285,17 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: q, k ready", i, tx, 128, hv, n)
                     # P = q k^T, Pm = bf16(scale P E M) [r, j]
                     T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
-                    # every elementwise pass computes in registers and then stores its tile in one T.copy: a pass
-                    # that stores to shared memory element by element between its loads of G / b from shared
-                    # memory is compiled in program order (the stores may alias the loads), one load -> ex2 ->
-                    # store latency chain per element (session 15's SASS: ~4 K cycles for a [64, 64] pass)
+                    # Every elementwise pass computes in registers, masks in a second loop and then stores its
+                    # tile in one T.copy.  A masked value whose shared loads sit inside T.if_then_else is one
+                    # branch per element, and a pass that stores to shared memory between its loads of G / b is
+                    # kept in program order (the stores may alias the loads): either way one load -> ex2 ->
+                    # store latency chain per element, ~4 K cycles for a [64, 64] pass (session 15's SASS and
+                    # trace).  Unmasked, exp(G_r - G_j) may overflow above the diagonal or past the end; the
+                    # mask's select drops those values.
                     for r, j in T.Parallel(C, C):
-                        M_f[r, j] = T.if_then_else(
-                            (j <= r) & (bos + r < eos), P_f[r, j] * scale * fexp(G_s[r] - G_s[j]), 0.0)
+                        M_f[r, j] = P_f[r, j] * scale * fexp(G_s[r] - G_s[j])
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
                     T.copy(M_f, Pm_s)
                     T.fence_proxy_async()
                     stamp(trace_out, "value: Pm written", i, tx, 128, hv, n)
@@ -302,8 +307,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(do_s, vn_s, M_f, transpose_B=True, clear_accum=True)
                     stamp(trace_out, "value: dO vn^T done", i, tx, 128, hv, n)
                     for r, j in T.Parallel(C, C):
-                        M_f[r, j] = T.if_then_else(
-                            (j <= r) & (bos + r < eos), M_f[r, j] * scale * fexp(G_s[r] - G_s[j]), 0.0)
+                        M_f[r, j] = M_f[r, j] * scale * fexp(G_s[r] - G_s[j])
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
                     T.barrier_wait(dqk_free, (i + 1) % 2)
                     T.copy(M_f, dQK_s)
                     T.fence_proxy_async()
@@ -319,9 +325,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(empty_in[5])
                     T.barrier_arrive(empty_in[0])
                     for j, r in T.Parallel(C, C):
-                        M_f[j, r] = T.if_then_else(
-                            (j <= r) & (bos + r < eos), M_f[j, r] * scale * fexp(G_s[r] - G_s[j]), 0.0) \
-                            * P_f[j, r]
+                        M_f[j, r] = M_f[j, r] * scale * fexp(G_s[r] - G_s[j])
+                    for j, r in T.Parallel(C, C):
+                        M_f[j, r] = T.if_then_else((j <= r) & (bos + r < eos), M_f[j, r], 0.0) * P_f[j, r]
                     T.reduce_sum(M_f, vc_f, dim=1)
                     for r in T.Parallel(C):
                         vz_s[s, r] = vr_f[r] - vc_f[r]
@@ -350,9 +356,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                     for r in T.Parallel(C):
                         bf_f[r] = b_s[r]
-                    for r, j in T.Parallel(C, V):
-                        if bos + r < eos:
+                    # (a whole chunk stores without a test per element, which would be a branch per store)
+                    if bos + C <= eos:
+                        for r, j in T.Parallel(C, V):
                             dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                    else:
+                        for r, j in T.Parallel(C, V):
+                            if bos + r < eos:
+                                dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
                     stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # m = dvn Y^T, before dVg overwrites dvn
                     T.barrier_wait(y_ready, i % 2)
@@ -390,7 +401,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] as row sums over the dA^T frame
                     T.gemm(X_s, dX_s, M_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
-                        P_f[r, j] = T.if_then_else(j > r, -M_f[r, j] * b_s[j] * fexp(G_s[j] - G_s[r]), 0.0)
+                        P_f[r, j] = -M_f[r, j] * b_s[j] * fexp(G_s[j] - G_s[r])
+                    for r, j in T.Parallel(C, C):
+                        P_f[r, j] = T.if_then_else(j > r, P_f[r, j], 0.0)
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = P_f[r, j] * KK_f[r, j]
                     T.reduce_sum(M_f, vc_f, dim=1)
@@ -399,7 +412,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(dX_s, X_s, M_f, transpose_B=True, clear_accum=True)
                     T.barrier_arrive(empty_in[6])
                     for r, j in T.Parallel(C, C):
-                        M_f[r, j] = T.if_then_else(r > j, -M_f[r, j] * fexp(G_s[r] - G_s[j]), 0.0)
+                        M_f[r, j] = -M_f[r, j] * fexp(G_s[r] - G_s[j])
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = T.if_then_else(r > j, M_f[r, j], 0.0)
                     for r, j in T.Parallel(C, C):
                         P_f[r, j] = P_f[r, j] + M_f[r, j] * bf_f[r]
                     T.copy(P_f, Ws_s)
@@ -486,9 +501,13 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        for r, d in T.Parallel(C, KH):
-                            if bos + r < eos:
+                        if bos + C <= eos:
+                            for r, d in T.Parallel(C, KH):
                                 dq_out[bos + r, hv, hb * KH + d] = T.cast(t_f[r, d], dtype)
+                        else:
+                            for r, d in T.Parallel(C, KH):
+                                if bos + r < eos:
+                                    dq_out[bos + r, hv, hb * KH + d] = T.cast(t_f[r, d], dtype)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # dk += dQK^T q
@@ -526,12 +545,18 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    for r, d in T.Parallel(C, KH):
-                        if bos + r < eos:
+                    if bos + C <= eos:
+                        for r, d in T.Parallel(C, KH):
                             dk_out[bos + r, hv, d] = T.cast(dk0_f[r, d], dtype)
-                    for r, d in T.Parallel(C, KH):
-                        if bos + r < eos:
+                        for r, d in T.Parallel(C, KH):
                             dk_out[bos + r, hv, KH + d] = T.cast(dk1_f[r, d], dtype)
+                    else:
+                        for r, d in T.Parallel(C, KH):
+                            if bos + r < eos:
+                                dk_out[bos + r, hv, d] = T.cast(dk0_f[r, d], dtype)
+                        for r, d in T.Parallel(C, KH):
+                            if bos + r < eos:
+                                dk_out[bos + r, hv, KH + d] = T.cast(dk1_f[r, d], dtype)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
