@@ -264,7 +264,7 @@ case "$STEP" in
     case $RUN_RC in 0) ;; *) echo "== whole backward: tests did not pass; later steps skipped"; continue ;; esac
     TAIL=12 run_step "backward variants sweep" ${BWDW_SWEEP_S:-150} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --rows ${BWDW_ROWS:-16/32:1x32768,16/32:4x8192,4/8:1x32768,8/16:1x8192} \
-        --out $OUT/sweep_bwd_whole.json --variants "default;FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=fused"
+        --out $OUT/sweep_bwd_whole.json --variants "${BWDW_VARIANTS:-default;FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=fused}"
     TAIL=60 run_step "whole backward trace" ${BWDW_TRACE_S:-90} python benchmarks/trace_bwd_fused.py --kernel whole \
         --rows ${BWDW_TRACE_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_whole.json
     # last: FlashQLA's backward kernels compile on first use unless a carried kcache holds them (memwarm)

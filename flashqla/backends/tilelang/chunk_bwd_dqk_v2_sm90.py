@@ -162,13 +162,28 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
 
             # intra-chunk attention gradient
             T.gemm(q_s, k_s, QK_f, transpose_B=True, clear_accum=True)
+            # Computed unconditionally, then masked by a select, and stored by T.copy: shared loads inside
+            # T.if_then_else are one branch per element, and stores to shared memory between shared loads keep
+            # the loop in program order (they may alias) -- a latency chain per element either way (session 15,
+            # chunk_bwd_whole_sm90).  exp(G_r - G_j) may overflow off the mask; the select drops it.
             for r, j in T.Parallel(C, C):
-                dPm_f[r, j] = T.if_then_else(
-                    (j <= r) & (bos + r < eos), dPm_f[r, j] * scale * T.exp(G_s[r] - G_s[j]), 0.0)
+                dPm_f[r, j] = dPm_f[r, j] * scale * T.exp(G_s[r] - G_s[j])
             for r, j in T.Parallel(C, C):
-                Z_f[r, j] = dPm_f[r, j] * QK_f[r, j] * nq_s[r] * nk_s[j]
-                dQKn_s[r, j] = dPm_f[r, j] * nk_s[j]
-                dQKq_s[r, j] = dPm_f[r, j] * nq_s[r]
+                dPm_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), dPm_f[r, j], 0.0)
+            if l2norm:
+                for r, j in T.Parallel(C, C):
+                    Z_f[r, j] = dPm_f[r, j] * QK_f[r, j] * nq_s[r] * nk_s[j]
+                for r, j in T.Parallel(C, C):
+                    QK_f[r, j] = dPm_f[r, j] * nk_s[j]
+                T.copy(QK_f, dQKn_s)
+                for r, j in T.Parallel(C, C):
+                    QK_f[r, j] = dPm_f[r, j] * nq_s[r]
+                T.copy(QK_f, dQKq_s)
+            else:
+                for r, j in T.Parallel(C, C):
+                    Z_f[r, j] = dPm_f[r, j] * QK_f[r, j]
+                T.copy(dPm_f, dQKn_s)
+                T.copy(dPm_f, dQKq_s)
             T.reduce_sum(Z_f, red_f, dim=1)
             for r in T.Parallel(C):
                 rowZ_s[r] = red_f[r]
@@ -193,9 +208,14 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
                     qdq_s[r] = red_f[r] * nq_s[r] * nq_s[r]
                 for r, d in T.Parallel(C, K):
                     dOS_f[r, d] = nq_s[r] * (dOS_f[r, d] - qdq_s[r] * T.cast(q_s[r, d], acc))
-            for r, d in T.Parallel(C, K):
-                if bos + r < eos:
+            # (a whole chunk stores without a test per element, which would be a branch per store)
+            if bos + C <= eos:
+                for r, d in T.Parallel(C, K):
                     dq_out[bos + r, hv, d] = T.cast(dOS_f[r, d], dtype)
+            else:
+                for r, d in T.Parallel(C, K):
+                    if bos + r < eos:
+                        dq_out[bos + r, hv, d] = T.cast(dOS_f[r, d], dtype)
 
             # partial dk
             for r, d in T.Parallel(C, K):

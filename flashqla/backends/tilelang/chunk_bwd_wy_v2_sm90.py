@@ -136,10 +136,16 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
             else:
                 for r in T.Parallel(C):
                     nk_s[r] = 1.0
+            # Elementwise passes compute in registers (dBw_f / dBu_f are free until their products), mask by a
+            # select in a loop of their own and store by T.copy: shared loads inside T.if_then_else are one
+            # branch per element, and stores to shared memory between shared loads keep a loop in program order
+            # (they may alias) -- a latency chain per element either way (session 15, chunk_bwd_whole_sm90)
             for r, d in T.Parallel(C, K):
-                Bw_s[r, d] = T.cast(k_s[r, d], acc) * (b_s[r] * T.exp(G_s[r]) * nk_s[r])
+                dBw_f[r, d] = T.cast(k_s[r, d], acc) * (b_s[r] * T.exp(G_s[r]) * nk_s[r])
+            T.copy(dBw_f, Bw_s)
             for r, d in T.Parallel(C, V):
-                Bu_s[r, d] = T.cast(v_s[r, d], acc) * b_s[r]
+                dBu_f[r, d] = T.cast(v_s[r, d], acc) * b_s[r]
+            T.copy(dBu_f, Bu_s)
 
             # dX, then dA = -(X^T dX) X^T on the strictly lower part
             T.gemm(dw_s, Bw_s, dX_f, transpose_B=True, clear_accum=True)
@@ -149,10 +155,17 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
             T.copy(T1_f, T1_s)
             T.gemm(T1_s, Xb_s, dA_f, transpose_B=True, clear_accum=True)
             # dA = -(fragment) on the strictly lower part; W = dA beta_r E; KK_f becomes dA * KKn (= dA * A / beta_r)
+            # (E = exp(G_r - G_j) once, in T1_f: may overflow above the diagonal, where the select drops it)
             for r, j in T.Parallel(C, C):
-                W_s[r, j] = T.if_then_else(r > j, -dA_f[r, j] * b_s[r] * T.exp(G_s[r] - G_s[j]), 0.0)
-                KK_f[r, j] = T.if_then_else(
-                    r > j, -dA_f[r, j] * KK_f[r, j] * nk_s[r] * nk_s[j] * T.exp(G_s[r] - G_s[j]), 0.0)
+                T1_f[r, j] = T.exp(G_s[r] - G_s[j])
+            for r, j in T.Parallel(C, C):
+                dX_f[r, j] = -dA_f[r, j] * b_s[r] * T1_f[r, j]
+                KK_f[r, j] = -dA_f[r, j] * KK_f[r, j] * nk_s[r] * nk_s[j] * T1_f[r, j]
+            for r, j in T.Parallel(C, C):
+                dX_f[r, j] = T.if_then_else(r > j, dX_f[r, j], 0.0)
+                KK_f[r, j] = T.if_then_else(r > j, KK_f[r, j], 0.0)
+            for r, j in T.Parallel(C, C):
+                W_s[r, j] = dX_f[r, j]
             T.reduce_sum(KK_f, red_f, dim=1)
             for r in T.Parallel(C):
                 bA_s[r] = red_f[r]
@@ -162,13 +175,19 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
             for r in T.Parallel(C):
                 cA_s[r] = cred_f[r]
             for r, j in T.Parallel(C, C):
-                Ws_s[r, j] = (W_s[r, j] + W_s[j, r]) * nk_s[j]
+                T1_f[r, j] = (W_s[r, j] + W_s[j, r]) * nk_s[j]
+            T.copy(T1_f, Ws_s)
 
             # dBu first (dv, dBu . v), then dBw in a fragment of its own; dBu's is the scratch after
             T.gemm(Xb_s, du_s, dBu_f, transpose_A=True, clear_accum=True)
-            for r, d in T.Parallel(C, V):
-                if bos + r < eos:
+            # (a whole chunk stores without a test per element, which would be a branch per store)
+            if bos + C <= eos:
+                for r, d in T.Parallel(C, V):
                     dv_out[bos + r, hv, d] = T.cast(dBu_f[r, d] * b_s[r], dtype)
+            else:
+                for r, d in T.Parallel(C, V):
+                    if bos + r < eos:
+                        dv_out[bos + r, hv, d] = T.cast(dBu_f[r, d] * b_s[r], dtype)
             for r, d in T.Parallel(C, V):
                 dBu_f[r, d] = dBu_f[r, d] * T.cast(v_s[r, d], acc)
             T.reduce_sum(dBu_f, red_f, dim=1)
@@ -194,9 +213,13 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
                     kd_s[r] = red_f[r] * nk_s[r] * nk_s[r]
                 for r, d in T.Parallel(C, K):
                     dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
-            for r, d in T.Parallel(C, K):
-                if bos + r < eos:
+            if bos + C <= eos:
+                for r, d in T.Parallel(C, K):
                     dk_out[bos + r, hv, d] = T.cast(dBw_f[r, d], dtype)
+            else:
+                for r, d in T.Parallel(C, K):
+                    if bos + r < eos:
+                        dk_out[bos + r, hv, d] = T.cast(dBw_f[r, d], dtype)
 
             # dbeta, dg
             for r in T.Parallel(C):
