@@ -36,8 +36,8 @@ exp(G_r - G_j)`` for ``j <= r``, ``D_r = exp(G_last - G_r)``, ``eG = exp(G)``, `
       dG = [r < eos](rowZ - colZ + ginter - D dD + gv) + rowsum(dAA) - colsum(dAA), plus e^{G_last} <S, dS> + sum D dD
       on the last row: dg = its reverse cumsum (one warp), db
 
-* warpgroup 3, the **producer**: one warp issues the TMA loads of q, k with G, S, dO, vn, v and X, each as soon as
-  the previous chunk's last readers of that tile have arrived on its ``empty`` barrier.
+* warpgroup 3, the **producer**: one warp issues the TMA loads of vn, q, dO, S, v, X and k with G (the order in
+  which the previous chunk's last readers release them), each as soon as they have arrived on its ``empty`` barrier.
 
 Shared memory (bf16, K = V = 128): inputs q 16, k 16, v / Y 16, dO 16, S 32, vn 16, X 8 KB; hand-offs dSb 32,
 dOs 16, Pm 8, dvn / dVg 16, dQK 8, dX / T1 8, Ws 8 KB; vectors ~3 KB: ~219 KB of the 227.  Registers (setmaxnreg):
@@ -57,20 +57,20 @@ CHUNK = 64
 # (event, role): what has just happened when the role's first thread of CTA (0, 0) stamps clock64() (``trace=True``,
 # ``benchmarks/trace_bwd_fused.py --kernel whole``), for the first TRACE_CHUNKS steps of its walk
 TRACE_EVENTS = (
-    ("chain: k, G ready", "chain"), ("chain: dSb published", "chain"), ("chain: q^T dOs done", "chain"),
+    ("chain: k, G ready", "chain"), ("chain: dSb free", "chain"), ("chain: dSb published", "chain"), ("chain: q^T dOs done", "chain"),
     ("chain: dVg ready", "chain"), ("chain: step done", "chain"),
     ("value: q, k ready", "value"), ("value: Pm written", "value"), ("value: dO vn^T done", "value"),
     ("value: dQK published", "value"), ("value: Z rows done", "value"), ("value: [j, r] products done", "value"),
     ("value: Z sums done", "value"), ("value: dSb ready", "value"), ("value: k dSb done", "value"),
     ("value: Pm^T dO done", "value"), ("value: dvn written", "value"), ("value: X^T dvn done", "value"),
-    ("value: dv stored", "value"), ("value: dvn Y^T done", "value"), ("value: dVg published", "value"),
+    ("value: dvn Y^T done", "value"), ("value: dVg published", "value"), ("value: dv stored", "value"),
     ("value: db done", "value"), ("value: KK, dX done", "value"), ("value: T1 written", "value"),
     ("value: W^T pass done", "value"), ("value: Ws published", "value"), ("value: step done", "value"),
     ("key: k, S ready", "key"), ("key: k S done", "key"), ("key: Y published", "key"), ("key: dSb freed", "key"),
     ("key: dD done", "key"), ("key: dQK ready", "key"), ("key: dq stored", "key"), ("key: dQK^T q done", "key"),
     ("key: dVg ready", "key"), ("key: dVg S^T done", "key"), ("key: Ws ready", "key"), ("key: Ws k done", "key"),
     ("key: dk stored", "key"), ("key: dg stored", "key"),
-    ("producer: k issued", "producer"), ("producer: S issued", "producer"), ("producer: X issued", "producer"),
+    ("producer: S issued", "producer"), ("producer: X issued", "producer"), ("producer: k issued", "producer"),
 )
 TRACE_CHUNKS = 64
 
@@ -221,6 +221,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_in[1], i % 2)          # k, G
                     stamp(trace_out, "chain: k, G ready", i, tx, 0, hv, n)
                     T.barrier_wait(dsb_free, (i + 1) % 2)
+                    stamp(trace_out, "chain: dSb free", i, tx, 0, hv, n)
                     T.copy(dS_f, dSb_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dsb_ready)
@@ -274,12 +275,16 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             elif tx < 256:
                 # ---------------- value ----------------
                 T.set_max_nreg(R_VALUE, 1)
+                # beta of each chunk is read from HBM at the end of the step before (its latency then overlaps the
+                # wait for the next k), the first chunk's here
+                if nchunks > 0:
+                    for r in T.Parallel(C):
+                        b_s[r] = T.if_then_else(
+                            bos0 + (nchunks - 1) * C + r < eos, T.cast(beta[bos0 + (nchunks - 1) * C + r, hv], acc), 0.0)
                 for i in T.serial(nchunks):
                     s = i % 2
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
-                    for r in T.Parallel(C):
-                        b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, hv], acc), 0.0)
                     T.barrier_wait(full_in[1], i % 2)          # k, G
                     T.barrier_wait(full_in[0], i % 2)          # q
                     stamp(trace_out, "value: q, k ready", i, tx, 128, hv, n)
@@ -347,7 +352,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: Pm^T dO done", i, tx, 128, hv, n)
                     T.barrier_wait(dvg_free, (i + 1) % 2)
                     for r, j in T.Parallel(C, V):
-                        dvn_s[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
+                        A_f[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
+                    T.copy(A_f, dvn_s)
                     T.fence_proxy_async()
                     stamp(trace_out, "value: dvn written", i, tx, 128, hv, n)
                     # Z' = X^T dvn; dv = dY = b Z'
@@ -356,15 +362,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                     for r in T.Parallel(C):
                         bf_f[r] = b_s[r]
-                    # (a whole chunk stores without a test per element, which would be a branch per store)
-                    if bos + C <= eos:
-                        for r, j in T.Parallel(C, V):
-                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
-                    else:
-                        for r, j in T.Parallel(C, V):
-                            if bos + r < eos:
-                                dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
-                    stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # m = dvn Y^T, before dVg overwrites dvn
                     T.barrier_wait(y_ready, i % 2)
                     T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
@@ -377,6 +374,16 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.fence_proxy_async()
                     T.barrier_arrive(dvg_ready)
                     stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
+                    # dv after dVg is published (the chain and key wait on dVg, not on dv); a whole chunk stores without
+                    # a test per element, which would be a branch per store
+                    if bos + C <= eos:
+                        for r, j in T.Parallel(C, V):
+                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                    else:
+                        for r, j in T.Parallel(C, V):
+                            if bos + r < eos:
+                                dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                    stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # db = rowsum(Z' Y)
                     for r, j in T.Parallel(C, V):
                         A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
@@ -430,6 +437,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         va_s[s, r] = b_s[r] * vk_f[r] - vc_f[r]
                     T.barrier_arrive(vec_ready[s])
+                    if i + 1 < nchunks:
+                        for r in T.Parallel(C):
+                            b_s[r] = T.if_then_else(
+                                bos - C + r < eos, T.cast(beta[bos - C + r, hv], acc), 0.0)
                     stamp(trace_out, "value: step done", i, tx, 128, hv, n)
             elif tx < 384:
                 # ---------------- key ----------------
@@ -595,26 +606,23 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         ci = nchunks - 1 - i
                         bos = bos0 + ci * C
                         c = c0 + ci
-                        # in the order the roles first need them (written out, not looped: the protocol-model
-                        # test reads every barrier operation from this source)
-                        T.barrier_wait(empty_in[1], (i + 1) % 2)
-                        T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=full_in[1])
-                        T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
-                        T.barrier_arrive(full_in[1])
-                        stamp(trace_out, "producer: k issued", i, tx, 384, hv, n)
+                        # in the order the previous chunk's last readers release the tiles (vn, q, dO, S, v, X,
+                        # then k with G at the end of the step): every tile but k is in flight or loaded when k
+                        # is released, so a step waits on one load, not on a burst of seven (session 15's trace).
+                        # Written out, not looped: the protocol-model test reads every barrier operation here.
+                        T.barrier_wait(empty_in[5], (i + 1) % 2)
+                        T.tma_copy(vn[c, hv, :, :], vn_s, barrier=full_in[5])
+                        T.barrier_arrive(full_in[5])
                         T.barrier_wait(empty_in[0], (i + 1) % 2)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s, barrier=full_in[0])
                         T.barrier_arrive(full_in[0])
+                        T.barrier_wait(empty_in[3], (i + 1) % 2)
+                        T.tma_copy(do[bos:bos + C, hv, :], do_s, barrier=full_in[3])
+                        T.barrier_arrive(full_in[3])
                         T.barrier_wait(empty_in[4], (i + 1) % 2)
                         T.tma_copy(h[c, hv, :, :], S_s, barrier=full_in[4])
                         T.barrier_arrive(full_in[4])
                         stamp(trace_out, "producer: S issued", i, tx, 384, hv, n)
-                        T.barrier_wait(empty_in[3], (i + 1) % 2)
-                        T.tma_copy(do[bos:bos + C, hv, :], do_s, barrier=full_in[3])
-                        T.barrier_arrive(full_in[3])
-                        T.barrier_wait(empty_in[5], (i + 1) % 2)
-                        T.tma_copy(vn[c, hv, :, :], vn_s, barrier=full_in[5])
-                        T.barrier_arrive(full_in[5])
                         T.barrier_wait(empty_in[2], (i + 1) % 2)
                         T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=full_in[2])
                         T.barrier_arrive(full_in[2])
@@ -622,4 +630,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.tma_copy(X[c, hv, :, :], X_s, barrier=full_in[6])
                         T.barrier_arrive(full_in[6])
                         stamp(trace_out, "producer: X issued", i, tx, 384, hv, n)
+                        T.barrier_wait(empty_in[1], (i + 1) % 2)
+                        T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=full_in[1])
+                        T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
+                        T.barrier_arrive(full_in[1])
+                        stamp(trace_out, "producer: k issued", i, tx, 384, hv, n)
     return gdn_bwd_whole
