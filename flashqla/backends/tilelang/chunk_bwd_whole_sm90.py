@@ -21,7 +21,7 @@ exp(G_r - G_j)`` for ``j <= r``, ``D_r = exp(G_last - G_r)``, ``eG = exp(G)``, `
 * warpgroup 1, **value** (state-free part first, while the chain finishes the previous chunk)::
 
       P = q k^T -> Pm = bf16(scale P E M);  dPm = dO vn^T -> dQK = bf16(scale E M dPm) -> key;
-      Z = dQK P: row sums, and column sums as the row sums of the [j, r] frame (vn dO^T, k q^T)
+      Z = dQK P: its row sums -> key's dg warp
       acc = diag(D) k dSb + Pm^T dO (rows >= eos 0) -> dvn (bf16, own tile);  Z' = X^T dvn;  dv = dY = b Z';
       m = dvn Y^T;  dVg = bf16(-eG dY) over dvn -> chain, key;  db = rowsum(Z' Y)
       dX = bf16(m diag(b));  T1 = X^T dX;  dA = -(T1 X^T), dA^T = -(X T1^T) (strict);  KK = k k^T;
@@ -29,7 +29,8 @@ exp(G_r - G_j)`` for ``j <= r``, ``D_r = exp(G_last - G_r)``, ``eG = exp(G)``, `
 
 * warpgroup 2, **key**::
 
-      U = k S -> Y = bf16(v - eG U) over v's tile -> value
+      U = k S -> Y = bf16(v - eG U) over v's tile -> value;  Z's column sums as the row sums of the [j, r]
+      frame (vn dO^T, k q^T)
       t = vn dSb^T (K halves): dk = diag(D) t, dD = rowsum(k t)  (frees dSb: the chain's next step waits on it)
       dq = scale eG (dO S^T) + dQK k (K halves, stored), ginter = scale eG rowsum(q dO S^T)
       dk += dQK^T q;  dk += dVg S^T, gv = rowsum(k dVg S^T);  dk += Ws k (stored)
@@ -60,13 +61,12 @@ TRACE_EVENTS = (
     ("chain: k, G ready", "chain"), ("chain: dSb free", "chain"), ("chain: dSb published", "chain"), ("chain: q^T dOs done", "chain"),
     ("chain: dVg ready", "chain"), ("chain: step done", "chain"),
     ("value: q, k ready", "value"), ("value: Pm written", "value"), ("value: dO vn^T done", "value"),
-    ("value: dQK published", "value"), ("value: Z rows done", "value"), ("value: [j, r] products done", "value"),
-    ("value: Z sums done", "value"), ("value: dSb ready", "value"), ("value: k dSb done", "value"),
+    ("value: dQK published", "value"), ("value: Z rows done", "value"), ("value: dSb ready", "value"), ("value: k dSb done", "value"),
     ("value: Pm^T dO done", "value"), ("value: dvn written", "value"), ("value: X^T dvn done", "value"),
-    ("value: dvn Y^T done", "value"), ("value: dVg published", "value"), ("value: dv stored", "value"),
+    ("value: dv stored", "value"), ("value: dvn Y^T done", "value"), ("value: dVg published", "value"),
     ("value: db done", "value"), ("value: KK, dX done", "value"), ("value: T1 written", "value"),
     ("value: W^T pass done", "value"), ("value: Ws published", "value"), ("value: step done", "value"),
-    ("key: k, S ready", "key"), ("key: k S done", "key"), ("key: Y published", "key"), ("key: dSb freed", "key"),
+    ("key: k, S ready", "key"), ("key: k S done", "key"), ("key: Y published", "key"), ("key: colZ done", "key"), ("key: dSb freed", "key"),
     ("key: dD done", "key"), ("key: dQK ready", "key"), ("key: dq stored", "key"), ("key: dQK^T q done", "key"),
     ("key: dVg ready", "key"), ("key: dVg S^T done", "key"), ("key: Ws ready", "key"), ("key: Ws k done", "key"),
     ("key: dk stored", "key"), ("key: dg stored", "key"),
@@ -154,7 +154,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             dX_s = T.alloc_shared((C, C), dtype)      # value's own: dX, then T1
             Ws_s = T.alloc_shared((C, C), dtype)      # value -> key
             b_s = T.alloc_shared((C,), acc)           # value's own
-            vz_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: rowZ - colZ (rows < eos)
+            vz_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: rowZ
+            cz_s = T.alloc_shared((C,), acc)          # key's own: colZ
             va_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: rowsum(dAA) - colsum(dAA)
             vb_s = T.alloc_shared((2, C), acc)        # value -> key's dg warp: dbeta
             sdr_s = T.alloc_shared((2, K), acc)       # chain -> key's dg warp: e^{G_last} <S, dSb> row sums
@@ -178,6 +179,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             vc_f = T.alloc_fragment((C,), acc)
             vk_f = T.alloc_fragment((C,), acc)
             bf_f = T.alloc_fragment((C,), acc)
+            bn_f = T.alloc_fragment((C,), acc)
             # key fragments
             U_f = T.alloc_fragment((C, V), acc)
             dk0_f = T.alloc_fragment((C, KH), acc)
@@ -275,16 +277,23 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             elif tx < 256:
                 # ---------------- value ----------------
                 T.set_max_nreg(R_VALUE, 1)
-                # beta of each chunk is read from HBM at the end of the step before (its latency then overlaps the
-                # wait for the next k), the first chunk's here
+                # beta of the next chunk is loaded into registers at the start of a step and written to b_s at the
+                # start of the next, so the HBM latency overlaps a whole step (read at the start of its own step,
+                # or at the end of the one before, it cost ~1.5 K resp. ~3.5 K cycles: session 15 runs 4-5)
                 if nchunks > 0:
                     for r in T.Parallel(C):
-                        b_s[r] = T.if_then_else(
+                        bn_f[r] = T.if_then_else(
                             bos0 + (nchunks - 1) * C + r < eos, T.cast(beta[bos0 + (nchunks - 1) * C + r, hv], acc), 0.0)
                 for i in T.serial(nchunks):
                     s = i % 2
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
+                    for r in T.Parallel(C):
+                        b_s[r] = bn_f[r]
+                    if i + 1 < nchunks:
+                        # (the chunk before this one: whole, as only a sequence's last chunk can be short)
+                        for r in T.Parallel(C):
+                            bn_f[r] = T.cast(beta[bos - C + r, hv], acc)
                     T.barrier_wait(full_in[1], i % 2)          # k, G
                     T.barrier_wait(full_in[0], i % 2)          # q
                     stamp(trace_out, "value: q, k ready", i, tx, 128, hv, n)
@@ -303,6 +312,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
                     T.copy(M_f, Pm_s)
                     T.fence_proxy_async()
+                    T.barrier_arrive(empty_in[0])
                     stamp(trace_out, "value: Pm written", i, tx, 128, hv, n)
                     # dQK = scale E M (dO vn^T) -> key; Z = dQK P: its row sums here, its column sums as the row
                     # sums of the [j, r] frame below (a column reduction of a wgmma fragment would be a cross-warp
@@ -310,6 +320,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_wait(full_in[3], i % 2)          # dO
                     T.barrier_wait(full_in[5], i % 2)          # vn
                     T.gemm(do_s, vn_s, M_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(empty_in[5])
                     stamp(trace_out, "value: dO vn^T done", i, tx, 128, hv, n)
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = M_f[r, j] * scale * fexp(G_s[r] - G_s[j])
@@ -323,20 +334,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = M_f[r, j] * P_f[r, j]
                     T.reduce_sum(M_f, vr_f, dim=1)
-                    stamp(trace_out, "value: Z rows done", i, tx, 128, hv, n)
-                    T.gemm(vn_s, do_s, M_f, transpose_B=True, clear_accum=True)
-                    T.gemm(k_s, q_s, P_f, transpose_B=True, clear_accum=True)
-                    stamp(trace_out, "value: [j, r] products done", i, tx, 128, hv, n)
-                    T.barrier_arrive(empty_in[5])
-                    T.barrier_arrive(empty_in[0])
-                    for j, r in T.Parallel(C, C):
-                        M_f[j, r] = M_f[j, r] * scale * fexp(G_s[r] - G_s[j])
-                    for j, r in T.Parallel(C, C):
-                        M_f[j, r] = T.if_then_else((j <= r) & (bos + r < eos), M_f[j, r], 0.0) * P_f[j, r]
-                    T.reduce_sum(M_f, vc_f, dim=1)
                     for r in T.Parallel(C):
-                        vz_s[s, r] = vr_f[r] - vc_f[r]
-                    stamp(trace_out, "value: Z sums done", i, tx, 128, hv, n)
+                        vz_s[s, r] = vr_f[r]
+                    stamp(trace_out, "value: Z rows done", i, tx, 128, hv, n)
                     # acc = diag(D) k dSb + Pm^T dO  (dv_new's gradient), rows past the end 0
                     T.barrier_wait(dsb_ready, i % 2)
                     stamp(trace_out, "value: dSb ready", i, tx, 128, hv, n)
@@ -362,6 +362,16 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                     for r in T.Parallel(C):
                         bf_f[r] = b_s[r]
+                    # (a whole chunk stores without a test per element, which would be a branch per store; storing dv
+                    # after dVg is published spilled: session 15 run 5)
+                    if bos + C <= eos:
+                        for r, j in T.Parallel(C, V):
+                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                    else:
+                        for r, j in T.Parallel(C, V):
+                            if bos + r < eos:
+                                dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                    stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # m = dvn Y^T, before dVg overwrites dvn
                     T.barrier_wait(y_ready, i % 2)
                     T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
@@ -374,16 +384,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.fence_proxy_async()
                     T.barrier_arrive(dvg_ready)
                     stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
-                    # dv after dVg is published (the chain and key wait on dVg, not on dv); a whole chunk stores without
-                    # a test per element, which would be a branch per store
-                    if bos + C <= eos:
-                        for r, j in T.Parallel(C, V):
-                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
-                    else:
-                        for r, j in T.Parallel(C, V):
-                            if bos + r < eos:
-                                dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
-                    stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # db = rowsum(Z' Y)
                     for r, j in T.Parallel(C, V):
                         A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
@@ -437,10 +437,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         va_s[s, r] = b_s[r] * vk_f[r] - vc_f[r]
                     T.barrier_arrive(vec_ready[s])
-                    if i + 1 < nchunks:
-                        for r in T.Parallel(C):
-                            b_s[r] = T.if_then_else(
-                                bos - C + r < eos, T.cast(beta[bos - C + r, hv], acc), 0.0)
                     stamp(trace_out, "value: step done", i, tx, 128, hv, n)
             elif tx < 384:
                 # ---------------- key ----------------
@@ -465,8 +461,24 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.fence_proxy_async()
                     T.barrier_arrive(y_ready)
                     stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
-                    # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
+                    # Z's column sums as the row sums of the [j, r] frame (vn dO^T, k q^T; a column reduction of a
+                    # wgmma fragment would be a cross-warp AllReduce on bar.sync 1, shared by every warpgroup).
+                    # Here, not in the value role, which sets the step (session 15 run 5), and before dk's
+                    # accumulators are live (after them this role spilled).  t / tq are [C, C] at K / 2 = C.
                     T.barrier_wait(full_in[5], i % 2)          # vn
+                    T.barrier_wait(full_in[3], i % 2)          # dO
+                    T.barrier_wait(full_in[0], i % 2)          # q
+                    T.gemm(vn_s, do_s, t_f, transpose_B=True, clear_accum=True)
+                    T.gemm(k_s, q_s, tq_f, transpose_B=True, clear_accum=True)
+                    for j, r in T.Parallel(C, C):
+                        t_f[j, r] = t_f[j, r] * scale * fexp(G_s[r] - G_s[j])
+                    for j, r in T.Parallel(C, C):
+                        t_f[j, r] = T.if_then_else((j <= r) & (bos + r < eos), t_f[j, r], 0.0) * tq_f[j, r]
+                    T.reduce_sum(t_f, kr_f, dim=1)
+                    for r in T.Parallel(C):
+                        cz_s[r] = kr_f[r]
+                    stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
+                    # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
                     T.barrier_wait(dsb_ready, i % 2)
                     T.gemm(vn_s, dSb_s[0:KH, :], dk0_f, transpose_B=True, clear_accum=True)
                     T.gemm(vn_s, dSb_s[KH:K, :], dk1_f, transpose_B=True, clear_accum=True)
@@ -494,8 +506,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         dk1_f[r, d] = dk1_f[r, d] * kr_f[r]
                     stamp(trace_out, "key: dD done", i, tx, 256, hv, n)
                     # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
-                    T.barrier_wait(full_in[3], i % 2)          # dO
-                    T.barrier_wait(full_in[0], i % 2)          # q
                     T.barrier_wait(dqk_ready, i % 2)
                     stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
                     for hb in T.unroll(2):
@@ -574,7 +584,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # rows 2l, 2l + 1
                     T.barrier_wait(vec_ready[s], (i // 2) % 2)
                     for r in T.Parallel(C):
-                        kg_s[r] = T.if_then_else(bos + r < eos, vz_s[s, r] + kg_s[r] - dD_s[r], 0.0) + va_s[s, r]
+                        kg_s[r] = T.if_then_else(bos + r < eos, vz_s[s, r] - cz_s[r] + kg_s[r] - dD_s[r], 0.0) \
+                            + va_s[s, r]
                     if tx < 288:
                         lane = tx - 256
                         part = T.alloc_var(acc)
