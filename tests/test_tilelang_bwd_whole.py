@@ -105,3 +105,37 @@ def test_gpu_whole_backward_matches_oracle(dtype, monkeypatch):
 @needs_sm90
 def test_gpu_whole_backward_deterministic(monkeypatch):
     gpu_backward_deterministic("whole", monkeypatch)
+
+
+# ---- the automatic choice between the split and the whole backward ---------------------------------------------
+
+def _chunk_meta(lengths):
+    from flashqla.backends.tilelang.ops import ChunkMeta
+    nc = sum((n + 63) // 64 for n in lengths)
+    busy = sum(lengths) / max(lengths) if lengths and max(lengths) else 0.0
+    return ChunkMeta(None, None, None, len(lengths), nc, busy)
+
+
+@pytest.mark.parametrize("lengths,Hv,whole", [
+    ([8192] * 4, 32, True),       # 128 walks: 2.2 ms whole against 3.5 split (session 15, H200)
+    ([4096] * 8, 16, True),       # 128 shorter walks: 1.2 against 1.8
+    ([8192] * 4, 16, False),      # 64 walks: 2.1 against 1.8
+    ([32768], 32, False),         # 32 walks of 512 chunks: 8.1 against 4.2
+    ([32768], 8, False),          # 8 walks: 7.7 against 2.3
+    ([28672, 4096], 64, False),   # one long walk per head dominates
+    ([], 32, False),
+])
+def test_auto_backward_choice(lengths, Hv, whole):
+    """``FLASHQLA_TILELANG_BWD=auto`` (the default) takes the whole backward where its cost model says it beats
+    the split one: the rows measured on the H200 fall on the side they were measured on."""
+    from flashqla.backends.tilelang.ops import bwd_whole_pays
+    assert bwd_whole_pays(_chunk_meta(lengths), Hv, torch.device("cpu")) is whole
+
+
+def test_auto_is_the_default(monkeypatch):
+    from flashqla.backends.tilelang.ops import bwd_variant
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
+    assert bwd_variant() == "auto"
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "split")
+    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_BWD"):
+        bwd_variant()

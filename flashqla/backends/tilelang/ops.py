@@ -254,13 +254,40 @@ def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
 
 
 def bwd_variant() -> str:
-    """``ws`` (warp-specialised state-gradient recurrence, then the per-chunk dqk and wy kernels; default),
-    ``serial`` (the same with a serial state kernel) or ``fused`` (``chunk_bwd_fused_sm90``: the walk and every
-    per-chunk gradient in one kernel; experimental: correct on the H200 but 2-3x slower than ``ws`` in
-    session 11, and without the fused L2 norm: such calls take ``ws``) or ``whole`` (``chunk_bwd_whole_sm90``: the
-    same at whole V with the work split by MAC count, session 14; lowered and protocol-checked on the CPU, not yet
-    run on a GPU; K = V = 128 without the fused L2 norm); ``FLASHQLA_TILELANG_BWD`` overrides."""
-    return env_choice("FLASHQLA_TILELANG_BWD", ("ws", "serial", "fused", "whole"), "ws")
+    """``auto`` (default: ``whole`` where :func:`bwd_whole_pays`, else ``ws``), ``ws`` (the split backward:
+    warp-specialised state-gradient recurrence, then the per-chunk dqk and wy kernels), ``serial`` (the same with
+    a serial state kernel), ``fused`` (``chunk_bwd_fused_sm90``, BV = 64: correct on the H200, slower than ``ws``
+    everywhere measured) or ``whole`` (``chunk_bwd_whole_sm90``: one CTA per (value head, sequence) forms every
+    gradient at whole V; K = V = 128 without the fused L2 norm, other calls take ``ws``).
+    ``FLASHQLA_TILELANG_BWD`` overrides."""
+    return env_choice("FLASHQLA_TILELANG_BWD", ("auto", "ws", "serial", "fused", "whole"), "auto")
+
+
+# Costs behind bwd_whole_pays, measured on the H200 (132 SMs; session 15 run 6, fwd+bwd sweeps of the two paths):
+# the whole backward's chunk step (one CTA walks one (value head, sequence)), the split backward's
+# state-gradient step (its serial part) and its per-(chunk, value head) cost of the dqk and wy kernels at full
+# occupancy, in microseconds.
+WHOLE_STEP_US = 16.0
+SPLIT_STATE_STEP_US = 3.2
+SPLIT_PAIR_US = 0.153
+
+
+def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
+    """Whether the whole-V fused backward beats the split one on this call, by the cost model of the H200's
+    measurements (``WHOLE_STEP_US`` ...).  The whole backward runs one CTA per (value head, sequence): its time is
+    its longest walk, or the pairs spread over the SMs when they are more; the split backward pays a short serial
+    step per chunk of the longest walk plus its per-pair kernels over the whole GPU.  With few walks (one long
+    sequence, few heads) the split backward wins; with a walk per SM or more the whole one does (at 16/32
+    4x8192: 128 walks, 2.2 against 3.5 ms, session 15)."""
+    sms = detect(device).sm_count or 132
+    busy = meta.busy_seqs or meta.num_seqs
+    if meta.num_chunks == 0 or busy <= 0:
+        return False
+    longest = meta.num_chunks / busy             # chunks of the longest walk (busy_seqs = sum / max)
+    pairs = meta.num_chunks * Hv
+    t_whole = max(longest, pairs / sms) * WHOLE_STEP_US
+    t_split = longest * SPLIT_STATE_STEP_US + pairs * SPLIT_PAIR_US * 132 / sms
+    return t_whole < t_split
 
 
 def bwd_fused_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
@@ -468,6 +495,14 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     dhtf = aligned(dht.to(f32)) if has_dht else dummy((1, 1, K, V), f32, dev)
     dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
     variant = bwd_variant()
+    if variant == "auto":
+        if dev.type == "meta":
+            # (precompile's key enumeration: both paths' kernels)
+            if bwd_whole_ok(K, V, l2norm):
+                _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0)
+            variant = "ws"
+        else:
+            variant = "whole" if bwd_whole_ok(K, V, l2norm) and bwd_whole_pays(meta, Hv, dev) else "ws"
     if variant == "fused" and bwd_fused_ok(K, V, l2norm):
         dq, dk, dv, dg, db = _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
                                              has_dht, has_h0)
