@@ -112,13 +112,20 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                 if r == j:
                     n_s[r] = T.rsqrt(kk_f[r, j] + L2_EPS)
             for r, j in T.Parallel(C, C):
-                A_s[r, j] = T.if_then_else(
-                    r > j, kk_f[r, j] * b_s[r] * n_s[r] * n_s[j] * ex(g_s[r] - g_s[j]), 0.0)
+                kk_f[r, j] = kk_f[r, j] * b_s[r] * n_s[r] * n_s[j] * ex(g_s[r] - g_s[j])
         else:
             for r in T.Parallel(C):
                 n_s[r] = 1.0
             for r, j in T.Parallel(C, C):
-                A_s[r, j] = T.if_then_else(r > j, kk_f[r, j] * b_s[r] * ex(g_s[r] - g_s[j]), 0.0)
+                kk_f[r, j] = kk_f[r, j] * b_s[r] * ex(g_s[r] - g_s[j])
+        # Computed unconditionally in registers, masked by a select, then stored: shared loads inside
+        # T.if_then_else are one branch per element, and shared stores between shared loads keep the loop in
+        # program order -- a latency chain per element either way (session 15, chunk_bwd_whole_sm90).
+        # exp(g_r - g_j) may overflow above the diagonal; the select drops it.
+        for r, j in T.Parallel(C, C):
+            kk_f[r, j] = T.if_then_else(r > j, kk_f[r, j], 0.0)
+        for r, j in T.Parallel(C, C):
+            A_s[r, j] = kk_f[r, j]
         if not tb_only:     # (w's column scaling; the Tb-only form has no w)
             for r in T.Parallel(C):
                 cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
