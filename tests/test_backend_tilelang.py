@@ -689,7 +689,9 @@ def test_gpu_trace_stamps_and_same_output(monkeypatch):
     t = buf.cpu()
     chain_ready = t[0]
     assert (chain_ready > 0).all() and (chain_ready[1:] > chain_ready[:-1]).all()
-    for e, (name, _role) in enumerate(TRACE_EVENTS):
+    for e, (name, role) in enumerate(TRACE_EVENTS):
+        if role == "scores" and not (t[e] > 0).any():
+            continue        # (the scores role runs only where pscores is chosen for the call)
         assert (t[e] > 0).all(), f"event {name!r} not stamped on every chunk"
 
 
