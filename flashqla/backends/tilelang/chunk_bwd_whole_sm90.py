@@ -42,8 +42,8 @@ exp(G_r - G_j)`` for ``j <= r``, ``D_r = exp(G_last - G_r)``, ``eG = exp(G)``, `
 
 Shared memory (bf16, K = V = 128): inputs q 16, k 16, v / Y 16, dO 16, S 32, vn 16, X 8 KB; hand-offs dSb 32,
 dOs 16, Pm 8, dvn / dVg 16, dQK 8, dX / T1 8, Ws 8 KB; vectors ~3 KB: ~219 KB of the 227.  Registers (setmaxnreg):
-chain 168, value 160, key 160, producer 24 (ptxas, bf16: 64 bytes of stack, no local memory; at value 168 / key 152
-it was 72).  Every tile is single-buffered; a hand-off is written only after its
+chain 168, value 160, key 160, producer 24 (ptxas, bf16: 48 bytes of stack, loop-invariant addresses, no local
+memory).  Every tile is single-buffered; a hand-off is written only after its
 previous readers arrived on its ``free`` barrier, and each ``ready`` barrier is arrived by a writer that has
 waited for that, so no barrier runs two phases ahead of a waiter (the vectors for the dg warp alternate over two
 slots and two barriers, as the chain can be one chunk ahead of the key warpgroup).
