@@ -68,6 +68,10 @@ def test_list_shows_every_variant(tmp_path, capsys):
                     ops.intra_tb_kernel(dt, bdt, 128, a)             # inference forwards (fused)
                     ops.intra_tb_kernel(dt, bdt, 128, a, scores=True)  # ... with few walks at BV 32 (pscores)
                     ops.bwd_wy_kernel(dt, bdt, 128, 128, a)
+                    # the whole-V fused backward (FLASHQLA_TILELANG_BWD=auto takes it where it pays), with a
+                    # final-state gradient or not (a), dh0 or not
+                    ops.bwd_whole_kernel(dt, bdt, 128, 128, a, True)
+                    ops.bwd_whole_kernel(dt, bdt, 128, 128, a, False)
             # the default recurrences: warp-specialised, every V-block the call-time rule can pick; fused
             # when nothing is saved for a backward
             for fl in itertools.product((False, True), repeat=4):
@@ -83,7 +87,7 @@ def test_list_shows_every_variant(tmp_path, capsys):
     want = {(n, repr(k)) for n, _, k in rec}
     assert keys == want
     assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_intra_tb_sm90", "fwd_intra_tbs_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
-                                    "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"}
+                                    "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90", "bwd_whole_sm90"}
 
 
 @needs_tilelang
