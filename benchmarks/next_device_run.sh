@@ -40,13 +40,11 @@
 #   bash benchmarks/next_device_run.sh bwdcheck   after a tilelang backward change: its GPU tests and determinism,
 #                                                 part of the backward grid against FlashQLA, the profile
 #   bash benchmarks/next_device_run.sh gvasum     the Triton GVA-sum kernel: bitwise vs the PyTorch forms, times
-#   bash benchmarks/next_device_run.sh bwdfused   the fused backward: GPU tests, A/B against the split one, the
-#                                                 flashqla-bwd grid against FlashQLA, profile (#4)
-#   bash benchmarks/next_device_run.sh bwdwhole   the whole-V fused backward (session 14): GPU tests, A/B, flashqla-bwd rows,
-#                                                 role trace (#4)
+#   bash benchmarks/next_device_run.sh bwdwhole   the whole-V fused backward: GPU tests, A/B against the split one
+#                                                 (BWDW_ROWS, BWDW_VARIANTS), role trace, flashqla-bwd rows (#4)
 #   bash benchmarks/next_device_run.sh ncubwd     the whole-V fused backward under Nsight Compute (stalls, pipes,
 #                                                 bank conflicts, hottest SASS) at 16/32 4x8192 (#4)
-#   bash benchmarks/next_device_run.sh bwdtrace   the fused backward's per-role clock64 timeline, then the backward tests
+#   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
 #                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
@@ -239,47 +237,31 @@ case "$STEP" in
         --baselines flashqla --out $OUT/bwd
     TAIL=30 run_step "profile fwd+bwd" 90 python benchmarks/profile_kernels.py --impls tilelang \
         --rows ${PROFILE_ROWS:-16/32:32768,4/8:32768} --modes fwdbwd --out $OUT/profile.json ;;
-  bwdfused)
-    # the fused backward (FLASHQLA_TILELANG_BWD=fused, chunk_bwd_fused_sm90; its kernels precompiled in the
-    # carried kcache): its GPU tests (a protocol bug would hang: the step's timeout ends it), an A/B against the
-    # split backward, the flashqla-bwd grid against FlashQLA, and its per-kernel profile (#4)
-    TAIL=8 run_step "fused backward GPU tests" ${BWDF_TEST_S:-180} $PYT tests/test_tilelang_bwd_fused.py
-    # a kernel that hangs (a barrier protocol bug) would hang every later step too
-    case $RUN_RC in 124|130|137) echo "== fused backward: the tests ran out of time; later steps skipped"; continue ;; esac
-    TAIL=12 run_step "backward variants sweep" ${BWDF_SWEEP_S:-150} python benchmarks/sweep_variants.py \
-        --backend tilelang --mode fwdbwd --rows ${BWDF_ROWS:-16/32:1x32768,16/32:4x8192,4/8:1x32768,8/16:1x8192} \
-        --out $OUT/sweep_bwd_fused.json --variants "default;FLASHQLA_TILELANG_BWD=fused"
-    TAIL=45 run_step "flashqla-bwd grid, fused backward" ${BWDF_BENCH_S:-240} env FLASHQLA_TILELANG_BWD=fused \
-        python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDF_FILTER:- in }" \
-        --backends tilelang --baselines flashqla --out $OUT/bwdfused
-    TAIL=16 run_step "profile fwd+bwd, fused backward" 60 env FLASHQLA_TILELANG_BWD=fused \
-        python benchmarks/profile_kernels.py --impls tilelang --rows ${PROFILE_ROWS:-16/32:32768,16/32:4x8192} \
-        --modes fwdbwd --out $OUT/profile_fused.json ;;
   bwdwhole)
     # the whole-V fused backward (FLASHQLA_TILELANG_BWD=whole, chunk_bwd_whole_sm90, session 14; its 8 variants in
     # the carried kcache): its GPU tests first (a protocol bug would hang: the step's timeout ends it), then the
-    # A/B against the split backward and the first fused one, its role trace, and the flashqla-bwd rows against
+    # A/B against the split backward, its role trace, and the flashqla-bwd rows against
     # FlashQLA (#4)
     TAIL=8 run_step "whole backward GPU tests" ${BWDW_TEST_S:-180} $PYT tests/test_tilelang_bwd_whole.py
     case $RUN_RC in 0) ;; *) echo "== whole backward: tests did not pass; later steps skipped"; continue ;; esac
     TAIL=12 run_step "backward variants sweep" ${BWDW_SWEEP_S:-150} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --rows ${BWDW_ROWS:-16/32:1x32768,16/32:4x8192,4/8:1x32768,8/16:1x8192} \
-        --out $OUT/sweep_bwd_whole.json --variants "${BWDW_VARIANTS:-default;FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=fused}"
-    TAIL=60 run_step "whole backward trace" ${BWDW_TRACE_S:-90} python benchmarks/trace_bwd_fused.py --kernel whole \
+        --out $OUT/sweep_bwd_whole.json --variants "${BWDW_VARIANTS:-FLASHQLA_TILELANG_BWD=ws;FLASHQLA_TILELANG_BWD=whole}"
+    TAIL=60 run_step "whole backward trace" ${BWDW_TRACE_S:-90} python benchmarks/trace_bwd_fused.py \
         --rows ${BWDW_TRACE_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_whole.json
     # last: FlashQLA's backward kernels compile on first use unless a carried kcache holds them (memwarm)
     TAIL=45 run_step "flashqla-bwd rows, whole backward" ${BWDW_BENCH_S:-200} env FLASHQLA_TILELANG_BWD=whole \
         python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDW_FILTER:-16/32}" \
         --backends tilelang --baselines flashqla --out $OUT/bwdwhole ;;
   bwdtrace)
-    # the fused backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
+    # the whole backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)
-    TAIL=60 run_step "fused backward trace" ${BWDT_S:-120} python benchmarks/trace_bwd_fused.py \
+    TAIL=60 run_step "whole backward trace" ${BWDT_S:-120} python benchmarks/trace_bwd_fused.py \
         --rows ${BWDT_ROWS:-16/32:4x8192,16/32:1x32768} --out $OUT/trace_bwd_fused.json
     # (BWDT_TESTS=0 skips them: a fresh kcache without every test variant would spend the step on JIT)
     [ "${BWDT_TESTS:-1}" = 0 ] && continue
     TAIL=4 run_step "tilelang backward GPU tests" 150 $PYT tests/test_backend_tilelang.py \
-        tests/test_reliability.py tests/test_tilelang_bwd_fused.py -k "backward or (deterministic and tilelang)" ;;
+        tests/test_reliability.py tests/test_tilelang_bwd_whole.py -k "backward or (deterministic and tilelang)" ;;
   bwdcp)
     # the existing op-level exact CP on the backward's single-sequence 32k rows, captured in a CUDA graph (fixed
     # structure) and eager with windows: does splitting the latency-bound state-gradient walk pay at few
@@ -360,7 +342,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdfused | bwdtrace | ncubwd | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | ncubwd | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

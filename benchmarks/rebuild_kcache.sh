@@ -3,11 +3,11 @@
 # .gpu/kcache.tar.xz, which benchmarks/device_lib.sh restores on the device.  The cache is git-ignored and a new
 # checkout starts without it; a device run without it spends 10-30 s per kernel variant on JIT.
 #
-#   bash benchmarks/rebuild_kcache.sh            # bench variants first, then the fused backward, then the rest
-#   KC=/tmp/kc QUICK=1 bash benchmarks/rebuild_kcache.sh   # only what the benchmarks and the fused trace need
+#   bash benchmarks/rebuild_kcache.sh            # bench variants first, then the whole backward, then the rest
+#   KC=/tmp/kc QUICK=1 bash benchmarks/rebuild_kcache.sh   # only what the benchmarks and the backward trace need
 #
-# Session 12, 2 cores: the fused backward's 8 variants 70 s + its traced variant 33 s, the 23 bench variants
-# (bf16, no h0, no L2 norm) 107 s, all 196 fwd/bwd variants 715 s; packed 7.7 MB with FlashQLA's kernels.
+# Session 15, 2 cores: the whole backward's 8 variants ~4 min + its traced variant 30 s; session 12: the 23 bench
+# variants (bf16, no h0, no L2 norm) 107 s, all fwd/bwd variants ~12 min; packed ~12 MB with FlashQLA's kernels.
 # FlashQLA's own kernels are not rebuilt here (their keys differ between this machine and the H200, see
 # benchmarks/README.md "Warming FlashQLA's cache"): a device run's `memwarm` / `flqwarm` step builds them
 # (49 in 75 s with 16 jobs) and its `save` step returns them; unpack that kcache.tar.xz into $KC before packing.
@@ -20,14 +20,11 @@ export TILELANG_CACHE_DIR=$KC/tilelang
 pre() { python -m flashqla precompile --cache-dir "$KC/tilelang" --jobs "$JOBS" "$@"; }
 pre --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0 --modes fwd,bwd
 for dt in bfloat16 float16; do
-  FLASHQLA_TILELANG_BWD=fused pre --modes bwd --flags l2norm=0 --kernels bwd_fused --dtypes $dt --beta-dtypes $dt
   FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 --kernels bwd_whole --dtypes $dt --beta-dtypes $dt
 done
 python - <<'PY'
-# the traced fused backward (benchmarks/trace_bwd_fused.py), built the way ops.bwd_fused_kernel builds it
+# the traced whole backward (benchmarks/trace_bwd_fused.py), built the way ops.bwd_whole_kernel builds it
 from flashqla.backends.tilelang._compile import get_kernel
-from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import build_bwd_fused
-get_kernel("bwd_fused_sm90", build_bwd_fused, ("bfloat16", "bfloat16", 128, 128, False, False, True))
 from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
 get_kernel("bwd_whole_sm90", build_bwd_whole, ("bfloat16", "bfloat16", 128, 128, False, False, True))
 PY

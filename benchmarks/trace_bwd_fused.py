@@ -1,8 +1,7 @@
-"""Role timeline of the fused tilelang backwards (``FLASHQLA_TILELANG_BWD=fused``, or ``whole`` with
-``--kernel whole``: ``chunk_bwd_whole_sm90``, whose roles are chain, value, key and producer), from in-kernel
-clock64 stamps.
+"""Role timeline of the fused tilelang backward (``chunk_bwd_whole_sm90``, ``FLASHQLA_TILELANG_BWD=whole``), from
+in-kernel clock64 stamps.
 
-``chunk_bwd_fused_sm90`` runs four roles per CTA (chain, prep, grad, TMA producer).  Built with ``trace=True``,
+The kernel runs four roles per CTA (chain, value, key, TMA producer).  Built with ``trace=True``,
 the first thread of each role in CTA (0, 0, 0) stamps ``clock64()`` at the points of ``TRACE_EVENTS`` for the
 first ``TRACE_CHUNKS`` steps of its walk.  This script runs one traced fwd+bwd per row and prints, per event, the
 median over steps ``--first``..62 of its cycle offset from the chain's "k, G ready" stamp of the same step, and
@@ -32,16 +31,14 @@ def main(argv=None) -> int:
     ap.add_argument("--rows", default="16/32:4x8192,16/32:1x32768")
     ap.add_argument("--first", type=int, default=4, help="first step of the steady-state window")
     ap.add_argument("--out", default="")
-    ap.add_argument("--kernel", default="fused", choices=("fused", "whole"))
+    ap.add_argument("--kernel", default="whole", choices=("whole",),
+                    help="(the BV-64 fused kernel this also traced was retired in session 15)")
     args = ap.parse_args(argv)
     os.environ["FLASHQLA_TILELANG_BWD"] = args.kernel
 
     import flashqla
     from flashqla.backends.tilelang import ops
-    if args.kernel == "whole":
-        from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import TRACE_CHUNKS, TRACE_EVENTS
-    else:
-        from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import TRACE_CHUNKS, TRACE_EVENTS
+    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import TRACE_CHUNKS, TRACE_EVENTS
 
     out = []
     for row in args.rows.split(","):

@@ -1069,30 +1069,6 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
         db_out[bos:bos + nv] = (bk + (dBu * vc).sum(-1) + (dA * KKn).sum(-1))[:, :nv].T
 
 
-def _sim_bwd_fused(key, q, k, v, beta, do, G, X, h, vn, w, cu, coff, dht, dq_p, dk_p, dv_out, dg_p, db_p, dh0,
-                   trace, scale, ratio):
-    # chunk_bwd_fused_sm90: the CPU model of the fused backward (chunk_bwd_fused_ref) run on each 64-column V
-    # block alone, with q / k given per value head (ratio 1): that is exactly a V block's partials -- dq, dk
-    # per value head into slot h * NB + vb, dg / dbeta into plane vb -- and its own columns of dv and dh0
-    from flashqla.backends.tilelang.chunk_bwd_fused_ref import bwd_fused_ref
-    from flashqla.backends.tilelang.chunk_bwd_fused_sm90 import BV_FUSED as BV
-    dt, _, K, V, has_dht, need_dh0 = key[:6]     # (key entry 7: trace, a diagnostic buffer)
-    NB = V // BV
-    qv, kv = q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1)
-    for vb in range(NB):
-        cols = slice(vb * BV, (vb + 1) * BV)
-        dq, dk, dv, dg, db, d0 = bwd_fused_ref(
-            qv, kv, v[..., cols], beta, G, X, h[..., cols], vn[..., cols], w, do[..., cols],
-            dht[..., cols] if has_dht else None, scale=scale, cu_seqlens=cu, l2norm=False, round_to=dt_of(dq_p))
-        dq_p[:, vb::NB] = dq.to(dq_p.dtype)
-        dk_p[:, vb::NB] = dk.to(dk_p.dtype)
-        dv_out[..., cols] = dv.to(dv_out.dtype)
-        dg_p[vb] = dg
-        db_p[vb] = db
-        if need_dh0:
-            dh0[..., cols] = d0
-
-
 def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out, db_out, dh0,
                    trace, scale, ratio):
     # chunk_bwd_whole_sm90: the CPU model in its w-free order (bwd_fused_ref(w_free=True), the kernel's order) at
@@ -1124,7 +1100,7 @@ _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy,
-               "bwd_fused_sm90": _sim_bwd_fused, "bwd_whole_sm90": _sim_bwd_whole}
+               "bwd_whole_sm90": _sim_bwd_whole}
 
 
 @pytest.fixture
@@ -1211,16 +1187,16 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "fused-bwd", "whole-bwd"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "whole-bwd"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
-    # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "fused-bwd" is the
-    # fused backward, which calls with the L2 norm do not take)
+    # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "whole-bwd" is the
+    # whole-V fused backward, which calls with the L2 norm do not take)
     bwd = None
     if variant == "ws-noopts":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
         variant = "ws"
-    if variant in ("fused-bwd", "whole-bwd"):
+    if variant == "whole-bwd":
         variant, bwd = "ws", variant.split("-")[0]
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
     if variant == "fused":
@@ -1234,7 +1210,7 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
         o, ht, saved, aux = be.forward(spec, x)
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
     sfx = "_ws" if variant == "ws" else ""
-    if bwd in ("fused", "whole") and not case.l2norm:
+    if bwd == "whole" and not case.l2norm:
         assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", f"bwd_{bwd}_sm90"]
     else:
         assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",

@@ -1,4 +1,5 @@
-"""CPU model of the planned fused backward (``BACKWARD_PLAN.md`` §4.2, §4.6; the plan's steps 5.1 and 5.2).
+"""CPU model of the fused backward (``BACKWARD_PLAN.md`` §4.2, §4.6; the plan's steps 5.1 and 5.2); with
+``w_free=True`` it is the order of ``chunk_bwd_whole_sm90``, the fused kernel the backend runs.
 
 :func:`bwd_fused_ref` computes dq, dk, dv, dg, dbeta and dh0 of one call from the forward's saved tensors
 (the inputs of ``ops.backward``: q, k, v, beta, the chunk-local gate cumsum G, the inverse X, the chunk

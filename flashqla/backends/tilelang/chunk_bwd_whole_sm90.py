@@ -3,9 +3,9 @@ forms every gradient of each chunk, with the work split by its MAC count over th
 (``BACKWARD_PLAN.md``, "Status (session 14)"; CPU model: ``chunk_bwd_fused_ref.bwd_fused_ref(w_free=True)``,
 whose order, rounding points and masks this kernel follows).
 
-Why a second design: the first (``chunk_bwd_fused_sm90``, BV = 64) runs each (chunk, head) in two CTAs that both
-repeat the K-side products, and one warpgroup carries the whole dA chain: 33 K cycles per step at 16/32 4x8192,
-slower than the split backward (session 14 run 3).  Here nothing is repeated, w is not read at all (the chain
+Why a second design: the first (``chunk_bwd_fused_sm90``, BV = 64, retired in session 15) ran each (chunk, head) in
+two CTAs that both repeated the K-side products, and one warpgroup carried the whole dA chain: 33 K cycles per step
+at 16/32 4x8192, slower than the split backward (session 14 run 3).  Here nothing is repeated, w is not read at all (the chain
 updates dS with ``k^T dVg``, ``dVg = -diag(eG) dY``, from the dY that the value warpgroup forms anyway), and the
 ~12 M MAC of a step are split about 2 / 5.8 / 5.5 M over the chain, value and key warpgroups.
 
@@ -102,7 +102,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     assert R_CHAIN + R_VALUE + R_KEY + R_PROD <= 512
 
     def fexp(x):
-        # the hardware ex2 (~2 ulp), as the first fused backward; only differences of G are exponentiated
+        # the hardware ex2 (~2 ulp); only differences of G are exponentiated
         return T.exp2(x * LOG2E)
 
     @T.macro

@@ -18,7 +18,6 @@ from ...dispatch.device import detect
 from ..gva import gva_sum
 from ._compile import get_kernel
 from .chunk_bwd_dqk_v2_sm90 import build_bwd_dqk_v2
-from .chunk_bwd_fused_sm90 import BV_FUSED, build_bwd_fused
 from .chunk_bwd_whole_sm90 import build_bwd_whole
 from .chunk_bwd_state_sm90 import build_bwd_state
 from .chunk_bwd_state_ws_sm90 import build_bwd_state_ws
@@ -125,12 +124,12 @@ def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
 # Set by benchmarks/trace_ws.py only: while it is a tensor, ws forwards are built with ``trace=True`` and
 # stamp their role timeline into it (see build_fwd_ws).
 TRACE_BUFFER: Optional[torch.Tensor] = None
-# the fused backwards' trace buffer (``benchmarks/trace_bwd_fused.py``; None: the untraced kernels)
+# the whole backward's trace buffer (``benchmarks/trace_bwd_fused.py``; None: the untraced kernel)
 BWD_TRACE_BUFFER: Optional[torch.Tensor] = None
 
 
 def _trace_arg(device, bwd: bool = False) -> torch.Tensor:
-    """The trace parameter of the ws forward (or, ``bwd``, of the fused backward): its trace buffer while
+    """The trace parameter of the ws forward (or, ``bwd``, of the whole backward): its trace buffer while
     tracing, else a placeholder the kernel (built with ``trace=False``) never touches."""
     buf = BWD_TRACE_BUFFER if bwd else TRACE_BUFFER
     return buf if buf is not None else dummy((1, 1), torch.int64, device)
@@ -256,11 +255,11 @@ def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
 def bwd_variant() -> str:
     """``auto`` (default: ``whole`` where :func:`bwd_whole_pays`, else ``ws``), ``ws`` (the split backward:
     warp-specialised state-gradient recurrence, then the per-chunk dqk and wy kernels), ``serial`` (the same with
-    a serial state kernel), ``fused`` (``chunk_bwd_fused_sm90``, BV = 64: correct on the H200, slower than ``ws``
-    everywhere measured) or ``whole`` (``chunk_bwd_whole_sm90``: one CTA per (value head, sequence) forms every
+    a serial state kernel) or ``whole`` (``chunk_bwd_whole_sm90``: one CTA per (value head, sequence) forms every
     gradient at whole V; K = V = 128 without the fused L2 norm, other calls take ``ws``).
-    ``FLASHQLA_TILELANG_BWD`` overrides."""
-    return env_choice("FLASHQLA_TILELANG_BWD", ("auto", "ws", "serial", "fused", "whole"), "auto")
+    ``FLASHQLA_TILELANG_BWD`` overrides.  (The first fused backward, ``chunk_bwd_fused_sm90`` at BV = 64, was
+    retired in session 15: the whole one was faster on every row both were measured on.)"""
+    return env_choice("FLASHQLA_TILELANG_BWD", ("auto", "ws", "serial", "whole"), "auto")
 
 
 # Costs behind bwd_whole_pays, measured on the H200 (132 SMs; session 15 run 6, the two paths' kernel times):
@@ -288,11 +287,6 @@ def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
     t_whole = max(longest, pairs / sms) * WHOLE_STEP_US
     t_split = longest * SPLIT_STATE_STEP_US + pairs * SPLIT_PAIR_US * 132 / sms
     return t_whole < t_split
-
-
-def bwd_fused_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
-    key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    return get_kernel("bwd_fused_sm90", build_bwd_fused, key + ((True,) if BWD_TRACE_BUFFER is not None else ()))
 
 
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
@@ -325,37 +319,6 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     del dq_h
     dk = gva_sum(dk_h, ratio, dt)
     return dq, dk, dv, dg, db.to(beta.dtype)
-
-
-def bwd_fused_ok(K: int, V: int, l2norm: bool) -> bool:
-    """Whether the fused backward serves this call (its first version: K = 128, V a multiple of its
-    64-column block, no fused L2 norm)."""
-    return K == 128 and V % BV_FUSED == 0 and not l2norm
-
-
-def _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0):
-    """The fused backward's launch and the host sums of its per-V-block partials (see the kernel's
-    docstring): dq / dk with the GVA group sum (``ratio * NB`` 16-bit slots per query/key head, in fp32,
-    rounded once), dg and dbeta in fp32 (dbeta then cast).  Returns (dq, dk, dv, dg, dbeta) flattened, as
-    ``backward``'s split path has them before its reshape."""
-    B, T, Hqk, Hv, K, V = shape
-    NT = B * T
-    dev, dt = q.device, q.dtype
-    ratio, NB = Hv // Hqk, V // BV_FUSED
-    f32 = torch.float32
-    dq_p = torch.empty(NT, Hv * NB, K, dtype=dt, device=dev)
-    dk_p = torch.empty(NT, Hv * NB, K, dtype=dt, device=dev)
-    dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
-    dg_p = torch.empty(NB, NT, Hv, dtype=f32, device=dev)
-    db_p = torch.empty(NB, NT, Hv, dtype=f32, device=dev)
-    bwd_fused_kernel(dt, beta.dtype, K, V, has_dht, has_h0)(
-        q, k, v, beta, dof, G, X, hs, vn, w, meta.cu_seqlens, meta.chunk_offsets, dhtf,
-        dq_p, dk_p, dv, dg_p, db_p, dh0, _trace_arg(dev, bwd=True), float(scale), ratio)
-    dq = gva_sum(dq_p, ratio * NB, dt)
-    del dq_p
-    dk = gva_sum(dk_p, ratio * NB, dt)
-    del dk_p
-    return dq, dk, dv, dg_p.sum(0), db_p.sum(0).to(beta.dtype)
 
 
 # the backward's warp-specialised kernel holds more tiles (fp32 Pt dO, dOs, +-dv_new): at most 64 columns
@@ -503,10 +466,6 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
             variant = "ws"
         else:
             variant = "whole" if bwd_whole_ok(K, V, l2norm) and bwd_whole_pays(meta, Hv, dev) else "ws"
-    if variant == "fused" and bwd_fused_ok(K, V, l2norm):
-        dq, dk, dv, dg, db = _backward_fused(q, k, v, beta, w, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
-                                             has_dht, has_h0)
-        return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
     if variant == "whole" and bwd_whole_ok(K, V, l2norm):
         dq, dk, dv, dg, db = _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
                                              has_dht, has_h0)
