@@ -106,12 +106,12 @@ def _simulate(counts, ops, nchunks, rng, roles=None):
     return done
 
 
-def check_ws_kernel(kern, label: str, max_stack: int = 64) -> None:
+def check_ws_kernel(kern, label: str) -> None:
     """What a lowered warp-specialised backward (four 128-thread roles) must show: wgmma and TMA, 512 threads,
     setmaxnreg .inc only above the launch's 128 registers per thread and .dec only below (anything else is an
     illegal instruction on the device) within the 64K-register file, one __syncthreads (after the barrier init;
     the roles sync on named barriers of their own), no cross-warp AllReduce (its bar.sync 1, 128 would be shared
-    by the warpgroups), no local memory, at most ``max_stack`` bytes of stack, shared memory within one CTA."""
+    by the warpgroups), no local memory, at most 64 bytes of stack, shared memory within one CTA."""
     from test_backend_tilelang import _SM90_SMEM, _smem_bytes, resource_usage
 
     src = kern.get_kernel_source()
@@ -128,7 +128,7 @@ def check_ws_kernel(kern, label: str, max_stack: int = 64) -> None:
     print(f"{label}: {usage}")
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
     stack = re.search(r"STACK:(\d+)", usage)
-    assert stack is None or int(stack.group(1)) <= max_stack, f"spills: {usage}"
+    assert stack is None or int(stack.group(1)) <= 64, f"spills: {usage}"
     if "unavailable" not in usage:
         assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
 
