@@ -236,6 +236,19 @@ def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[
     return _cast_grads((dq, dk, dv, dg, dbeta, _swap_state(dh0, ctx.state_layout)), ctx.input_dtypes)
 
 
+def _tilelang_backward_note(q, spec, cu_seqlens, varlen_meta) -> str:
+    """The tilelang backend's backward choice for this call (split, or the whole-V fused kernel) and its reason."""
+    from .backends.tilelang.ops import bwd_choice
+    if varlen_meta is not None:
+        cu = list(varlen_meta.cu_seqlens_cpu)
+    elif cu_seqlens is not None:
+        cu = [int(x) for x in cu_seqlens.tolist()]
+    else:
+        cu = [b * q.shape[1] for b in range(q.shape[0] + 1)]
+    lengths = [cu[n + 1] - cu[n] for n in range(len(cu) - 1)]
+    return bwd_choice(lengths, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)[1]
+
+
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *, state_layout="KV",
             varlen_meta=None, needs_grad: Optional[bool] = None, print_it: bool = False) -> Decision:
@@ -268,6 +281,11 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
                                       "(the op's default is off)")
         except Exception as exc:  # the plan is advice; never let it break explain()
             d.context_parallel = f"no plan ({type(exc).__name__}: {exc})"
+        if d.chosen == "tilelang" and spec.needs_grad:
+            try:
+                d.backward = _tilelang_backward_note(q, spec, cu_seqlens, varlen_meta)
+            except Exception as exc:  # advice too
+                d.backward = f"no plan ({type(exc).__name__}: {exc})"
     if print_it:
         print(d)
     return d

@@ -282,3 +282,35 @@ def test_auto_is_the_default(monkeypatch):
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "split")
     with pytest.raises(ValueError, match="FLASHQLA_TILELANG_BWD"):
         bwd_variant()
+
+
+def test_backward_choice_is_explained(monkeypatch):
+    """``ops.bwd_choice`` gives the backward ``backward`` runs and why; ``flashqla.explain`` prints it for
+    tilelang (filled by ``api._tilelang_backward_note`` from the call's lengths)."""
+    from types import SimpleNamespace
+
+    import flashqla
+    from flashqla.api import _tilelang_backward_note
+    from flashqla.backends.tilelang.ops import bwd_choice
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
+    v, why = bwd_choice([8192] * 4, 32, 128, 128, False, cpu)
+    assert v == "whole" and "128 (value head, sequence) walks" in why and "ms whole-V against" in why
+    v, why = bwd_choice([32768], 32, 128, 128, False, cpu)
+    assert v == "ws" and why.startswith("split backward: 32 ")
+    assert bwd_choice([8192] * 4, 32, 128, 128, True, cpu)[0] == "ws"       # the fused L2 norm: split only
+    assert bwd_choice([0, 0], 8, 128, 128, False, cpu) == ("ws", "split backward: no chunks")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
+    assert bwd_choice([32768], 32, 128, 128, False, cpu) == ("whole", "FLASHQLA_TILELANG_BWD=whole")
+    assert bwd_choice([32768], 32, 128, 64, False, cpu)[0] == "ws"          # forced, but V = 64 is not served
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD")
+    # the lengths explain() passes: varlen from cu_seqlens, else B sequences of T
+    spec = SimpleNamespace(Hv=32, K=128, V=128, use_qk_l2norm=False)
+    q = torch.empty(1, 32768, 16, 128)
+    cu = torch.tensor([0, 8192, 16384, 24576, 32768], dtype=torch.int32)
+    assert _tilelang_backward_note(q, spec, cu, None).startswith("whole-V fused backward: 128 ")
+    assert _tilelang_backward_note(q, spec, None, None).startswith("split backward: 32 ")
+    d = flashqla.explain(*(torch.randn(1, 64, 2, 128) for _ in range(2)), torch.randn(1, 64, 2, 128),
+                         torch.zeros(1, 64, 2), torch.ones(1, 64, 2))
+    d.backward = "split backward: why"
+    assert "backward: split backward: why" in str(d)

@@ -271,22 +271,54 @@ SPLIT_STATE_STEP_US = 3.2
 SPLIT_PAIR_US = 0.153
 
 
-def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
-    """Whether the whole-V fused backward beats the split one on this call, by the cost model of the H200's
-    measurements (``WHOLE_STEP_US`` ...).  The whole backward runs one CTA per (value head, sequence): its time is
-    its longest walk, or the pairs spread over the SMs when they are more; the split backward pays a short serial
-    step per chunk of the longest walk plus its per-pair kernels over the whole GPU.  With few walks (one long
-    sequence, few heads) the split backward wins; with a walk per SM or more the whole one does (at 16/32
-    4x8192: 128 walks, 2.2 against 3.5 ms, session 15)."""
+def bwd_costs(num_chunks: int, busy_seqs: float, Hv: int, device) -> tuple:
+    """(whole, split): the modelled backward time in microseconds of the whole-V fused kernel and of the split
+    backward for ``num_chunks`` chunks over sequences of which ``busy_seqs`` (``sum(len) / max(len)``) are in
+    flight on average (``WHOLE_STEP_US`` ...).  The whole backward runs one CTA per (value head, sequence): its
+    time is its longest walk, or the pairs spread over the SMs when they are more; the split backward pays a
+    short serial step per chunk of the longest walk plus its per-pair kernels over the whole GPU."""
     sms = detect(device).sm_count or 132
+    longest = num_chunks / busy_seqs              # chunks of the longest walk
+    pairs = num_chunks * Hv
+    return (max(longest, pairs / sms) * WHOLE_STEP_US,
+            longest * SPLIT_STATE_STEP_US + pairs * SPLIT_PAIR_US * 132 / sms)
+
+
+def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
+    """Whether the whole-V fused backward beats the split one on this call, by :func:`bwd_costs`.  With few walks
+    (one long sequence, few heads) the split backward wins; with a walk per SM or more the whole one does (at
+    16/32 4x8192: 128 walks, 2.2 against 3.5 ms, session 15)."""
     busy = meta.busy_seqs or meta.num_seqs
     if meta.num_chunks == 0 or busy <= 0:
         return False
-    longest = meta.num_chunks / busy             # chunks of the longest walk (busy_seqs = sum / max)
-    pairs = meta.num_chunks * Hv
-    t_whole = max(longest, pairs / sms) * WHOLE_STEP_US
-    t_split = longest * SPLIT_STATE_STEP_US + pairs * SPLIT_PAIR_US * 132 / sms
+    t_whole, t_split = bwd_costs(meta.num_chunks, busy, Hv, device)
     return t_whole < t_split
+
+
+def bwd_choice(lengths, Hv: int, K: int, V: int, l2norm: bool, device) -> tuple:
+    """(variant, why): the backward a call over sequences of ``lengths`` tokens would run and why, as
+    ``backward`` decides it (``flashqla.explain`` prints the reason)."""
+    variant = bwd_variant()
+    fits = bwd_whole_ok(K, V, l2norm)
+    if variant != "auto":
+        if variant == "whole" and not fits:
+            return "ws", ("split backward (FLASHQLA_TILELANG_BWD=whole, but the whole-V kernel serves K = V = 128 "
+                          "without the fused L2 norm only)")
+        return variant, f"FLASHQLA_TILELANG_BWD={variant}"
+    if not fits:
+        return "ws", "split backward: the whole-V fused kernel serves K = V = 128 without the fused L2 norm only"
+    lengths = [int(n) for n in lengths]
+    nc = sum((n + CHUNK - 1) // CHUNK for n in lengths)
+    if nc == 0:
+        return "ws", "split backward: no chunks"
+    busy = sum(lengths) / max(lengths)
+    t_whole, t_split = bwd_costs(nc, busy, Hv, device)
+    walks = Hv * sum(1 for n in lengths if n)
+    sms = detect(device).sm_count or 132
+    what = "whole-V fused backward" if t_whole < t_split else "split backward"
+    return ("whole" if t_whole < t_split else "ws",
+            f"{what}: {walks} (value head, sequence) walks on {sms} SMs, the longest {round(nc / busy)} chunks; "
+            f"modelled {t_whole / 1000:.2f} ms whole-V against {t_split / 1000:.2f} ms split")
 
 
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
