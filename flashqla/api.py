@@ -238,15 +238,15 @@ def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[
 
 def _tilelang_backward_note(q, spec, cu_seqlens, varlen_meta) -> str:
     """The tilelang backend's backward choice for this call (split, or the whole-V fused kernel) and its reason."""
-    from .backends.tilelang.ops import bwd_choice
+    from .backends.tilelang.ops import ChunkMeta, bwd_choice
     if varlen_meta is not None:
         cu = list(varlen_meta.cu_seqlens_cpu)
     elif cu_seqlens is not None:
         cu = [int(x) for x in cu_seqlens.tolist()]
     else:
         cu = [b * q.shape[1] for b in range(q.shape[0] + 1)]
-    lengths = [cu[n + 1] - cu[n] for n in range(len(cu) - 1)]
-    return bwd_choice(lengths, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)[1]
+    meta = ChunkMeta.of_lengths(cu[n + 1] - cu[n] for n in range(len(cu) - 1))
+    return bwd_choice(meta, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)[1]
 
 
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -252,13 +252,6 @@ def test_gpu_whole_backward_deterministic(monkeypatch):
 
 # ---- the automatic choice between the split and the whole backward ---------------------------------------------
 
-def _chunk_meta(lengths):
-    from flashqla.backends.tilelang.ops import ChunkMeta
-    nc = sum((n + 63) // 64 for n in lengths)
-    busy = sum(lengths) / max(lengths) if lengths and max(lengths) else 0.0
-    return ChunkMeta(None, None, None, len(lengths), nc, busy)
-
-
 @pytest.mark.parametrize("lengths,Hv,whole", [
     ([8192] * 4, 32, True),       # 128 walks: 2.2 ms whole against 3.5 split (session 15, H200)
     ([4096] * 8, 16, True),       # 128 shorter walks: 1.2 against 1.8
@@ -271,8 +264,8 @@ def _chunk_meta(lengths):
 def test_auto_backward_choice(lengths, Hv, whole):
     """``FLASHQLA_TILELANG_BWD=auto`` (the default) takes the whole backward where its cost model says it beats
     the split one: the rows measured on the H200 fall on the side they were measured on."""
-    from flashqla.backends.tilelang.ops import bwd_whole_pays
-    assert bwd_whole_pays(_chunk_meta(lengths), Hv, torch.device("cpu")) is whole
+    from flashqla.backends.tilelang.ops import ChunkMeta, bwd_whole_pays
+    assert bwd_whole_pays(ChunkMeta.of_lengths(lengths), Hv, torch.device("cpu")) is whole
 
 
 def test_auto_is_the_default(monkeypatch):
@@ -291,18 +284,24 @@ def test_backward_choice_is_explained(monkeypatch):
 
     import flashqla
     from flashqla.api import _tilelang_backward_note
-    from flashqla.backends.tilelang.ops import bwd_choice
+    from flashqla.backends.tilelang.ops import ChunkMeta, bwd_choice
     cpu = torch.device("cpu")
+
+    def choice(lengths, Hv, V=128, l2norm=False):
+        return bwd_choice(ChunkMeta.of_lengths(lengths), Hv, 128, V, l2norm, cpu, explain=True)
+
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
-    v, why = bwd_choice([8192] * 4, 32, 128, 128, False, cpu)
+    v, why = choice([8192] * 4, 32)
     assert v == "whole" and "128 (value head, sequence) walks" in why and "ms whole-V against" in why
-    v, why = bwd_choice([32768], 32, 128, 128, False, cpu)
+    v, why = choice([32768], 32)
     assert v == "ws" and why.startswith("split backward: 32 ")
-    assert bwd_choice([8192] * 4, 32, 128, 128, True, cpu)[0] == "ws"       # the fused L2 norm: split only
-    assert bwd_choice([0, 0], 8, 128, 128, False, cpu) == ("ws", "split backward: no chunks")
+    assert choice([8192] * 4, 32, l2norm=True)[0] == "ws"                    # the fused L2 norm: split only
+    assert choice([0, 0], 8) == ("ws", "split backward: no chunks")
+    # the call path asks for the variant only, and gets the same one
+    assert bwd_choice(ChunkMeta.of_lengths([8192] * 4), 32, 128, 128, False, cpu) == ("whole", "")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
-    assert bwd_choice([32768], 32, 128, 128, False, cpu) == ("whole", "FLASHQLA_TILELANG_BWD=whole")
-    assert bwd_choice([32768], 32, 128, 64, False, cpu)[0] == "ws"          # forced, but V = 64 is not served
+    assert choice([32768], 32) == ("whole", "FLASHQLA_TILELANG_BWD=whole")
+    assert choice([32768], 32, V=64)[0] == "ws"                              # forced, but V = 64 is not served
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD")
     # the lengths explain() passes: varlen from cu_seqlens, else B sequences of T
     spec = SimpleNamespace(Hv=32, K=128, V=128, use_qk_l2norm=False)

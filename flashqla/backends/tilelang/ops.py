@@ -49,6 +49,14 @@ class ChunkMeta:
     num_chunks: int
     busy_seqs: float = 0.0        # VarlenMeta.busy_seqs of a varlen batch (unequal lengths), 0: num_seqs
 
+    @classmethod
+    def of_lengths(cls, lengths) -> "ChunkMeta":
+        """Host-only metadata of sequences of ``lengths`` tokens, for the cost models (no device tensors)."""
+        lengths = [int(n) for n in lengths]
+        longest = max(lengths, default=0)
+        return cls(None, None, None, len(lengths), sum((n + CHUNK - 1) // CHUNK for n in lengths),
+                   sum(lengths) / longest if longest else 0.0)
+
 
 _META_CACHE: dict = {}
 _DUMMIES: dict = {}
@@ -295,9 +303,10 @@ def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
     return t_whole < t_split
 
 
-def bwd_choice(lengths, Hv: int, K: int, V: int, l2norm: bool, device) -> tuple:
-    """(variant, why): the backward a call over sequences of ``lengths`` tokens would run and why, as
-    ``backward`` decides it (``flashqla.explain`` prints the reason)."""
+def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False) -> tuple:
+    """(variant, why): the backward ``backward`` runs for this call -- ``FLASHQLA_TILELANG_BWD`` if set, else the
+    whole-V kernel where it serves the call and :func:`bwd_whole_pays`, else the split one (``ws``).  ``why`` is
+    written only with ``explain`` (``flashqla.explain`` prints it; the call path does not need it)."""
     variant = bwd_variant()
     fits = bwd_whole_ok(K, V, l2norm)
     if variant != "auto":
@@ -307,17 +316,17 @@ def bwd_choice(lengths, Hv: int, K: int, V: int, l2norm: bool, device) -> tuple:
         return variant, f"FLASHQLA_TILELANG_BWD={variant}"
     if not fits:
         return "ws", "split backward: the whole-V fused kernel serves K = V = 128 without the fused L2 norm only"
-    lengths = [int(n) for n in lengths]
-    nc = sum((n + CHUNK - 1) // CHUNK for n in lengths)
-    if nc == 0:
+    whole = bwd_whole_pays(meta, Hv, device)
+    if not explain:
+        return ("whole" if whole else "ws"), ""
+    busy = meta.busy_seqs or meta.num_seqs
+    if meta.num_chunks == 0 or busy <= 0:
         return "ws", "split backward: no chunks"
-    busy = sum(lengths) / max(lengths)
-    t_whole, t_split = bwd_costs(nc, busy, Hv, device)
-    walks = Hv * sum(1 for n in lengths if n)
+    t_whole, t_split = bwd_costs(meta.num_chunks, busy, Hv, device)
     sms = detect(device).sm_count or 132
-    what = "whole-V fused backward" if t_whole < t_split else "split backward"
-    return ("whole" if t_whole < t_split else "ws",
-            f"{what}: {walks} (value head, sequence) walks on {sms} SMs, the longest {round(nc / busy)} chunks; "
+    return ("whole" if whole else "ws",
+            f"{'whole-V fused backward' if whole else 'split backward'}: {Hv * meta.num_seqs} (value head, sequence) "
+            f"walks on {sms} SMs, the longest {round(meta.num_chunks / busy)} chunks; "
             f"modelled {t_whole / 1000:.2f} ms whole-V against {t_split / 1000:.2f} ms split")
 
 
@@ -489,16 +498,14 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     has_dht = dht is not None
     dhtf = aligned(dht.to(f32)) if has_dht else dummy((1, 1, K, V), f32, dev)
     dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
-    variant = bwd_variant()
-    if variant == "auto":
-        if dev.type == "meta":
-            # (precompile's key enumeration: both paths' kernels)
-            if bwd_whole_ok(K, V, l2norm):
-                _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0)
-            variant = "ws"
-        else:
-            variant = "whole" if bwd_whole_ok(K, V, l2norm) and bwd_whole_pays(meta, Hv, dev) else "ws"
-    if variant == "whole" and bwd_whole_ok(K, V, l2norm):
+    if dev.type == "meta" and bwd_variant() == "auto":
+        # (precompile's key enumeration: both paths' kernels)
+        if bwd_whole_ok(K, V, l2norm):
+            _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0)
+        variant = "ws"
+    else:
+        variant = bwd_choice(meta, Hv, K, V, l2norm, dev)[0]
+    if variant == "whole":
         dq, dk, dv, dg, db = _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
                                              has_dht, has_h0)
         return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
