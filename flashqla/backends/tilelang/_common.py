@@ -42,6 +42,26 @@ def make_l2_row_factors_ring(C: int, D: int, acc: str = "float32", eps: float = 
     return l2_row_factors
 
 
+def make_store_rows(C: int):
+    """A ``T.macro`` ``(out, src_f, bos, eos, h, col0)``: ``out[bos + r, h, col0 + d] = src_f[r, d]`` (cast to
+    ``out``'s dtype) for the rows ``r < eos - bos`` of a ``[C, W]`` fragment.  A whole chunk stores without a
+    test per element, which would compile to a branch per store; only a sequence's last chunk takes the tested
+    form."""
+    import tilelang.language as T
+
+    @T.macro
+    def store_rows(out, src_f, bos, eos, h, col0):
+        if bos + C <= eos:
+            for r, d in T.Parallel(C, src_f.shape[1]):
+                out[bos + r, h, col0 + d] = T.cast(src_f[r, d], out.dtype)
+        else:
+            for r, d in T.Parallel(C, src_f.shape[1]):
+                if bos + r < eos:
+                    out[bos + r, h, col0 + d] = T.cast(src_f[r, d], out.dtype)
+
+    return store_rows
+
+
 def symbolic_sizes():
     """The symbolic (``T.dynamic``) sizes the kernels share, so a new length never recompiles:
     ``(NT, NC, NS, Hqk, Hv)`` -- tokens (B * T, or the packed varlen length), chunks over all

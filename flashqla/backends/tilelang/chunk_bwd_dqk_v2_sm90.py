@@ -52,7 +52,7 @@ L2_EPS = 1e-6
 def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 256):
     import tilelang.language as T
 
-    from ._common import make_l2_row_factors, symbolic_sizes
+    from ._common import make_l2_row_factors, make_store_rows, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -60,6 +60,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
     assert K == 128 and V % 64 == 0
     HB = 64
     l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
+    store_rows = make_store_rows(C)
 
     @T.prim_func
     def gdn_bwd_dqk_v2(
@@ -208,14 +209,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
                     qdq_s[r] = red_f[r] * nq_s[r] * nq_s[r]
                 for r, d in T.Parallel(C, K):
                     dOS_f[r, d] = nq_s[r] * (dOS_f[r, d] - qdq_s[r] * T.cast(q_s[r, d], acc))
-            # (a whole chunk stores without a test per element, which would be a branch per store)
-            if bos + C <= eos:
-                for r, d in T.Parallel(C, K):
-                    dq_out[bos + r, hv, d] = T.cast(dOS_f[r, d], dtype)
-            else:
-                for r, d in T.Parallel(C, K):
-                    if bos + r < eos:
-                        dq_out[bos + r, hv, d] = T.cast(dOS_f[r, d], dtype)
+            store_rows(dq_out, dOS_f, bos, eos, hv, 0)
 
             # partial dk
             for r, d in T.Parallel(C, K):

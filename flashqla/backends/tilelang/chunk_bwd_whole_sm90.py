@@ -84,10 +84,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``)."""
     import tilelang.language as T
 
-    from ._common import symbolic_sizes
+    from ._common import make_store_rows, symbolic_sizes
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
+    store_rows = make_store_rows(C)
     SQ = 8             # column block of <S, dSb> (the chain's)
     DB = 16            # column block of the chain's dOs pass
     acc = "float32"
@@ -522,13 +523,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        if bos + C <= eos:
-                            for r, d in T.Parallel(C, KH):
-                                dq_out[bos + r, hv, hb * KH + d] = T.cast(t_f[r, d], dtype)
-                        else:
-                            for r, d in T.Parallel(C, KH):
-                                if bos + r < eos:
-                                    dq_out[bos + r, hv, hb * KH + d] = T.cast(t_f[r, d], dtype)
+                        store_rows(dq_out, t_f, bos, eos, hv, hb * KH)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # dk += dQK^T q
@@ -566,18 +561,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    if bos + C <= eos:
-                        for r, d in T.Parallel(C, KH):
-                            dk_out[bos + r, hv, d] = T.cast(dk0_f[r, d], dtype)
-                        for r, d in T.Parallel(C, KH):
-                            dk_out[bos + r, hv, KH + d] = T.cast(dk1_f[r, d], dtype)
-                    else:
-                        for r, d in T.Parallel(C, KH):
-                            if bos + r < eos:
-                                dk_out[bos + r, hv, d] = T.cast(dk0_f[r, d], dtype)
-                        for r, d in T.Parallel(C, KH):
-                            if bos + r < eos:
-                                dk_out[bos + r, hv, KH + d] = T.cast(dk1_f[r, d], dtype)
+                    store_rows(dk_out, dk0_f, bos, eos, hv, 0)
+                    store_rows(dk_out, dk1_f, bos, eos, hv, KH)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds

@@ -50,12 +50,13 @@ WPAD = 65
 def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256):
     import tilelang.language as T
 
-    from ._common import symbolic_sizes
+    from ._common import make_store_rows, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
     L2_EPS = 1e-6
+    store_rows = make_store_rows(C)
     assert K == V, "the dBu fragment doubles as the [C, K] scratch"
 
     @T.prim_func
@@ -213,13 +214,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
                     kd_s[r] = red_f[r] * nk_s[r] * nk_s[r]
                 for r, d in T.Parallel(C, K):
                     dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
-            if bos + C <= eos:
-                for r, d in T.Parallel(C, K):
-                    dk_out[bos + r, hv, d] = T.cast(dBw_f[r, d], dtype)
-            else:
-                for r, d in T.Parallel(C, K):
-                    if bos + r < eos:
-                        dk_out[bos + r, hv, d] = T.cast(dBw_f[r, d], dtype)
+            store_rows(dk_out, dBw_f, bos, eos, hv, 0)
 
             # dbeta, dg
             for r in T.Parallel(C):
