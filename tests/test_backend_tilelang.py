@@ -339,21 +339,50 @@ def _cuobjdump():
     return None
 
 
-def resource_usage(kernel) -> str:
-    """Registers / spills of a compiled kernel, from the cubin TileLang embeds (best effort)."""
-    tool = _cuobjdump()
+def _embedded_cubin(kernel):
     path = getattr(kernel.adapter, "libpath", None)
     if path is None and getattr(kernel, "_tilelang_cache_path", None):
         path = os.path.join(kernel._tilelang_cache_path, "executable.so")
-    if tool is None or path is None or not os.path.exists(path):
-        return "resource usage unavailable"
+    if path is None or not os.path.exists(path):
+        return None
     blob = open(path, "rb").read()
     offs = [m.start() for m in re.finditer(b"\x7fELF", blob)][1:]
-    if not offs:
-        return "resource usage unavailable (no embedded cubin)"
+    return blob[offs[0]:] if offs else None
+
+
+def wgmma_waits(kernel):
+    """(wgmma instructions, wgmma waits) in the SASS of a compiled kernel, or None where no cuobjdump / cubin.
+    ptxas serialises every wgmma of a function it cannot give registers enough (its C7512 "Potential Performance
+    Loss" note, which TileLang's build does not show): each HGMMA is then followed by its own wait, where a
+    pipelined GEMM issues its k-steps back to back and waits once (session 16: the whole backward's key role at
+    160 registers)."""
+    tool, cubin = _cuobjdump(), _embedded_cubin(kernel)
+    if tool is None or cubin is None:
+        return None
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(blob[offs[0]:])
+        f.write(cubin)
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+    return sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
+
+
+def assert_wgmma_pipelined(kernel, label: str) -> None:
+    counts = wgmma_waits(kernel)
+    if counts is None:
+        return
+    mma, waits = counts
+    assert mma == 0 or waits < mma, f"{label}: wgmma serialised by ptxas ({mma} HGMMA, {waits} waits)"
+
+
+def resource_usage(kernel) -> str:
+    """Registers / spills of a compiled kernel, from the cubin TileLang embeds (best effort)."""
+    tool, cubin = _cuobjdump(), _embedded_cubin(kernel)
+    if tool is None or cubin is None:
+        return "resource usage unavailable"
+    import tempfile
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
         f.flush()
         out = subprocess.run([tool, "--dump-resource-usage", f.name], capture_output=True, text=True).stdout
     usage = " ".join(line.strip() for line in out.splitlines() if "REG" in line) or "no resource line"
@@ -464,6 +493,7 @@ def test_kernels_lower_for_sm90a(kind, args):
     usage = resource_usage(kern)
     print(f"{kind}{args}: {usage}")
     assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
+    assert_wgmma_pipelined(kern, f"{kind}{args}")
     if kind in ("fwd", "bwd_state") or (kind == "fwd_ws" and (args[3] > 64 or (len(args) > 11 and args[11]))):
         # warp-specialised pipelines: a TMA producer branch and setmaxnreg on the consumer side
         assert "warpgroup_reg_alloc" in src or "setmaxnreg" in src

@@ -111,8 +111,9 @@ def check_ws_kernel(kern, label: str) -> None:
     setmaxnreg .inc only above the launch's 128 registers per thread and .dec only below (anything else is an
     illegal instruction on the device) within the 64K-register file, one __syncthreads (after the barrier init;
     the roles sync on named barriers of their own), no cross-warp AllReduce (its bar.sync 1, 128 would be shared
-    by the warpgroups), no local memory, at most 64 bytes of stack, shared memory within one CTA."""
-    from test_backend_tilelang import _SM90_SMEM, _smem_bytes, resource_usage
+    by the warpgroups), no local memory, at most 112 bytes of stack (spills of the key role, which keeps its wgmma
+    pipelined at 160 registers only with them), wgmma not serialised by ptxas, shared memory within one CTA."""
+    from test_backend_tilelang import _SM90_SMEM, _smem_bytes, assert_wgmma_pipelined, resource_usage
 
     src = kern.get_kernel_source()
     assert "wgmma" in src and "tma_load" in src
@@ -126,9 +127,10 @@ def check_ws_kernel(kern, label: str) -> None:
     assert not re.search(r"AllReduce<tl::SumOp, (64|128), ", src)
     usage = resource_usage(kern)
     print(f"{label}: {usage}")
+    assert_wgmma_pipelined(kern, label)
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
     stack = re.search(r"STACK:(\d+)", usage)
-    assert stack is None or int(stack.group(1)) <= 64, f"spills: {usage}"
+    assert stack is None or int(stack.group(1)) <= 112, f"spills: {usage}"
     if "unavailable" not in usage:
         assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
 

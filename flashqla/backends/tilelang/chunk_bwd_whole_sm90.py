@@ -42,8 +42,12 @@ exp(G_r - G_j)`` for ``j <= r``, ``D_r = exp(G_last - G_r)``, ``eG = exp(G)``, `
 
 Shared memory (bf16, K = V = 128): inputs q 16, k 16, v / Y 16, dO 16, S 32, vn 16, X 8 KB; hand-offs dSb 32,
 dOs 16, Pm 8, dvn / dVg 16, dQK 8, dX / T1 8, Ws 8 KB; vectors ~3 KB: ~219 KB of the 227.  Registers (setmaxnreg):
-chain 168, value 160, key 160, producer 24 (ptxas, bf16: 48 bytes of stack, loop-invariant addresses, no local
-memory).  Every tile is single-buffered; a hand-off is written only after its
+chain 160, value 168, key 160, producer 24 (ptxas, bf16: 96 bytes of stack, no local memory).  The counts are set
+by ptxas's wgmma pipelining, not by spills: where it cannot hold a role's wgmma accumulators it serialises every
+wgmma of the kernel (each k-step waited on alone; its C7512 note, which TileLang's build hides).  Until session 16
+the key role's dq phase ran with both dk accumulators live and did that at 160 (needed 192); dq now runs first.
+Chain and key then need 160 each (below, serialised again), the value role, which sets the step, takes the rest:
+its spills go from 34 to 5 load / store instructions, the key role keeps ~50 (per step, against ~30 K cycles).  Every tile is single-buffered; a hand-off is written only after its
 previous readers arrived on its ``free`` barrier, and each ``ready`` barrier is arrived by a writer that has
 waited for that, so no barrier runs two phases ahead of a waiter (the vectors for the dg warp alternate over two
 slots and two barriers, as the chain can be one chunk ahead of the key warpgroup).
@@ -74,8 +78,9 @@ TRACE_EVENTS = (
 )
 TRACE_CHUNKS = 64
 
-# setmaxnreg of (chain, value, key, producer): they sum to 512 (x 128 threads = the 64K-register file)
-NREGS = (168, 160, 160, 24)
+# setmaxnreg of (chain, value, key, producer): they sum to 512 (x 128 threads = the 64K-register file); see the
+# docstring for why these (a role below its count here serialises every wgmma of the kernel)
+NREGS = (160, 168, 160, 24)
 
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
@@ -479,6 +484,26 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         cz_s[r] = kr_f[r]
                     stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
+                    # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
+                    T.barrier_wait(dqk_ready, i % 2)
+                    stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
+                    for hb in T.unroll(2):
+                        T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
+                        for r, d in T.Parallel(C, KH):
+                            tq_f[r, d] = t_f[r, d] * T.cast(q_s[r, hb * KH + d], acc)
+                        T.reduce_sum(tq_f, kr_f, dim=1)
+                        if hb == 0:
+                            for r in T.Parallel(C):
+                                kg_s[r] = kr_f[r]
+                        else:
+                            for r in T.Parallel(C):
+                                kg_s[r] = (kg_s[r] + kr_f[r]) * scale * fexp(G_s[r])
+                        for r, d in T.Parallel(C, KH):
+                            t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
+                        T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
+                        store_rows(dq_out, t_f, bos, eos, hv, hb * KH)
+                    T.barrier_arrive(empty_in[3])
+                    stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
                     T.barrier_wait(dsb_ready, i % 2)
                     T.gemm(vn_s, dSb_s[0:KH, :], dk0_f, transpose_B=True, clear_accum=True)
@@ -506,26 +531,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r, d in T.Parallel(C, KH):
                         dk1_f[r, d] = dk1_f[r, d] * kr_f[r]
                     stamp(trace_out, "key: dD done", i, tx, 256, hv, n)
-                    # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
-                    T.barrier_wait(dqk_ready, i % 2)
-                    stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
-                    for hb in T.unroll(2):
-                        T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
-                        for r, d in T.Parallel(C, KH):
-                            tq_f[r, d] = t_f[r, d] * T.cast(q_s[r, hb * KH + d], acc)
-                        T.reduce_sum(tq_f, kr_f, dim=1)
-                        if hb == 0:
-                            for r in T.Parallel(C):
-                                kg_s[r] = kr_f[r]
-                        else:
-                            for r in T.Parallel(C):
-                                kg_s[r] = (kg_s[r] + kr_f[r]) * scale * fexp(G_s[r])
-                        for r, d in T.Parallel(C, KH):
-                            t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
-                        T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        store_rows(dq_out, t_f, bos, eos, hv, hb * KH)
-                    T.barrier_arrive(empty_in[3])
-                    stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # dk += dQK^T q
                     T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
                     T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
