@@ -111,7 +111,7 @@ def check_ws_kernel(kern, label: str) -> None:
     setmaxnreg .inc only above the launch's 128 registers per thread and .dec only below (anything else is an
     illegal instruction on the device) within the 64K-register file, one __syncthreads (after the barrier init;
     the roles sync on named barriers of their own), no cross-warp AllReduce (its bar.sync 1, 128 would be shared
-    by the warpgroups), no local memory, at most 112 bytes of stack (spills of the key role, which keeps its wgmma
+    by the warpgroups), no local memory, at most 128 bytes of stack (spills of the key role, which keeps its wgmma
     pipelined at 160 registers only with them), wgmma not serialised by ptxas, shared memory within one CTA."""
     from test_backend_tilelang import _SM90_SMEM, _smem_bytes, assert_wgmma_pipelined, resource_usage
 
@@ -130,7 +130,7 @@ def check_ws_kernel(kern, label: str) -> None:
     assert_wgmma_pipelined(kern, label)
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
     stack = re.search(r"STACK:(\d+)", usage)
-    assert stack is None or int(stack.group(1)) <= 112, f"spills: {usage}"
+    assert stack is None or int(stack.group(1)) <= 128, f"spills: {usage}"
     if "unavailable" not in usage:
         assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
 

@@ -89,11 +89,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``)."""
     import tilelang.language as T
 
-    from ._common import make_store_rows, symbolic_sizes
+    from ._common import make_store_rows, make_store_rows_staged, symbolic_sizes
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
     store_rows = make_store_rows(C)
+    store_rows_staged = make_store_rows_staged(C)
     SQ = 8             # column block of <S, dSb> (the chain's)
     DB = 16            # column block of the chain's dOs pass
     acc = "float32"
@@ -207,6 +208,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             ws_ready = T.alloc_barrier(arrive_count=128)
             ws_free = T.alloc_barrier(arrive_count=128)
             vec_ready = T.alloc_barrier(arrive_count=[256, 256])
+            # dOs_s doubles as the key role's dq staging tile between the chain's q^T dOs and its next dOs pass
+            dos_read = T.alloc_barrier(arrive_count=128)     # chain -> key: q^T dOs has read dOs_s
+            dos_back = T.alloc_barrier(arrive_count=128)     # key -> chain: dq's TMA stores have read it
 
             tx = T.get_thread_binding()
             hq = hv // ratio
@@ -256,6 +260,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(vec_ready[s])
                     # dS = e^{G_last} dS + q^T dOs
                     T.barrier_wait(full_in[3], i % 2)          # dO
+                    T.barrier_wait(dos_back, (i + 1) % 2)
                     for jb in T.unroll(V // DB):
                         for r, j in T.Parallel(C, DB):
                             dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
@@ -269,6 +274,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         dS_f[a, b] = dS_f[a, b] * glast[0]
                     T.barrier_wait(full_in[0], i % 2)          # q
                     T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
+                    T.barrier_arrive(dos_read)
                     T.barrier_arrive(empty_in[0])
                     stamp(trace_out, "chain: q^T dOs done", i, tx, 0, hv, n)
                     # dS += k^T dVg
@@ -368,11 +374,17 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                     for r in T.Parallel(C):
                         bf_f[r] = b_s[r]
-                    # (a whole chunk stores without a test per element, which would be a branch per store; storing dv
-                    # after dVg is published spilled: session 15 run 5)
+                    # (storing dv after dVg is published spilled: session 15 run 5.)  A whole chunk leaves through
+                    # two TMA stores staged in Pm_s and dX_s, this role's own and free from Pm^T dO until the next
+                    # Pm resp. this step's dX: the fragment's own stores cost ~2.5 K cycles (session 16 run 2)
                     if bos + C <= eos:
-                        for r, j in T.Parallel(C, V):
-                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                        for r, j in T.Parallel(C, C):
+                            Pm_s[r, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                        for r, j in T.Parallel(C, C):
+                            dX_s[r, j] = T.cast(bf_f[r] * A_f[r, C + j], dtype)
+                        T.fence_proxy_async()
+                        T.copy(Pm_s, dv_out[bos:bos + C, hv, 0:C])
+                        T.copy(dX_s, dv_out[bos:bos + C, hv, C:V])
                     else:
                         for r, j in T.Parallel(C, V):
                             if bos + r < eos:
@@ -501,7 +513,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        store_rows(dq_out, t_f, bos, eos, hv, hb * KH)
+                        # staged in dOs_s, which the chain has read by now (it publishes dQK's inputs' reader
+                        # q^T dOs ~3 K cycles before this) and writes again only after dos_back
+                        if hb == 0:
+                            T.barrier_wait(dos_read, i % 2)
+                        store_rows_staged(dq_out, t_f, dOs_s[:, hb * KH:(hb + 1) * KH], bos, eos, hv, hb * KH)
+                    T.barrier_arrive(dos_back)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
@@ -534,7 +551,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # dk += dQK^T q
                     T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
                     T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
-                    T.barrier_arrive(dqk_free)
                     T.barrier_arrive(empty_in[0])
                     stamp(trace_out, "key: dQK^T q done", i, tx, 256, hv, n)
                     # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
@@ -561,13 +577,17 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "key: Ws ready", i, tx, 256, hv, n)
                     T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
                     T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
-                    T.barrier_arrive(ws_free)
                     # k's (and G's) last read in this role: the next chunk's k may load while dk is stored and
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    store_rows(dk_out, dk0_f, bos, eos, hv, 0)
-                    store_rows(dk_out, dk1_f, bos, eos, hv, KH)
+                    # dk's halves leave through TMA stores staged in dQK_s and Ws_s, which this role has read for
+                    # the last time: the value role writes them again only after dqk_free / ws_free, arrived once
+                    # the stores have read them
+                    store_rows_staged(dk_out, dk0_f, dQK_s, bos, eos, hv, 0)
+                    store_rows_staged(dk_out, dk1_f, Ws_s, bos, eos, hv, KH)
+                    T.barrier_arrive(dqk_free)
+                    T.barrier_arrive(ws_free)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
