@@ -383,8 +383,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, j in T.Parallel(C, C):
                             dX_s[r, j] = T.cast(bf_f[r] * A_f[r, C + j], dtype)
                         T.fence_proxy_async()
-                        T.copy(Pm_s, dv_out[bos:bos + C, hv, 0:C])
-                        T.copy(dX_s, dv_out[bos:bos + C, hv, C:V])
+                        T.tma_copy(Pm_s, dv_out[bos:bos + C, hv, 0:C])
+                        T.tma_copy(dX_s, dv_out[bos:bos + C, hv, C:V])
                     else:
                         for r, j in T.Parallel(C, V):
                             if bos + r < eos:
@@ -414,6 +414,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = M_f[r, j] * b_s[j]
+                    # dv's TMA stores have read Pm_s / dX_s by now (issued ~5 K cycles earlier, not waited on)
+                    T.tma_store_wait()
                     T.copy(M_f, dX_s)
                     T.fence_proxy_async()
                     stamp(trace_out, "value: KK, dX done", i, tx, 128, hv, n)
@@ -518,7 +520,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         if hb == 0:
                             T.barrier_wait(dos_read, i % 2)
                         store_rows_staged(dq_out, t_f, dOs_s[:, hb * KH:(hb + 1) * KH], bos, eos, hv, hb * KH)
-                    T.barrier_arrive(dos_back)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
@@ -586,8 +587,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the stores have read them
                     store_rows_staged(dk_out, dk0_f, dQK_s, bos, eos, hv, 0)
                     store_rows_staged(dk_out, dk1_f, Ws_s, bos, eos, hv, KH)
-                    T.barrier_arrive(dqk_free)
-                    T.barrier_arrive(ws_free)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
@@ -618,6 +617,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         if bos + 2 * lane + 1 < eos:
                             dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
                             db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
+                    # the dq / dk stores' smem reads (dq's for a whole step, dk's over the dg warp's pass) are done
+                    # before the staging tiles go back: dOs_s to the chain, dQK_s and Ws_s to the value role
+                    T.tma_store_wait()
+                    T.barrier_arrive(dos_back)
+                    T.barrier_arrive(dqk_free)
+                    T.barrier_arrive(ws_free)
                     stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
             else:
                 # ---------------- producer: one warp issues every TMA load ----------------
