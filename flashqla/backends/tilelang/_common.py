@@ -62,31 +62,6 @@ def make_store_rows(C: int):
     return store_rows
 
 
-def make_store_rows_staged(C: int):
-    """As :func:`make_store_rows` with a staging tile: ``(out, src_f, stage_s, bos, eos, h, col0)``.  A whole chunk
-    goes fragment -> ``stage_s`` (``[C, W]``, 16-bit; stmatrix) -> one TMA store; only a sequence's last chunk
-    stores its rows from the fragment (a TMA box would write the next sequence's rows).  The fragment's layout
-    scatters a warp's 4-byte stores over 8 rows, one L1 wavefront per row: ~1 K cycles per [64, 64] tile in the
-    whole backward (session 16's trace).  The store is issued without a wait (``T.tma_copy``; ``T.copy`` would
-    make the issuing thread wait for the smem reads on the spot, and the role with it at its next named barrier:
-    session 16 run 3, 7% slower than the scattered stores): the caller runs ``T.tma_store_wait()`` (every thread;
-    only the issuing one has a group to wait for) before anyone writes ``stage_s`` again or it is released."""
-    import tilelang.language as T
-
-    @T.macro
-    def store_rows_staged(out, src_f, stage_s, bos, eos, h, col0):
-        if bos + C <= eos:
-            T.copy(src_f, stage_s)
-            T.fence_proxy_async()
-            T.tma_copy(stage_s, out[bos:bos + C, h, col0:col0 + src_f.shape[1]])
-        else:
-            for r, d in T.Parallel(C, src_f.shape[1]):
-                if bos + r < eos:
-                    out[bos + r, h, col0 + d] = T.cast(src_f[r, d], out.dtype)
-
-    return store_rows_staged
-
-
 def symbolic_sizes():
     """The symbolic (``T.dynamic``) sizes the kernels share, so a new length never recompiles:
     ``(NT, NC, NS, Hqk, Hv)`` -- tokens (B * T, or the packed varlen length), chunks over all

@@ -89,12 +89,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``)."""
     import tilelang.language as T
 
-    from ._common import make_store_rows, make_store_rows_staged, symbolic_sizes
+    from ._common import make_store_rows, symbolic_sizes
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
     store_rows = make_store_rows(C)
-    store_rows_staged = make_store_rows_staged(C)
     SQ = 8             # column block of <S, dSb> (the chain's)
     DB = 16            # column block of the chain's dOs pass
     acc = "float32"
@@ -208,9 +207,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             ws_ready = T.alloc_barrier(arrive_count=128)
             ws_free = T.alloc_barrier(arrive_count=128)
             vec_ready = T.alloc_barrier(arrive_count=[256, 256])
-            # dOs_s doubles as the key role's dq staging tile between the chain's q^T dOs and its next dOs pass
-            dos_read = T.alloc_barrier(arrive_count=128)     # chain -> key: q^T dOs has read dOs_s
-            dos_back = T.alloc_barrier(arrive_count=128)     # key -> chain: dq's TMA stores have read it
 
             tx = T.get_thread_binding()
             hq = hv // ratio
@@ -260,7 +256,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(vec_ready[s])
                     # dS = e^{G_last} dS + q^T dOs
                     T.barrier_wait(full_in[3], i % 2)          # dO
-                    T.barrier_wait(dos_back, (i + 1) % 2)
                     for jb in T.unroll(V // DB):
                         for r, j in T.Parallel(C, DB):
                             dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
@@ -274,7 +269,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         dS_f[a, b] = dS_f[a, b] * glast[0]
                     T.barrier_wait(full_in[0], i % 2)          # q
                     T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
-                    T.barrier_arrive(dos_read)
                     T.barrier_arrive(empty_in[0])
                     stamp(trace_out, "chain: q^T dOs done", i, tx, 0, hv, n)
                     # dS += k^T dVg
@@ -374,15 +368,32 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                     for r in T.Parallel(C):
                         bf_f[r] = b_s[r]
-                    # (storing dv after dVg is published spilled: session 15 run 5.)  A whole chunk leaves through
-                    # two TMA stores staged in Pm_s and dX_s, this role's own and free from Pm^T dO until the next
-                    # Pm resp. this step's dX: the fragment's own stores cost ~2.5 K cycles (session 16 run 2)
+                    # (eG once per row, not per element)
+                    for r in T.Parallel(C):
+                        rowf_f[r] = -fexp(G_s[r])
+                    # m = dvn Y^T, before dVg overwrites dvn
+                    T.barrier_wait(y_ready, i % 2)
+                    T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
+                    stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
+                    # dv = bf16(b Z') and dVg = bf16(-eG dv) over dvn -> chain, key, in one pass per column half:
+                    # dv's halves are staged for its TMA stores in Pm_s / dX_s (this role's own, free from Pm^T dO
+                    # until the next Pm resp. this step's dX), and dv leaves after dVg is published, off the chain's
+                    # path (the fragment's own global stores of dv took ~2.5 K cycles: session 16 runs 2-3).  No
+                    # fragment of its own: one beside A_f and m spilled (session 16, ~100 spill instructions).
                     if bos + C <= eos:
                         for r, j in T.Parallel(C, C):
                             Pm_s[r, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                            dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
                         for r, j in T.Parallel(C, C):
                             dX_s[r, j] = T.cast(bf_f[r] * A_f[r, C + j], dtype)
-                        T.fence_proxy_async()
+                            dvn_s[r, C + j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, C + j], dtype), acc)
+                    else:
+                        for r, j in T.Parallel(C, V):
+                            dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvg_ready)
+                    stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
+                    if bos + C <= eos:
                         T.tma_copy(Pm_s, dv_out[bos:bos + C, hv, 0:C])
                         T.tma_copy(dX_s, dv_out[bos:bos + C, hv, C:V])
                     else:
@@ -390,18 +401,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             if bos + r < eos:
                                 dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
                     stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
-                    # m = dvn Y^T, before dVg overwrites dvn
-                    T.barrier_wait(y_ready, i % 2)
-                    T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
-                    stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
-                    # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key (eG once per row, not per element)
-                    for r in T.Parallel(C):
-                        rowf_f[r] = -fexp(G_s[r])
-                    for r, j in T.Parallel(C, V):
-                        dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(dvg_ready)
-                    stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
                     # db = rowsum(Z' Y)
                     for r, j in T.Parallel(C, V):
                         A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
@@ -515,11 +514,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        # staged in dOs_s, which the chain has read by now (it publishes dQK's inputs' reader
-                        # q^T dOs ~3 K cycles before this) and writes again only after dos_back
-                        if hb == 0:
-                            T.barrier_wait(dos_read, i % 2)
-                        store_rows_staged(dq_out, t_f, dOs_s[:, hb * KH:(hb + 1) * KH], bos, eos, hv, hb * KH)
+                        store_rows(dq_out, t_f, bos, eos, hv, hb * KH)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
@@ -552,6 +547,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # dk += dQK^T q
                     T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
                     T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
+                    T.barrier_arrive(dqk_free)
                     T.barrier_arrive(empty_in[0])
                     stamp(trace_out, "key: dQK^T q done", i, tx, 256, hv, n)
                     # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
@@ -578,15 +574,16 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "key: Ws ready", i, tx, 256, hv, n)
                     T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
                     T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
+                    T.barrier_arrive(ws_free)
                     # k's (and G's) last read in this role: the next chunk's k may load while dk is stored and
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    # dk's halves leave through TMA stores staged in dQK_s and Ws_s, which this role has read for
-                    # the last time: the value role writes them again only after dqk_free / ws_free, arrived once
-                    # the stores have read them
-                    store_rows_staged(dk_out, dk0_f, dQK_s, bos, eos, hv, 0)
-                    store_rows_staged(dk_out, dk1_f, Ws_s, bos, eos, hv, KH)
+                    # (dq / dk through TMA stores staged in dOs_s resp. dQK_s + Ws_s, released to the chain / value
+                    # role once the stores had read them, made the kernel 5-7% slower: session 16 runs 3-4; the
+                    # releases moved to the key role's step end, which runs into the next step)
+                    store_rows(dk_out, dk0_f, bos, eos, hv, 0)
+                    store_rows(dk_out, dk1_f, bos, eos, hv, KH)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
@@ -617,12 +614,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         if bos + 2 * lane + 1 < eos:
                             dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
                             db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
-                    # the dq / dk stores' smem reads (dq's for a whole step, dk's over the dg warp's pass) are done
-                    # before the staging tiles go back: dOs_s to the chain, dQK_s and Ws_s to the value role
-                    T.tma_store_wait()
-                    T.barrier_arrive(dos_back)
-                    T.barrier_arrive(dqk_free)
-                    T.barrier_arrive(ws_free)
                     stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
             else:
                 # ---------------- producer: one warp issues every TMA load ----------------
