@@ -111,7 +111,7 @@ def check_ws_kernel(kern, label: str) -> None:
     setmaxnreg .inc only above the launch's 128 registers per thread and .dec only below (anything else is an
     illegal instruction on the device) within the 64K-register file, one __syncthreads (after the barrier init;
     the roles sync on named barriers of their own), no cross-warp AllReduce (its bar.sync 1, 128 would be shared
-    by the warpgroups), no local memory, at most 128 bytes of stack (spills of the key role, which keeps its wgmma
+    by the warpgroups), no local memory, at most 112 bytes of stack (spills of the key role, which keeps its wgmma
     pipelined at 160 registers only with them), wgmma not serialised by ptxas, shared memory within one CTA."""
     from test_backend_tilelang import _SM90_SMEM, _smem_bytes, assert_wgmma_pipelined, resource_usage
 
@@ -130,7 +130,7 @@ def check_ws_kernel(kern, label: str) -> None:
     assert_wgmma_pipelined(kern, label)
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
     stack = re.search(r"STACK:(\d+)", usage)
-    assert stack is None or int(stack.group(1)) <= 128, f"spills: {usage}"
+    assert stack is None or int(stack.group(1)) <= 112, f"spills: {usage}"
     if "unavailable" not in usage:
         assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
 
@@ -255,10 +255,10 @@ def test_gpu_whole_backward_deterministic(monkeypatch):
 # ---- the automatic choice between the split and the whole backward ---------------------------------------------
 
 @pytest.mark.parametrize("lengths,Hv,whole", [
-    ([8192] * 4, 32, True),       # 128 walks: 2.2 ms whole against 3.5 split (session 15, H200)
-    ([4096] * 8, 16, True),       # 128 shorter walks: 1.2 against 1.8
-    ([8192] * 4, 16, False),      # 64 walks: 2.1 against 1.8
-    ([32768], 32, False),         # 32 walks of 512 chunks: 8.1 against 4.2
+    ([8192] * 4, 32, True),       # 128 walks: 2.0 ms whole against 3.5 split (session 16 run 2, H200)
+    ([4096] * 8, 16, True),       # 128 shorter walks: 1.0 against 1.8
+    ([8192] * 4, 16, False),      # 64 walks: 1.93 against 1.86
+    ([32768], 32, False),         # 32 walks of 512 chunks: 7.1 against 4.1
     ([32768], 8, False),          # 8 walks: 7.7 against 2.3
     ([28672, 4096], 64, False),   # one long walk per head dominates
     ([], 32, False),

@@ -368,39 +368,31 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                     for r in T.Parallel(C):
                         bf_f[r] = b_s[r]
-                    # (eG once per row, not per element)
-                    for r in T.Parallel(C):
-                        rowf_f[r] = -fexp(G_s[r])
-                    # m = dvn Y^T, before dVg overwrites dvn
-                    T.barrier_wait(y_ready, i % 2)
-                    T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
-                    stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
-                    # dv = bf16(b Z') and dVg = bf16(-eG dv) over dvn -> chain, key, in one pass per column half:
-                    # dv's halves are staged for its TMA stores in Pm_s / dX_s (this role's own, free from Pm^T dO
-                    # until the next Pm resp. this step's dX), and dv leaves after dVg is published, off the chain's
-                    # path (the fragment's own global stores of dv took ~2.5 K cycles: session 16 runs 2-3).  No
-                    # fragment of its own: one beside A_f and m spilled (session 16, ~100 spill instructions).
+                    # (a whole chunk stores without a test per element, which would be a branch per store; storing dv
+                    # after dVg is published spilled: session 15 run 5.  Staging dv in Pm_s / dX_s for TMA stores,
+                    # alone, within the dVg pass, or with dq / dk staged too, was 5-7% slower in session 16 runs 3-5:
+                    # per-element shared stores and the named barriers around each stage cost more than these
+                    # scattered 4-byte stores, and releasing staging tiles late coupled the roles)
                     if bos + C <= eos:
-                        for r, j in T.Parallel(C, C):
-                            Pm_s[r, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
-                            dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
-                        for r, j in T.Parallel(C, C):
-                            dX_s[r, j] = T.cast(bf_f[r] * A_f[r, C + j], dtype)
-                            dvn_s[r, C + j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, C + j], dtype), acc)
-                    else:
                         for r, j in T.Parallel(C, V):
-                            dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(dvg_ready)
-                    stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
-                    if bos + C <= eos:
-                        T.tma_copy(Pm_s, dv_out[bos:bos + C, hv, 0:C])
-                        T.tma_copy(dX_s, dv_out[bos:bos + C, hv, C:V])
+                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
                     else:
                         for r, j in T.Parallel(C, V):
                             if bos + r < eos:
                                 dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
                     stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
+                    # m = dvn Y^T, before dVg overwrites dvn
+                    T.barrier_wait(y_ready, i % 2)
+                    T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
+                    stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
+                    # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key (eG once per row, not per element)
+                    for r in T.Parallel(C):
+                        rowf_f[r] = -fexp(G_s[r])
+                    for r, j in T.Parallel(C, V):
+                        dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvg_ready)
+                    stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
                     # db = rowsum(Z' Y)
                     for r, j in T.Parallel(C, V):
                         A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
@@ -413,8 +405,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
                     for r, j in T.Parallel(C, C):
                         M_f[r, j] = M_f[r, j] * b_s[j]
-                    # dv's TMA stores have read Pm_s / dX_s by now (issued ~5 K cycles earlier, not waited on)
-                    T.tma_store_wait()
                     T.copy(M_f, dX_s)
                     T.fence_proxy_async()
                     stamp(trace_out, "value: KK, dX done", i, tx, 128, hv, n)
@@ -579,9 +569,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    # (dq / dk through TMA stores staged in dOs_s resp. dQK_s + Ws_s, released to the chain / value
-                    # role once the stores had read them, made the kernel 5-7% slower: session 16 runs 3-4; the
-                    # releases moved to the key role's step end, which runs into the next step)
                     store_rows(dk_out, dk0_f, bos, eos, hv, 0)
                     store_rows(dk_out, dk1_f, bos, eos, hv, KH)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)

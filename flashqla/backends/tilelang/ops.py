@@ -270,11 +270,12 @@ def bwd_variant() -> str:
     return env_choice("FLASHQLA_TILELANG_BWD", ("auto", "ws", "serial", "whole"), "auto")
 
 
-# Costs behind bwd_whole_pays, measured on the H200 (132 SMs; session 15 run 6, the two paths' kernel times):
-# the whole backward's chunk step (one CTA walks one (value head, sequence)), the split backward's
-# state-gradient step (its serial part) and its per-(chunk, value head) cost of the dqk and wy kernels at full
-# occupancy, in microseconds.
-WHOLE_STEP_US = 17.5
+# Costs behind bwd_whole_pays, measured on the H200 (132 SMs; the two paths' kernel times): the whole backward's
+# chunk step (one CTA walks one (value head, sequence); session 16 run 2, 15.0-15.8 us on the rows with 64-128
+# walks, after its wgmma stopped being serialised; session 15: 17.5), the split backward's state-gradient step
+# (its serial part) and its per-(chunk, value head) cost of the dqk and wy kernels at full occupancy (session 15
+# run 6), in microseconds.
+WHOLE_STEP_US = 15.6
 SPLIT_STATE_STEP_US = 3.2
 SPLIT_PAIR_US = 0.153
 
@@ -295,7 +296,7 @@ def bwd_costs(num_chunks: int, busy_seqs: float, Hv: int, device) -> tuple:
 def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
     """Whether the whole-V fused backward beats the split one on this call, by :func:`bwd_costs`.  With few walks
     (one long sequence, few heads) the split backward wins; with a walk per SM or more the whole one does (at
-    16/32 4x8192: 128 walks, 2.2 against 3.5 ms, session 15)."""
+    16/32 4x8192: 128 walks, 2.0 against 3.5 ms, session 16)."""
     busy = meta.busy_seqs or meta.num_seqs
     if meta.num_chunks == 0 or busy <= 0:
         return False
