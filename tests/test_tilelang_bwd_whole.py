@@ -315,3 +315,17 @@ def test_backward_choice_is_explained(monkeypatch):
                          torch.zeros(1, 64, 2), torch.ones(1, 64, 2))
     d.backward = "split backward: why"
     assert "backward: split backward: why" in str(d)
+
+
+def test_whole_nregs_override(monkeypatch):
+    """``FLASHQLA_TILELANG_WHOLE_NREGS`` (a tuning experiment) reaches the compile key only when set, and a count
+    setmaxnreg cannot take is refused with the variable's name."""
+    from flashqla.backends.tilelang import ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_WHOLE_NREGS", raising=False)
+    assert ops.whole_nregs() is None
+    monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_NREGS", "168,160,160,24")
+    assert ops.whole_nregs() == (168, 160, 160, 24)
+    for bad in ("168,160,160", "168,160,168,24", "170,160,160,24", "a,b,c,d", "16,240,232,24"):
+        monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_NREGS", bad)
+        with pytest.raises(ValueError, match="FLASHQLA_TILELANG_WHOLE_NREGS"):
+            ops.whole_nregs()

@@ -331,9 +331,31 @@ def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device,
             f"modelled {t_whole / 1000:.2f} ms whole-V against {t_split / 1000:.2f} ms split")
 
 
+def whole_nregs() -> Optional[tuple]:
+    """``FLASHQLA_TILELANG_WHOLE_NREGS=chain,value,key,producer`` (a tuning experiment): the whole backward's
+    setmaxnreg per role instead of ``chunk_bwd_whole_sm90.NREGS``; they must sum to at most 512, each a multiple
+    of 8 from 24 to 256 (setmaxnreg's range)."""
+    raw = os.environ.get("FLASHQLA_TILELANG_WHOLE_NREGS", "").strip()
+    if not raw:
+        return None
+    try:
+        regs = tuple(int(x) for x in raw.split(","))
+    except ValueError:
+        regs = ()
+    if len(regs) != 4 or sum(regs) > 512 or any(r % 8 or not 24 <= r <= 256 for r in regs):
+        raise ValueError(f"FLASHQLA_TILELANG_WHOLE_NREGS={raw!r}: expected four multiples of 8 in [24, 256] "
+                         "(chain,value,key,producer) summing to at most 512")
+    return regs
+
+
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    return get_kernel("bwd_whole_sm90", build_bwd_whole, key + ((True,) if BWD_TRACE_BUFFER is not None else ()))
+    traced, regs = BWD_TRACE_BUFFER is not None, whole_nregs()
+    if regs is not None:
+        key += (traced, regs)
+    elif traced:
+        key += (True,)
+    return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
 
 
 def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
