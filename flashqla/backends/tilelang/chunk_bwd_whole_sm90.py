@@ -238,17 +238,19 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # slot s of chunk i before it frees dSb of chunk i + 1, which this role waits for before
                     # writing slot s again at chunk i + 2)
                     T.barrier_wait(full_in[4], i % 2)          # S
-                    # (summed in registers, stored once: see the value role on stores between shared loads)
-                    # (a loop, not unrolled: the four roles' hot code together overflows the instruction cache,
-                    # ~21% of the stall samples were no_inst in session 16's ncu run; 0 + x is exact, so the sums
-                    # are those of the unrolled form)
-                    T.clear(sda_f)
-                    for qb in T.serial(V // SQ):
+                    # (summed in registers, stored once: see the value role on stores between shared loads.  These two
+                    # passes as serial loops, ~170 fewer SASS instructions against the instruction cache's pressure,
+                    # made the kernel 2.5% slower: session 16 run 10)
+                    for qb in T.unroll(V // SQ):
                         for a, b in T.Parallel(K, SQ):
                             sd_f[a, b] = T.cast(S_s[a, qb * SQ + b], acc) * T.cast(dSb_s[a, qb * SQ + b], acc)
                         T.reduce_sum(sd_f, sdr_f, dim=1)
-                        for a in T.Parallel(K):
-                            sda_f[a] = sda_f[a] + sdr_f[a]
+                        if qb == 0:
+                            for a in T.Parallel(K):
+                                sda_f[a] = sdr_f[a]
+                        else:
+                            for a in T.Parallel(K):
+                                sda_f[a] = sda_f[a] + sdr_f[a]
                     # scaled by e^{G_last} here: the dg warp runs after the key role released G
                     for a in T.Parallel(K):
                         sdr_s[s, a] = sda_f[a] * fexp(G_s[C - 1])
@@ -256,7 +258,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(vec_ready[s])
                     # dS = e^{G_last} dS + q^T dOs
                     T.barrier_wait(full_in[3], i % 2)          # dO
-                    for jb in T.serial(V // DB):
+                    for jb in T.unroll(V // DB):
                         for r, j in T.Parallel(C, DB):
                             dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
                         for r, j in T.Parallel(C, DB):
