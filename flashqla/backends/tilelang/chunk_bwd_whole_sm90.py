@@ -48,9 +48,10 @@ wgmma of the kernel (each k-step waited on alone; its C7512 note, which TileLang
 the key role's dq phase ran with both dk accumulators live and did that at 160 (needed 192); dq now runs first.
 Chain and key then need 160 each (below, serialised again), the value role, which sets the step, takes the rest:
 its spills go from 34 to 5 load / store instructions, the key role keeps ~50 (per step, against ~30 K cycles).
-Every tile is single-buffered; a hand-off is written only after its previous readers arrived on its ``free`` barrier, and each ``ready`` barrier is arrived by a writer that has
-waited for that, so no barrier runs two phases ahead of a waiter (the vectors for the dg warp alternate over two
-slots and two barriers, as the chain can be one chunk ahead of the key warpgroup).
+Every tile is single-buffered; a hand-off is written only after its previous readers arrived on its ``free``
+barrier, and each ``ready`` barrier is arrived by a writer that has waited for that, so no barrier runs two phases
+ahead of a waiter (the vectors for the dg warp alternate over two slots and two barriers, as the chain can be one
+chunk ahead of the key warpgroup).
 
 Outputs: ``dq``, ``dk`` ``[NT, Hv, K]`` per value head in the inputs' dtype (the host sums each GVA group in
 fp32), ``dv`` ``[NT, Hv, V]``, ``dg``, ``db`` ``[NT, Hv]`` fp32, ``dh0`` ``[N, Hv, K, V]`` fp32.  Rows past a
