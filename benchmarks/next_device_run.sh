@@ -46,6 +46,8 @@
 #                                                 bank conflicts, hottest SASS) at 16/32 4x8192 (#4)
 #   bash benchmarks/next_device_run.sh ncusrc     the same, stall samples per SASS instruction and per generated
 #                                                 CUDA line (CSV + the hottest lines)
+#   bash benchmarks/next_device_run.sh bwdex2     the whole backward with ex2.approx exponentials: its GPU tests, then
+#                                                 the A/B against exp2f (FLASHQLA_TILELANG_WHOLE_EX2, session 16)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
@@ -255,6 +257,16 @@ case "$STEP" in
     TAIL=45 run_step "flashqla-bwd rows, whole backward" ${BWDW_BENCH_S:-200} env FLASHQLA_TILELANG_BWD=whole \
         python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDW_FILTER:-16/32}" \
         --backends tilelang --baselines flashqla --out $OUT/bwdwhole ;;
+  bwdex2)
+    # the whole backward with its exponentials as one ex2.approx.ftz each (FLASHQLA_TILELANG_WHOLE_EX2=approx,
+    # session 16: ~400 fewer instructions in the value role, not yet run): its GPU tests (oracle, determinism),
+    # then the A/B against exp2f in one process (#4); if it is faster and passes, make it the default
+    TAIL=8 run_step "whole backward GPU tests, ex2.approx" ${BWDEX2_TEST_S:-180} env FLASHQLA_TILELANG_WHOLE_EX2=approx \
+        $PYT tests/test_tilelang_bwd_whole.py
+    case $RUN_RC in 0) ;; *) echo "== ex2.approx: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=8 run_step "whole backward, exp2f vs ex2.approx" ${BWDEX2_SWEEP_S:-120} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --rows ${BWDEX2_ROWS:-16/32:4x8192,4/16:8x4096} --out $OUT/sweep_bwd_ex2.json \
+        --variants "FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=whole FLASHQLA_TILELANG_WHOLE_EX2=approx" ;;
   bwdtrace)
     # the whole backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)
@@ -356,7 +368,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -21,6 +21,9 @@ pre() { python -m flashqla precompile --cache-dir "$KC/tilelang" --jobs "$JOBS" 
 pre --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0 --modes fwd,bwd
 for dt in bfloat16 float16; do
   FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 --kernels bwd_whole --dtypes $dt --beta-dtypes $dt
+  # the ex2.approx experiment (next_device_run.sh bwdex2)
+  FLASHQLA_TILELANG_WHOLE_EX2=approx FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 \
+      --kernels bwd_whole --dtypes $dt --beta-dtypes $dt
 done
 python - <<'PY'
 # the traced whole backward (benchmarks/trace_bwd_fused.py), built the way ops.bwd_whole_kernel builds it

@@ -329,3 +329,50 @@ def test_whole_nregs_override(monkeypatch):
         monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_NREGS", bad)
         with pytest.raises(ValueError, match="FLASHQLA_TILELANG_WHOLE_NREGS"):
             ops.whole_nregs()
+
+
+@pytest.mark.compile
+def test_whole_kernel_hw_ex2_lowers():
+    """``hw_ex2`` (``FLASHQLA_TILELANG_WHOLE_EX2=approx``): every exponential is one MUFU.EX2 with no subnormal-range
+    test around it (exp2f's FSETP and predicated multiplies are the only FSETP in this kernel), the wgmma stay
+    pipelined and the kernel has fewer instructions than with exp2f."""
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import subprocess
+    import tempfile
+
+    import tilelang
+
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
+    from test_backend_tilelang import _cuobjdump, _embedded_cubin
+
+    def sass(hw_ex2):
+        kern = tilelang.compile(build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, hw_ex2=hw_ex2),
+                                out_idx=None, target=TARGET)
+        if hw_ex2:
+            check_ws_kernel(kern, "bwd_whole hw_ex2")
+        tool, cubin = _cuobjdump(), _embedded_cubin(kern)
+        if tool is None or cubin is None:
+            pytest.skip("no cuobjdump / embedded cubin here")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+
+    fast, accurate = sass(True), sass(False)
+    assert fast.count("MUFU.EX2") == accurate.count("MUFU.EX2") > 100
+    assert fast.count("FSETP") == 0 < accurate.count("FSETP")
+    count = lambda text: len(re.findall(r"/\*[0-9a-f]{4,}\*/", text))   # noqa: E731
+    assert count(fast) < count(accurate) - 400, (count(fast), count(accurate))
+
+
+def test_whole_hw_ex2_switch(monkeypatch):
+    from flashqla.backends.tilelang import ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_WHOLE_EX2", raising=False)
+    assert ops.whole_hw_ex2() is False
+    monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_EX2", "approx")
+    assert ops.whole_hw_ex2() is True
+    monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_EX2", "fast")
+    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_WHOLE_EX2"):
+        ops.whole_hw_ex2()

@@ -62,6 +62,20 @@ def make_store_rows(C: int):
     return store_rows
 
 
+# ``ex2.approx.ftz.f32`` as a device function (``T.import_source(EX2_APPROX_SRC)`` in the kernel, then
+# ``T.call_extern("float32", "flq_ex2_approx", x)``).  TileLang's ``T.exp2`` (and ``T.__exp``) compile to
+# ``exp2f``, which without fast math wraps the same MUFU.EX2 in a denormal-range test and two predicated
+# multiplies: four instructions where this is one.  The results differ only where exp2f's would be subnormal
+# (below 2^-126; flushed to zero here).
+EX2_APPROX_SRC = """
+__device__ __forceinline__ float flq_ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+"""
+
+
 def symbolic_sizes():
     """The symbolic (``T.dynamic``) sizes the kernels share, so a new length never recompiles:
     ``(NT, NC, NS, Hqk, Hv)`` -- tokens (B * T, or the packed varlen length), chunks over all

@@ -85,12 +85,14 @@ NREGS = (160, 168, 160, 24)
 
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
-                    trace: bool = False, nregs=None):
+                    trace: bool = False, nregs=None, hw_ex2: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
-    the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``)."""
+    the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
+    exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
+    instructions in the value role, ~160 in the key role; session 16, not yet run on a GPU)."""
     import tilelang.language as T
 
-    from ._common import make_store_rows, symbolic_sizes
+    from ._common import EX2_APPROX_SRC, make_store_rows, symbolic_sizes
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
@@ -109,7 +111,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     assert R_CHAIN + R_VALUE + R_KEY + R_PROD <= 512
 
     def fexp(x):
-        # the hardware ex2 (~2 ulp); only differences of G are exponentiated
+        # MUFU.EX2 (~2 ulp); only differences of G are exponentiated.  T.exp2 is exp2f, which adds a
+        # subnormal-range test and two multiplies to each (hw_ex2 drops them)
+        if hw_ex2:
+            return T.call_extern("float32", "flq_ex2_approx", x * LOG2E)
         return T.exp2(x * LOG2E)
 
     @T.macro
@@ -143,6 +148,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         ratio: T.int32,
     ):
         with T.Kernel(Hv, NS, threads=512) as (hv, n):
+            if hw_ex2:
+                T.import_source(EX2_APPROX_SRC)
             # ---- input tiles (TMA), single-buffered
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)

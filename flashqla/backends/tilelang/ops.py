@@ -348,10 +348,19 @@ def whole_nregs() -> Optional[tuple]:
     return regs
 
 
+def whole_hw_ex2() -> bool:
+    """``FLASHQLA_TILELANG_WHOLE_EX2=approx`` (an experiment, not yet run on a GPU): the whole backward's
+    exponentials as one ``ex2.approx.ftz`` each (``build_bwd_whole(hw_ex2=True)``); ``exp2f``, the default, wraps
+    the same instruction in a subnormal-range test."""
+    return env_choice("FLASHQLA_TILELANG_WHOLE_EX2", ("exp2f", "approx"), "exp2f") == "approx"
+
+
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    traced, regs = BWD_TRACE_BUFFER is not None, whole_nregs()
-    if regs is not None:
+    traced, regs, ex2 = BWD_TRACE_BUFFER is not None, whole_nregs(), whole_hw_ex2()
+    if ex2:
+        key += (traced, regs, True)       # (the default key stays as it was: carried caches keep matching)
+    elif regs is not None:
         key += (traced, regs)
     elif traced:
         key += (True,)
