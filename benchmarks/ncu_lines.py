@@ -1,9 +1,9 @@
-"""The hottest rows of Nsight Compute's source page (``ncu -i X.ncu-rep --page source --csv --print-source
-{cuda,sass}``): the columns it has, then the rows holding the most warp-stall samples, each with its share of the
-kernel's samples and its biggest stall-reason columns.  Written for the whole-V backward (``next_device_run.sh
-ncusrc``), where a per-line view says which phase of which role the time goes to.
+"""Nsight Compute's source page (``ncu -i X.ncu-rep --page source --csv --print-source sass``) summed: HGMMA
+against their waits (equal counts: ptxas serialised the wgmma), the stall samples and executed instructions per
+warpgroup role, then the instructions holding the most samples with their biggest stall reasons.  Written for
+the whole-V backward (``next_device_run.sh ncusrc``).
 
-usage: python benchmarks/ncu_lines.py cuda.csv [sass.csv ...] [--top 40]
+usage: python benchmarks/ncu_lines.py sass.csv [...] [--top 40]
 """
 
 from __future__ import annotations

@@ -44,8 +44,8 @@
 #                                                 (BWDW_ROWS, BWDW_VARIANTS), role trace, flashqla-bwd rows (#4)
 #   bash benchmarks/next_device_run.sh ncubwd     the whole-V fused backward under Nsight Compute (stalls, pipes,
 #                                                 bank conflicts, hottest SASS) at 16/32 4x8192 (#4)
-#   bash benchmarks/next_device_run.sh ncusrc     the same, stall samples per SASS instruction and per generated
-#                                                 CUDA line (CSV + the hottest lines)
+#   bash benchmarks/next_device_run.sh ncusrc     the same, stall samples per SASS instruction (CSV, summed per
+#                                                 role, the hottest instructions: benchmarks/ncu_lines.py)
 #   bash benchmarks/next_device_run.sh bwdex2     the whole backward with ex2.approx exponentials: its GPU tests, then
 #                                                 the A/B against exp2f (FLASHQLA_TILELANG_WHOLE_EX2, session 16)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
@@ -314,17 +314,16 @@ case "$STEP" in
         --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters \
         python benchmarks/run_fwdbwd.py --row ${NCUBWD_ROW:-16/32:4x8192} --iters 2 ;;
   ncusrc)
-    # the whole-V fused backward's stall samples per source line (session 16): the report, its source page as CSV
-    # (SASS, and the generated CUDA lines: TileLang compiles with -lineinfo), and the hottest lines per role
-    # (benchmarks/ncu_lines.py); the kernel's CUDA source beside it so the lines can be read here
+    # the whole-V fused backward's stall samples per SASS instruction (session 16): the report and its source page
+    # as CSV, summed per role with the hottest instructions by benchmarks/ncu_lines.py (the CUDA-line view stays
+    # empty: TileLang compiles from a temporary file that ncu cannot open afterwards)
     TAIL=20 run_step "ncu whole backward, source counters" ${NCUSRC_S:-200} env FLASHQLA_TILELANG_BWD=whole ncu \
         --clock-control none -k regex:gdn_bwd_whole --launch-skip 1 --launch-count 1 --section SourceCounters \
         --section WarpStateStats --section SchedulerStats --import-source yes -f -o $OUT/ncu_whole \
         python benchmarks/run_fwdbwd.py --row ${NCUBWD_ROW:-16/32:4x8192} --iters 2
     ncu -i $OUT/ncu_whole.ncu-rep --page source --csv --print-source sass > $OUT/ncu_whole_sass.csv 2> $OUT/logs/ncu_sass.err
-    ncu -i $OUT/ncu_whole.ncu-rep --page source --csv --print-source cuda > $OUT/ncu_whole_cuda.csv 2> $OUT/logs/ncu_cuda.err
-    ls -la $OUT/ncu_whole*; head -c 600 $OUT/ncu_whole_sass.csv; echo; head -c 600 $OUT/ncu_whole_cuda.csv; echo
-    TAIL=60 run_step "hottest lines" 60 python benchmarks/ncu_lines.py $OUT/ncu_whole_cuda.csv $OUT/ncu_whole_sass.csv ;;
+    ls -la $OUT/ncu_whole*
+    TAIL=60 run_step "hottest instructions" 60 python benchmarks/ncu_lines.py $OUT/ncu_whole_sass.csv ;;
   ncuintra)
     # the fused forward's stage 1 (0.28 ms at 16/32 x 32k tokens, over a third of the forward at 16/64 4x8192):
     # where its per-CTA latency goes (stall reasons, occupancy) before rewriting its inverse (#4)
