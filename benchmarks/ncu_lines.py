@@ -64,7 +64,7 @@ def summarize(path: str, top: int) -> None:
         for k, a in sorted(roles.items()):
             most = sorted(a["why"].items(), key=lambda x: -x[1])[:4]
             print(f"   {k}: {a['samples'] / total * 100:5.1f}%  {a['instr']:.3g}  {a['name'][:40]:40s}  "
-                  + ", ".join(f"{h[6:]} {v / max(a['samples'], 1) * 100:.0f}%" for h, v in most))
+                  + ", ".join(f"{h[6:]} {v / max(a['samples'], 1) * 100:.0f}%" for h, v in most if v > 0))
     ranked = sorted((r for r in rows if len(r) > samp), key=lambda r: -_num(r[samp]))
     print(f"   total samples {total:.0f}; top {top}:")
     for r in ranked[:top]:

@@ -71,3 +71,30 @@ def test_pack_results_keeps_the_cache_and_packs_the_rest(tmp_path):
     assert sorted(p.name for p in out.iterdir()) == ["kcache.tar.xz.part-aa", "results.tar.xz"]
     listing = subprocess.run(["tar", "tJf", str(out / "results.tar.xz")], capture_output=True, text=True).stdout
     assert {"./cpw/bench.json", "./cpw/bench.md", "./probe.json", "./logs/"} <= set(listing.split()), listing
+
+
+def test_ncu_lines_summarises_a_source_page(tmp_path, capsys):
+    """benchmarks/ncu_lines.py on a source page shaped as ncu writes it (a "Kernel Name" row before the header):
+    samples per setmaxnreg segment, the wgmma-serialisation count, the hottest instruction first."""
+    import sys
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import ncu_lines
+
+    cols = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed", "stall_long_sb",
+            "stall_barrier", "stall_long_sb (Not Issued)"]
+    rows = [["0x0", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xa0", "1", "128", "0", "1", "0"],
+            ["0x10", "HGMMA.64x64x16.F32.BF16 R24, gdesc[UR4], RZ, !UPT, gsb0", "5", "512", "0", "0", "0"],
+            ["0x20", "WARPGROUP.DEPBAR.LE gsb0, 0x0", "30", "512", "0", "30", "0"],
+            ["0x30", "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xa8", "2", "128", "0", "0", "0"],
+            ["0x40", "@!P0 BRA 0x100", "62", "4096", "60", "0", "55"]]
+    quote = lambda r: ",".join(f'"{x}"' for x in r)                      # noqa: E731
+    path = tmp_path / "page.csv"
+    path.write_text('"Kernel Name","gdn_bwd_whole_kernel",\n' + "\n".join(quote(r) for r in [cols] + rows) + "\n")
+    ncu_lines.summarize(str(path), top=2)
+    out = capsys.readouterr().out
+    assert "1 HGMMA, 1 WARPGROUP.DEPBAR  (serialised by ptxas" in out
+    assert "1:  36.0%" in out and "barrier 86%" in out           # 36 of 100 samples, 31 of them on the barrier
+    assert "2:  64.0%" in out and "long_sb 94%" in out           # the Not-Issued column is not a stall reason
+    assert "barrier 0%" not in out
+    hottest = [ln for ln in out.splitlines() if ln.strip().startswith("62.0%")]
+    assert hottest and "BRA" in hottest[0]
