@@ -325,7 +325,8 @@ def test_whole_nregs_override(monkeypatch):
     assert ops.whole_nregs() is None
     monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_NREGS", "168,160,160,24")
     assert ops.whole_nregs() == (168, 160, 160, 24)
-    for bad in ("168,160,160", "168,160,168,24", "170,160,160,24", "a,b,c,d", "16,240,232,24"):
+    for bad in ("168,160,160", "168,160,168,24", "170,160,160,24", "a,b,c,d", "16,240,232,24", "120,200,168,24",
+                "128,128,120,136"):
         monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_NREGS", bad)
         with pytest.raises(ValueError, match="FLASHQLA_TILELANG_WHOLE_NREGS"):
             ops.whole_nregs()

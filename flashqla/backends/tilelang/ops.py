@@ -334,7 +334,9 @@ def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device,
 def whole_nregs() -> Optional[tuple]:
     """``FLASHQLA_TILELANG_WHOLE_NREGS=chain,value,key,producer`` (a tuning experiment): the whole backward's
     setmaxnreg per role instead of ``chunk_bwd_whole_sm90.NREGS``; they must sum to at most 512, each a multiple
-    of 8 from 24 to 256 (setmaxnreg's range)."""
+    of 8 from 24 to 256 (setmaxnreg's range), the three math roles at least 128 and the producer at most 128 (the
+    kernel raises the first three from the launch's 128 per thread and lowers the last: anything else is an
+    illegal instruction on the device)."""
     raw = os.environ.get("FLASHQLA_TILELANG_WHOLE_NREGS", "").strip()
     if not raw:
         return None
@@ -342,9 +344,10 @@ def whole_nregs() -> Optional[tuple]:
         regs = tuple(int(x) for x in raw.split(","))
     except ValueError:
         regs = ()
-    if len(regs) != 4 or sum(regs) > 512 or any(r % 8 or not 24 <= r <= 256 for r in regs):
+    if (len(regs) != 4 or sum(regs) > 512 or any(r % 8 or not 24 <= r <= 256 for r in regs)
+            or min(regs[:3]) < 128 or regs[3] > 128):
         raise ValueError(f"FLASHQLA_TILELANG_WHOLE_NREGS={raw!r}: expected four multiples of 8 in [24, 256] "
-                         "(chain,value,key,producer) summing to at most 512")
+                         "(chain,value,key >= 128, producer <= 128) summing to at most 512")
     return regs
 
 
