@@ -46,8 +46,8 @@
 #                                                 bank conflicts, hottest SASS) at 16/32 4x8192 (#4)
 #   bash benchmarks/next_device_run.sh ncusrc     the same, stall samples per SASS instruction (CSV, summed per
 #                                                 role, the hottest instructions: benchmarks/ncu_lines.py)
-#   bash benchmarks/next_device_run.sh bwdex2     the whole backward with ex2.approx exponentials: its GPU tests, then
-#                                                 the A/B against exp2f (FLASHQLA_TILELANG_WHOLE_EX2, session 16)
+#   bash benchmarks/next_device_run.sh bwdex2     ex2.approx exponentials (FLASHQLA_TILELANG_EX2, session 16): GPU tests,
+#                                                 then the A/B against exp2f, whole backward and inference forward
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
@@ -258,15 +258,20 @@ case "$STEP" in
         python -m flashqla bench --preset flashqla-bwd --no-progress --filter "${BWDW_FILTER:-16/32}" \
         --backends tilelang --baselines flashqla --out $OUT/bwdwhole ;;
   bwdex2)
-    # the whole backward with its exponentials as one ex2.approx.ftz each (FLASHQLA_TILELANG_WHOLE_EX2=approx,
-    # session 16: ~400 fewer instructions in the value role, not yet run): its GPU tests (oracle, determinism),
-    # then the A/B against exp2f in one process (#4); if it is faster and passes, make it the default
-    TAIL=8 run_step "whole backward GPU tests, ex2.approx" ${BWDEX2_TEST_S:-180} env FLASHQLA_TILELANG_WHOLE_EX2=approx \
+    # exponentials as one ex2.approx.ftz each (FLASHQLA_TILELANG_EX2=approx, session 16: ~400 fewer instructions
+    # in the whole backward's value role; also stage 1's Tb form and the ws recurrence; not yet run): the whole
+    # backward's GPU tests with it, then the A/B against exp2f in one process, backward and inference forward (the
+    # sweep prints each variant's difference from exp2f's outputs: beyond rounding is a bug) (#4); if it is faster
+    # and passes, make it the default and run the forward GPU tests with it
+    TAIL=8 run_step "whole backward GPU tests, ex2.approx" ${BWDEX2_TEST_S:-180} env FLASHQLA_TILELANG_EX2=approx \
         $PYT tests/test_tilelang_bwd_whole.py
     case $RUN_RC in 0) ;; *) echo "== ex2.approx: tests did not pass; the sweep skipped"; continue ;; esac
     TAIL=8 run_step "whole backward, exp2f vs ex2.approx" ${BWDEX2_SWEEP_S:-120} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --rows ${BWDEX2_ROWS:-16/32:4x8192,4/16:8x4096} --out $OUT/sweep_bwd_ex2.json \
-        --variants "FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=whole FLASHQLA_TILELANG_WHOLE_EX2=approx" ;;
+        --variants "FLASHQLA_TILELANG_BWD=whole;FLASHQLA_TILELANG_BWD=whole FLASHQLA_TILELANG_EX2=approx"
+    TAIL=8 run_step "inference forward, exp2f vs ex2.approx" 90 python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwd --rows ${BWDEX2_FWD_ROWS:-16/32:4x8192,16/64:4x8192,2/8:1x32768} \
+        --out $OUT/sweep_fwd_ex2.json --variants "-;FLASHQLA_TILELANG_EX2=approx" ;;
   bwdtrace)
     # the whole backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)

@@ -22,9 +22,11 @@ pre --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0 --modes fwd,b
 for dt in bfloat16 float16; do
   FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 --kernels bwd_whole --dtypes $dt --beta-dtypes $dt
   # the ex2.approx experiment (next_device_run.sh bwdex2)
-  FLASHQLA_TILELANG_WHOLE_EX2=approx FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 \
+  FLASHQLA_TILELANG_EX2=approx FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 \
       --kernels bwd_whole --dtypes $dt --beta-dtypes $dt
 done
+FLASHQLA_TILELANG_EX2=approx pre --modes fwd --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0,grad=0 \
+    --kernels fwd_intra_tb,fwd_recurrent_ws
 python - <<'PY'
 # the traced whole backward (benchmarks/trace_bwd_fused.py), built the way ops.bwd_whole_kernel builds it
 from flashqla.backends.tilelang._compile import get_kernel

@@ -1257,3 +1257,35 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
             assert t is None, name
     tol = TOLERANCES["bfloat16"]
     assert all(e <= tol[n] for n, e in errs.items()), errs
+
+
+@pytest.mark.compile
+def test_hw_ex2_forward_kernels_lower():
+    """``FLASHQLA_TILELANG_EX2=approx`` in the forward: stage 1's Tb form and the fused ws recurrence take each
+    exponential as one MUFU.EX2 with no subnormal-range test (exp2f's FSETP, the only FSETP in these kernels)."""
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tempfile
+
+    import tilelang
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
+    from flashqla.backends.tilelang.chunk_intra_sm90 import build_intra
+
+    def sass(func):
+        kern = tilelang.compile(func, out_idx=None, target=TARGET)
+        tool, cubin = _cuobjdump(), _embedded_cubin(kern)
+        if tool is None or cubin is None:
+            pytest.skip("no cuobjdump / embedded cubin here")
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(cubin)
+            f.flush()
+            return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+
+    # the keys the inference forward uses at 16/32 (ops.intra_tb_kernel, ops.fwd_ws_kernel with fused=True)
+    intra = ("bfloat16", "bfloat16", 128, 128, False, False, True, False, False, 128)
+    ws = ("bfloat16", 128, 128, 128, False, False, False, False, 2, 1, True, True, False, False, True, True, False)
+    for build, args in ((build_intra, intra), (build_fwd_ws, ws)):
+        accurate, fast = sass(build(*args)), sass(build(*args, True))
+        assert fast.count("MUFU.EX2") == accurate.count("MUFU.EX2") > 0, build.__name__
+        assert fast.count("FSETP") == 0 < accurate.count("FSETP"), build.__name__

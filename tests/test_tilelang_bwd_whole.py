@@ -334,7 +334,7 @@ def test_whole_nregs_override(monkeypatch):
 
 @pytest.mark.compile
 def test_whole_kernel_hw_ex2_lowers():
-    """``hw_ex2`` (``FLASHQLA_TILELANG_WHOLE_EX2=approx``): every exponential is one MUFU.EX2 with no subnormal-range
+    """``hw_ex2`` (``FLASHQLA_TILELANG_EX2=approx``): every exponential is one MUFU.EX2 with no subnormal-range
     test around it (exp2f's FSETP and predicated multiplies are the only FSETP in this kernel), the wgmma stay
     pipelined and the kernel has fewer instructions than with exp2f."""
     if not HAVE_TILELANG:
@@ -368,12 +368,28 @@ def test_whole_kernel_hw_ex2_lowers():
     assert count(fast) < count(accurate) - 400, (count(fast), count(accurate))
 
 
-def test_whole_hw_ex2_switch(monkeypatch):
-    from flashqla.backends.tilelang import ops
-    monkeypatch.delenv("FLASHQLA_TILELANG_WHOLE_EX2", raising=False)
-    assert ops.whole_hw_ex2() is False
-    monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_EX2", "approx")
-    assert ops.whole_hw_ex2() is True
-    monkeypatch.setenv("FLASHQLA_TILELANG_WHOLE_EX2", "fast")
-    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_WHOLE_EX2"):
-        ops.whole_hw_ex2()
+def test_hw_ex2_switch_and_keys(monkeypatch):
+    """``FLASHQLA_TILELANG_EX2``: off by default (the kernels' keys as before), ``approx`` adds the flag at its
+    builder position in the whole backward's, stage 1's and the ws recurrence's keys."""
+    from flashqla.backends.tilelang import _compile, ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_EX2", raising=False)
+    assert ops.hw_ex2() is False
+
+    def keys():
+        with _compile.record_keys() as rec:
+            ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False)
+            ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False)
+            ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 128, fused=True)
+        return {name: key for name, _, key in rec}
+
+    default = keys()
+    assert default["bwd_whole_sm90"] == ("bfloat16", "bfloat16", 128, 128, False, False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_EX2", "approx")
+    assert ops.hw_ex2() is True
+    fast = keys()
+    assert fast["bwd_whole_sm90"] == default["bwd_whole_sm90"] + (False, None, True)
+    assert fast["fwd_intra_tb_sm90"] == default["fwd_intra_tb_sm90"] + (False, False, 128, True)
+    assert fast["fwd_recurrent_ws_sm90"][-1] is True and len(fast["fwd_recurrent_ws_sm90"]) == 18
+    monkeypatch.setenv("FLASHQLA_TILELANG_EX2", "fast")
+    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_EX2"):
+        ops.hw_ex2()

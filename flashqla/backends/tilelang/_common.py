@@ -76,6 +76,13 @@ __device__ __forceinline__ float flq_ex2_approx(float x) {
 """
 
 
+def ex2_approx(x):
+    """``2^x`` as one ``ex2.approx.ftz`` (the kernel must ``T.import_source(EX2_APPROX_SRC)``)."""
+    import tilelang.language as T
+
+    return T.call_extern("float32", "flq_ex2_approx", x)
+
+
 def symbolic_sizes():
     """The symbolic (``T.dynamic``) sizes the kernels share, so a new length never recompiles:
     ``(NT, NC, NS, Hqk, Hv)`` -- tokens (B * T, or the packed varlen length), chunks over all

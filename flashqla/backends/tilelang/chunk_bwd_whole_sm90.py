@@ -92,7 +92,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     instructions in the value role, ~160 in the key role; session 16, not yet run on a GPU)."""
     import tilelang.language as T
 
-    from ._common import EX2_APPROX_SRC, make_store_rows, symbolic_sizes
+    from ._common import EX2_APPROX_SRC, ex2_approx, make_store_rows, symbolic_sizes
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
@@ -114,7 +114,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         # MUFU.EX2 (~2 ulp); only differences of G are exponentiated.  T.exp2 is exp2f, which adds a
         # subnormal-range test and two multiplies to each (hw_ex2 drops them)
         if hw_ex2:
-            return T.call_extern("float32", "flq_ex2_approx", x * LOG2E)
+            return ex2_approx(x * LOG2E)
         return T.exp2(x * LOG2E)
 
     @T.macro

@@ -77,7 +77,7 @@ def ws_layout(BV: int) -> tuple:
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
                  tchain: bool = False, trace: bool = False, fused: bool = False, ostage: bool = False,
-                 pscores: bool = False):
+                 pscores: bool = False, hw_ex2: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -126,7 +126,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     ring slot until ``P v_new`` is done."""
     import tilelang.language as T
 
-    from ._common import make_l2_row_factors_ring, symbolic_sizes
+    from ._common import EX2_APPROX_SRC, ex2_approx, make_l2_row_factors_ring, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -154,6 +154,10 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     LOG2E = 1.4426950408889634
 
     def ex(x):
+        # (T.exp2 is exp2f: MUFU.EX2 inside a subnormal-range test; hw_ex2, FLASHQLA_TILELANG_EX2=approx, session
+        # 16, not yet run on a GPU, takes the instruction alone)
+        if fast_exp and hw_ex2:
+            return ex2_approx(x * LOG2E)
         return T.exp2(x * LOG2E) if fast_exp else T.exp(x)
 
     threads = 512 if psplit else 384
@@ -205,6 +209,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         scores_in: T.Tensor((PSN, PSH, C, C), dtype),
     ):
         with T.Kernel(V // BV, Hv, NS, threads=threads) as (bv, h, n):
+            if hw_ex2 and fast_exp:
+                T.import_source(EX2_APPROX_SRC)
             q_s = T.alloc_shared((R, C, K), dtype)
             k_s = T.alloc_shared((R, C, K), dtype)
             w_s = T.alloc_shared((R, C, WK), dtype)

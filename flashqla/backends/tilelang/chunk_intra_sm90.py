@@ -67,7 +67,8 @@ PAD = 72
 
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
-                tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128):
+                tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128,
+                hw_ex2: bool = False):
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
@@ -85,7 +86,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     """
     import tilelang.language as T
 
-    from ._common import symbolic_sizes
+    from ._common import EX2_APPROX_SRC, ex2_approx, symbolic_sizes
 
     assert threads == 128, "the inverse's thread mapping is written for one warpgroup"
     C = CHUNK
@@ -100,7 +101,11 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     def ex(x):
         # The Tb-only form (inference) takes the hardware ex2 (~2 ulp; what the recurrence's fastexp uses):
         # accurate expf is some ten instructions, and the 4096 of A (and 4096 of P) per chunk are a large
-        # share of this issue-bound kernel's work.  The training form keeps expf (bitwise as before).
+        # share of this issue-bound kernel's work.  The training form keeps expf (bitwise as before).  T.exp2 is
+        # exp2f, MUFU.EX2 inside a subnormal-range test; ``hw_ex2`` (FLASHQLA_TILELANG_EX2=approx, session 16,
+        # not yet run on a GPU) takes the instruction alone
+        if tb_only and hw_ex2:
+            return ex2_approx(x * LOG2E)
         return T.exp2(x * LOG2E) if tb_only else T.exp(x)
 
     @T.macro
@@ -332,6 +337,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         ratio: T.int32,
     ):
         with T.Kernel(*grid(), threads=threads) as bx:
+            if hw_ex2:
+                T.import_source(EX2_APPROX_SRC)
             c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             g_s = T.alloc_shared((C,), acc)

@@ -116,7 +116,9 @@ def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False):
     """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), False, True)
-    if intra_head_major():
+    if hw_ex2():                 # (trailing flags only when set: the default keys stay as they were)
+        key = key + (bool(scores), intra_head_major(), 128, True)
+    elif intra_head_major():
         key = key + (bool(scores), True)
     elif scores:
         key = key + (True,)
@@ -154,7 +156,7 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=
     # (tchain, trace, fused, ostage): the register-only state chain exists at BV = 64 and unfused only (see
     # build_fwd_ws); trailing False flags are left out, so the default kernels keep their keys
     extra = [bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused), bool(ostage),
-             bool(pscores)]
+             bool(pscores), bool(fast_exp and hw_ex2())]
     while extra and not extra[-1]:
         extra.pop()
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, key + tuple(extra))
@@ -351,16 +353,17 @@ def whole_nregs() -> Optional[tuple]:
     return regs
 
 
-def whole_hw_ex2() -> bool:
-    """``FLASHQLA_TILELANG_WHOLE_EX2=approx`` (an experiment, not yet run on a GPU): the whole backward's
-    exponentials as one ``ex2.approx.ftz`` each (``build_bwd_whole(hw_ex2=True)``); ``exp2f``, the default, wraps
-    the same instruction in a subnormal-range test."""
-    return env_choice("FLASHQLA_TILELANG_WHOLE_EX2", ("exp2f", "approx"), "exp2f") == "approx"
+def hw_ex2() -> bool:
+    """``FLASHQLA_TILELANG_EX2=approx`` (an experiment, not yet run on a GPU): the exponentials that take the
+    hardware ex2 -- the whole backward's, stage 1's Tb form, the ws recurrence with fastexp -- as one
+    ``ex2.approx.ftz`` each (``hw_ex2=True`` of their builders); ``exp2f``, the default, wraps the same
+    instruction in a subnormal-range test and two predicated multiplies."""
+    return env_choice("FLASHQLA_TILELANG_EX2", ("exp2f", "approx"), "exp2f") == "approx"
 
 
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    traced, regs, ex2 = BWD_TRACE_BUFFER is not None, whole_nregs(), whole_hw_ex2()
+    traced, regs, ex2 = BWD_TRACE_BUFFER is not None, whole_nregs(), hw_ex2()
     if ex2:
         key += (traced, regs, True)       # (the default key stays as it was: carried caches keep matching)
     elif regs is not None:
