@@ -350,12 +350,8 @@ def _embedded_cubin(kernel):
     return blob[offs[0]:] if offs else None
 
 
-def wgmma_waits(kernel):
-    """(wgmma instructions, wgmma waits) in the SASS of a compiled kernel, or None where no cuobjdump / cubin.
-    ptxas serialises every wgmma of a function it cannot give registers enough (its C7512 "Potential Performance
-    Loss" note, which TileLang's build does not show): each HGMMA is then followed by its own wait, where a
-    pipelined GEMM issues its k-steps back to back and waits once (session 16: the whole backward's key role at
-    160 registers)."""
+def kernel_sass(kernel):
+    """The SASS of a compiled kernel's embedded cubin (``cuobjdump -sass``), or None where no cuobjdump / cubin."""
     tool, cubin = _cuobjdump(), _embedded_cubin(kernel)
     if tool is None or cubin is None:
         return None
@@ -363,8 +359,17 @@ def wgmma_waits(kernel):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    return sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
+        return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+
+
+def wgmma_waits(kernel):
+    """(wgmma instructions, wgmma waits) in the SASS of a compiled kernel, or None where no cuobjdump / cubin.
+    ptxas serialises every wgmma of a function it cannot give registers enough (its C7512 "Potential Performance
+    Loss" note, which TileLang's build does not show): each HGMMA is then followed by its own wait, where a
+    pipelined GEMM issues its k-steps back to back and waits once (session 16: the whole backward's key role at
+    160 registers)."""
+    sass = kernel_sass(kernel)
+    return None if sass is None else (sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR"))
 
 
 def assert_wgmma_pipelined(kernel, label: str) -> None:
@@ -1265,22 +1270,16 @@ def test_hw_ex2_forward_kernels_lower():
     exponential as one MUFU.EX2 with no subnormal-range test (exp2f's FSETP, the only FSETP in these kernels)."""
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here")
-    import tempfile
-
     import tilelang
     from flashqla.backends.tilelang._compile import TARGET
     from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
     from flashqla.backends.tilelang.chunk_intra_sm90 import build_intra
 
     def sass(func):
-        kern = tilelang.compile(func, out_idx=None, target=TARGET)
-        tool, cubin = _cuobjdump(), _embedded_cubin(kern)
-        if tool is None or cubin is None:
+        text = kernel_sass(tilelang.compile(func, out_idx=None, target=TARGET))
+        if text is None:
             pytest.skip("no cuobjdump / embedded cubin here")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        return text
 
     # the keys the inference forward uses at 16/32 (ops.intra_tb_kernel, ops.fwd_ws_kernel with fused=True)
     intra = ("bfloat16", "bfloat16", 128, 128, False, False, True, False, False, 128)

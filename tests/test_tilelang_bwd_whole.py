@@ -339,27 +339,21 @@ def test_whole_kernel_hw_ex2_lowers():
     pipelined and the kernel has fewer instructions than with exp2f."""
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here")
-    import subprocess
-    import tempfile
-
     import tilelang
 
     from flashqla.backends.tilelang._compile import TARGET
     from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
-    from test_backend_tilelang import _cuobjdump, _embedded_cubin
+    from test_backend_tilelang import kernel_sass
 
     def sass(hw_ex2):
         kern = tilelang.compile(build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, hw_ex2=hw_ex2),
                                 out_idx=None, target=TARGET)
         if hw_ex2:
             check_ws_kernel(kern, "bwd_whole hw_ex2")
-        tool, cubin = _cuobjdump(), _embedded_cubin(kern)
-        if tool is None or cubin is None:
+        text = kernel_sass(kern)
+        if text is None:
             pytest.skip("no cuobjdump / embedded cubin here")
-        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-            f.write(cubin)
-            f.flush()
-            return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
+        return text
 
     fast, accurate = sass(True), sass(False)
     assert fast.count("MUFU.EX2") == accurate.count("MUFU.EX2") > 100
