@@ -236,17 +236,14 @@ def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[
     return _cast_grads((dq, dk, dv, dg, dbeta, _swap_state(dh0, ctx.state_layout)), ctx.input_dtypes)
 
 
-def _tilelang_backward_note(q, spec, cu_seqlens, varlen_meta) -> str:
-    """The tilelang backend's backward choice for this call (split, or the whole-V fused kernel) and its reason."""
+def _tilelang_backward_note(q, spec, varlen_meta) -> str:
+    """The tilelang backend's backward choice for this call (split, or the whole-V fused kernel) and its reason;
+    ``varlen_meta`` is the one ``validate`` returned (None: B sequences of T tokens)."""
     from .backends.tilelang.ops import ChunkMeta, bwd_choice
-    if varlen_meta is not None:
-        cu = list(varlen_meta.cu_seqlens_cpu)
-    elif cu_seqlens is not None:
-        cu = [int(x) for x in cu_seqlens.tolist()]
-    else:
-        cu = [b * q.shape[1] for b in range(q.shape[0] + 1)]
-    meta = ChunkMeta.of_lengths(cu[n + 1] - cu[n] for n in range(len(cu) - 1))
-    return bwd_choice(meta, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)[1]
+    from .cp import _seq_bounds
+    _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
+    return bwd_choice(ChunkMeta.of_lengths(lens), spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device,
+                      explain=True)[1]
 
 
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
@@ -259,9 +256,9 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
     ``state_layout="VK"`` the verdicts are for the ``[N, Hv, K, V]`` state the op hands the backends (the
     note says so; ``result.spec.state_layout`` stays ``"KV"``).
     """
-    spec, _, _ = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
-                          use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=needs_grad,
-                          state_layout=state_layout)
+    spec, _, meta = validate(q, k, v, g, beta, scale, initial_state, output_final_state,
+                             use_qk_l2norm_in_kernel, cu_seqlens, varlen_meta, needs_grad=needs_grad,
+                             state_layout=state_layout)
     d = decide(spec, backend)
     if state_layout != "KV":
         layout_note = "state_layout='VK': the state is transposed to [N, Hv, K, V] around the backend"
@@ -283,7 +280,7 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
             d.context_parallel = f"no plan ({type(exc).__name__}: {exc})"
         if d.chosen == "tilelang" and spec.needs_grad:
             try:
-                d.backward = _tilelang_backward_note(q, spec, cu_seqlens, varlen_meta)
+                d.backward = _tilelang_backward_note(q, spec, meta)
             except Exception as exc:  # advice too
                 d.backward = f"no plan ({type(exc).__name__}: {exc})"
     if print_it:
