@@ -105,23 +105,29 @@ def intra_head_major() -> bool:
     return env_choice("FLASHQLA_TILELANG_INTRA_ORDER", ("chunk", "head"), "chunk") == "head"
 
 
+def _key(base: tuple, *options) -> tuple:
+    """A compile key: ``base`` and the builder's optional arguments as ``(value, default)`` pairs in its order, up
+    to the last one that is not at its default.  An option added later leaves the keys of the calls that do not
+    set it as they were, so carried compile caches keep matching."""
+    values = [v for v, _ in options]
+    while values and values[-1] == options[len(values) - 1][1]:
+        values.pop()
+    return base + tuple(values)
+
+
 def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm), bool(save_x))
-    if intra_head_major():       # (trailing flags only when set: the default keys stay as they were)
-        key = key + (False, False, True)
-    return get_kernel("fwd_intra_sm90", build_intra, key)
+    # (tb_only, scores, head_major)
+    return get_kernel("fwd_intra_sm90", build_intra, _key(key, (False, False), (False, False),
+                                                           (intra_head_major(), False)))
 
 
 def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False):
     """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), False, True)
-    if hw_ex2():                 # (trailing flags only when set: the default keys stay as they were)
-        key = key + (bool(scores), intra_head_major(), 128, True)
-    elif intra_head_major():
-        key = key + (bool(scores), True)
-    elif scores:
-        key = key + (True,)
+    # (scores, head_major, threads, hw_ex2)
+    key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False))
     return get_kernel("fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90", build_intra, key)
 
 
@@ -153,13 +159,11 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=
     psplit = psplit and not pscores     # with the scores from stage 1 there is no scores warpgroup
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht), bool(save_states), ring, nbuf,
            fast_exp, psplit)
-    # (tchain, trace, fused, ostage): the register-only state chain exists at BV = 64 and unfused only (see
-    # build_fwd_ws); trailing False flags are left out, so the default kernels keep their keys
-    extra = [bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused), bool(ostage),
-             bool(pscores), bool(fast_exp and hw_ex2())]
-    while extra and not extra[-1]:
-        extra.pop()
-    return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, key + tuple(extra))
+    # (tchain, trace, fused, ostage, pscores, hw_ex2): the register-only state chain exists at BV = 64 and unfused
+    # only (see build_fwd_ws)
+    flags = (bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused), bool(ostage),
+             bool(pscores), bool(fast_exp and hw_ex2()))
+    return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, _key(key, *((f, False) for f in flags)))
 
 
 _WS_OPTS = ("fastexp", "psplit", "tchain", "ostage", "pscores")
@@ -299,11 +303,16 @@ def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
     """Whether the whole-V fused backward beats the split one on this call, by :func:`bwd_costs`.  With few walks
     (one long sequence, few heads) the split backward wins; with a walk per SM or more the whole one does (at
     16/32 4x8192: 128 walks, 2.0 against 3.5 ms, session 16)."""
+    model = _bwd_model(meta, Hv, device)
+    return model is not None and model[0] < model[1]
+
+
+def _bwd_model(meta: "ChunkMeta", Hv: int, device) -> Optional[tuple]:
+    """``(t_whole, t_split, busy_seqs)`` of :func:`bwd_costs` for this call, or None when it has no chunks."""
     busy = meta.busy_seqs or meta.num_seqs
     if meta.num_chunks == 0 or busy <= 0:
-        return False
-    t_whole, t_split = bwd_costs(meta.num_chunks, busy, Hv, device)
-    return t_whole < t_split
+        return None
+    return (*bwd_costs(meta.num_chunks, busy, Hv, device), busy)
 
 
 def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False) -> tuple:
@@ -319,13 +328,13 @@ def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device,
         return variant, f"FLASHQLA_TILELANG_BWD={variant}"
     if not fits:
         return "ws", "split backward: the whole-V fused kernel serves K = V = 128 without the fused L2 norm only"
-    whole = bwd_whole_pays(meta, Hv, device)
+    model = _bwd_model(meta, Hv, device)
+    whole = model is not None and model[0] < model[1]
     if not explain:
         return ("whole" if whole else "ws"), ""
-    busy = meta.busy_seqs or meta.num_seqs
-    if meta.num_chunks == 0 or busy <= 0:
+    if model is None:
         return "ws", "split backward: no chunks"
-    t_whole, t_split = bwd_costs(meta.num_chunks, busy, Hv, device)
+    t_whole, t_split, busy = model
     sms = detect(device).sm_count or 132
     return ("whole" if whole else "ws",
             f"{'whole-V fused backward' if whole else 'split backward'}: {Hv * meta.num_seqs} (value head, sequence) "
@@ -363,13 +372,8 @@ def hw_ex2() -> bool:
 
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    traced, regs, ex2 = BWD_TRACE_BUFFER is not None, whole_nregs(), hw_ex2()
-    if ex2:
-        key += (traced, regs, True)       # (the default key stays as it was: carried caches keep matching)
-    elif regs is not None:
-        key += (traced, regs)
-    elif traced:
-        key += (True,)
+    # (trace, nregs, hw_ex2)
+    key = _key(key, (BWD_TRACE_BUFFER is not None, False), (whole_nregs(), None), (hw_ex2(), False))
     return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
 
 
