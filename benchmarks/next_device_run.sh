@@ -48,6 +48,8 @@
 #                                                 role, the hottest instructions: benchmarks/ncu_lines.py)
 #   bash benchmarks/next_device_run.sh bwdex2     ex2.approx exponentials (FLASHQLA_TILELANG_EX2, session 16): GPU tests,
 #                                                 then the A/B against exp2f, whole backward and inference forward
+#   bash benchmarks/next_device_run.sh segments   in-kernel CP of the tilelang forward (segments with a halo): GPU tests,
+#                                                 then the A/B against the unsplit walk, inference and training (#8)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
@@ -272,6 +274,20 @@ case "$STEP" in
     TAIL=8 run_step "inference forward, exp2f vs ex2.approx" 90 python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwd --rows ${BWDEX2_FWD_ROWS:-16/32:4x8192,16/64:4x8192,2/8:1x32768} \
         --out $OUT/sweep_fwd_ex2.json --variants "-;FLASHQLA_TILELANG_EX2=approx" ;;
+  segments)
+    # in-kernel CP of the forward (session 17, backends/tilelang/segments.py: segments with a halo): its GPU tests,
+    # then the A/B against the unsplit walk on the long-sequence rows (auto and forced segment lengths), inference
+    # and training forwards (#8, #4's rows below 0.9x)
+    TAIL=12 run_step "segment GPU tests" ${SEG_TEST_S:-300} $PYT tests/test_tilelang_segments.py
+    case $RUN_RC in 0) ;; *) echo "== segments: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=80 run_step "inference forward, segments off / auto / forced" ${SEG_SWEEP_S:-240} python \
+        benchmarks/sweep_variants.py --backend tilelang --mode fwd --out $OUT/sweep_fwd_segments.json \
+        --rows ${SEG_ROWS:-2/8:1x32768,4/16:1x32768,16/16:1x32768,8/24:1x32768,16/32:1x32768,32/32:1x32768,16/32:28672+4096,2/8:4096+28672,16/48:4096+28672,8/32:1x16384,2/8:2x16384,16/32:4x8192} \
+        --variants "${SEG_VARIANTS:-FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_SEGMENTS=16;FLASHQLA_TILELANG_SEGMENTS=32;FLASHQLA_TILELANG_SEGMENTS=64;FLASHQLA_TILELANG_SEGMENTS=128}"
+    [ "${SEG_TRAIN:-1}" = 0 ] && continue
+    TAIL=12 run_step "training forward+backward, segments off / auto" ${SEG_TRAIN_S:-120} python \
+        benchmarks/sweep_variants.py --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_segments.json \
+        --rows ${SEG_TRAIN_ROWS:-2/8:1x32768,16/32:1x32768} --variants "FLASHQLA_TILELANG_SEGMENTS=off;-" ;;
   bwdtrace)
     # the whole backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)

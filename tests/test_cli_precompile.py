@@ -20,7 +20,8 @@ CHEAP = ["--modes", "fwd", "--dtypes", "bfloat16", "--beta-dtypes", "bfloat16",
          "--flags", "h0=0,ht=0,l2norm=0,varlen=0,grad=0"]
 
 
-# one V-block of the warp-specialised forward, so the cheap selection is two kernels
+# one V-block of the warp-specialised forward, so the cheap selection is three kernels (stage 1, the
+# recurrence over sequences and over segments)
 CHEAP_ENV = {"FLASHQLA_TILELANG_BV": "64"}
 
 
@@ -74,11 +75,13 @@ def test_list_shows_every_variant(tmp_path, capsys):
                     ops.bwd_whole_kernel(dt, bdt, 128, 128, a, False)
             # the default recurrences: warp-specialised, every V-block the call-time rule can pick; fused
             # when nothing is saved for a backward
+            # (and each walking whole sequences or segments with a halo: in-kernel CP)
             for fl in itertools.product((False, True), repeat=4):
                 for bv in ops.FWD_WS_BVS:
-                    ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=not fl[3])
-                    if bv == 32 and not fl[3]:
-                        ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=True, pscores=True)
+                    for halo in (False, True):
+                        ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=not fl[3], halo=halo)
+                        if bv == 32 and not fl[3]:
+                            ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=True, pscores=True, halo=halo)
             for fl in itertools.product((False, True), repeat=3):
                 for bv in ops.BWD_WS_BVS:
                     ops.bwd_state_ws_kernel(dt, 128, 128, *fl, bv)
@@ -94,13 +97,13 @@ def test_list_shows_every_variant(tmp_path, capsys):
 def test_list_selection():
     r = _run(["--list", *CHEAP], CHEAP_ENV)
     assert r.returncode == 0, r.stderr
-    assert "2 variants" in r.stdout
+    assert "3 variants" in r.stdout
     assert "fwd_intra_tb_sm90" in r.stdout and "fwd_recurrent_ws_sm90" in r.stdout   # inference: fused
     r = _run(["--list", *CHEAP])
     assert r.returncode == 0, r.stderr
     # every V-block of the ws forward when none is forced, and at BV 32 its pscores form with the stage 1
-    # that writes the scores (chosen per call for few walks)
-    assert f"{2 + 4} variants" in r.stdout
+    # that writes the scores (chosen per call for few walks); each walking sequences or segments (halo)
+    assert f"{2 + 2 * 4} variants" in r.stdout
 
 
 @needs_tilelang
@@ -111,11 +114,11 @@ def test_compile_cold_then_warm(tmp_path):
     assert r1.returncode == 0, r1.stderr[-3000:]
     files = [p for p in cache.rglob("*") if p.is_file()]
     assert files, "nothing written to the cache dir"
-    assert str(cache) in r1.stdout and "precompiled 2/2" in r1.stdout
-    assert r1.stderr.count("(new)") == 2
+    assert str(cache) in r1.stdout and "precompiled 3/3" in r1.stdout
+    assert r1.stderr.count("(new)") == 3
     r2 = _run([*CHEAP, "--cache-dir", str(cache)], CHEAP_ENV)
     assert r2.returncode == 0, r2.stderr[-3000:]
-    assert r2.stderr.count("(cached)") == 2
+    assert r2.stderr.count("(cached)") == 3
     t1 = float(re.search(r"compile ([\d.]+) s total", r1.stdout).group(1))
     t2 = float(re.search(r"compile ([\d.]+) s total", r2.stdout).group(1))
     print(f"cold {t1:.2f} s, warm {t2:.2f} s")

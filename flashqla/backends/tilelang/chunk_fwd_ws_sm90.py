@@ -77,7 +77,7 @@ def ws_layout(BV: int) -> tuple:
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
                  tchain: bool = False, trace: bool = False, fused: bool = False, ostage: bool = False,
-                 pscores: bool = False, hw_ex2: bool = False):
+                 pscores: bool = False, hw_ex2: bool = False, halo: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -123,7 +123,17 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     travel in the ring with the other tiles; the output warpgroup computes no ``q k^T`` and builds no P (the
     run s6/4 trace: at BV = 32 the scores work set the chunk period, and every V-block CTA of a head redid
     it).  The cutlass forward does the same (its prep writes ``Aqk``).  The output warpgroup then holds its
-    ring slot until ``P v_new`` is done."""
+    ring slot until ``P v_new`` is done.
+
+    ``halo`` (in-kernel context parallelism, see :mod:`flashqla.backends.tilelang.segments`): the grid's last
+    axis runs over *segments* (chunk-aligned pieces of the sequences; ``cu_seqlens`` / ``chunk_offsets`` are
+    the segments' boundaries) and two trailing parameters say where each walk starts: ``seg_table[n] =
+    (sequence, the sequence's first chunk, is-last, 0)`` and ``walk_from[n, h]``, the global chunk the state
+    chain starts from (between the sequence's first chunk and the segment's).  The chain walks the chunks
+    before its segment (the *halo*) from a zero state, or from ``h0`` when the halo reaches the sequence
+    start, and publishes nothing for them; the other roles only hand the halo's ring slots back (the row
+    factors of the L2 norm are still built: the chain needs nk).  ``h0`` / ``ht`` keep one entry per
+    sequence; only a sequence's last segment writes ``ht``."""
     import tilelang.language as T
 
     from ._common import EX2_APPROX_SRC, ex2_approx, make_l2_row_factors_ring, symbolic_sizes
@@ -139,6 +149,11 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     assert not tchain or BV == 64, "tchain: the transposed state is one warpgroup's wgmma accumulator, M = BV = 64"
     assert not (tchain and fused), "tchain runs the unfused chain only"
     assert not (pscores and psplit), "pscores: the scores come from stage 1, there is no scores warpgroup"
+    assert not (halo and tchain), "halo: the unfused or fused chain only"
+    if halo:
+        # h0 / ht stay per sequence while the grid runs over segments
+        H0N, HTN = T.dynamic("H0N"), T.dynamic("HTN")
+    SGN, WFN, WFH = (NS, NS, Hv) if halo else T.dynamic("SGN, WFN, WFH")
     PSN, PSH = (NC, Hv) if pscores else T.dynamic("PSN, PSH")
     # fused: w holds Tb (64 x 64 per chunk), u holds the packed v rows (see ``fused``)
     W_SHAPE = (NC, Hv, C, C) if fused else (NC, Hv, C, K)
@@ -207,6 +222,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         ratio: T.int32,
         trace_out: T.Tensor((TR0, TR1), "int64"),
         scores_in: T.Tensor((PSN, PSH, C, C), dtype),
+        seg_table: T.Tensor((SGN, 4), "int32"),
+        walk_from: T.Tensor((WFN, WFH), "int32"),
     ):
         with T.Kernel(V // BV, Hv, NS, threads=threads) as (bv, h, n):
             if hw_ex2 and fast_exp:
@@ -262,6 +279,16 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
             c0 = chunk_offsets[n]
             nchunks = chunk_offsets[n + 1] - c0
             v0 = bv * BV
+            if halo:
+                seq = seg_table[n, 0]
+                wf = walk_from[n, h]
+                nhalo = c0 - wf
+                from_h0 = wf == seg_table[n, 1]
+                is_last = seg_table[n, 2] != 0
+            else:
+                seq = n
+                nhalo = 0
+            nwalk = nchunks + nhalo if halo else nchunks
 
             if tx < 128:
                 if tchain:
@@ -318,22 +345,36 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                     elif big:
                         T.set_max_nreg(240, 1)
                     if has_h0:
-                        T.copy(h0[n, h, :, v0:v0 + BV], S_f)
+                        if halo:
+                            # a halo that reaches the sequence start walks from h0 (no approximation at all)
+                            if from_h0:
+                                T.copy(h0[seq, h, :, v0:v0 + BV], S_f)
+                            else:
+                                T.clear(S_f)
+                        else:
+                            T.copy(h0[n, h, :, v0:v0 + BV], S_f)
                     else:
                         T.clear(S_f)
-                    for i in T.serial(nchunks):
+                    for i in T.serial(nwalk):
                         s = i % R
-                        b = i % 2 if nb == 2 else 0
-                        bos = bos0 + i * C
+                        # halo: jc < 0 for the halo's chunks, whose rows lie before the segment's; (i + nhalo) has
+                        # the parity of jc and is never negative
+                        jc = i - nhalo if halo else i
+                        b = ((i + nhalo) % 2 if halo else i % 2) if nb == 2 else 0
+                        real = i >= nhalo if halo else True
+                        bos = bos0 + jc * C
                         T.barrier_wait(ready[s], (i // R) % 2)
                         stamp(trace_out, 0, i, tx, 0, bv, h, n)
-                        T.barrier_wait(state_free[b], (i // nb + 1) % 2)
+                        if real:
+                            T.barrier_wait(state_free[b], (jc // nb + 1) % 2)
                         stamp(trace_out, 1, i, tx, 0, bv, h, n)
+                        # (in the halo nobody else reads S_s: the output warpgroup starts at the first own chunk)
                         T.copy(S_f, S_s[b, :, :])
                         T.fence_proxy_async()
-                        T.barrier_arrive(state_ready[b])
-                        if save_states:
-                            T.copy(S_s[b, :, :], h_out[c0 + i, h, :, v0:v0 + BV])
+                        if real:
+                            T.barrier_arrive(state_ready[b])
+                            if save_states:
+                                T.copy(S_s[b, :, :], h_out[c0 + jc, h, :, v0:v0 + BV])
                         if fused:
                             # Y = v - exp(G) nk (k Sb) -> vd_s (free: the last chunk's update has read it), then
                             # v_new = Tb Y.  Y is formed in place, then stored by a loop of its own: a loop
@@ -359,13 +400,14 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             for r, j in T.Parallel(C, BV):
                                 vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
                         stamp(trace_out, 2, i, tx, 0, bv, h, n)
-                        T.barrier_wait(vnew_free[b], (i // nb + 1) % 2)
-                        T.copy(vn_f, vn_s[b, :, :])
-                        T.fence_proxy_async()
-                        T.barrier_arrive(vnew_ready[b])
-                        stamp(trace_out, 3, i, tx, 0, bv, h, n)
-                        if save_states:
-                            T.copy(vn_s[b, :, :], vn_out[c0 + i, h, :, v0:v0 + BV])
+                        if real:
+                            T.barrier_wait(vnew_free[b], (jc // nb + 1) % 2)
+                            T.copy(vn_f, vn_s[b, :, :])
+                            T.fence_proxy_async()
+                            T.barrier_arrive(vnew_ready[b])
+                            stamp(trace_out, 3, i, tx, 0, bv, h, n)
+                            if save_states:
+                                T.copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
                         if l2norm:
                             if not fused:       # (the fused chain waited for the row factors already)
                                 T.barrier_wait(norm_ready[s], (i // R) % 2)
@@ -384,111 +426,128 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         stamp(trace_out, 4, i, tx, 0, bv, h, n)
                         T.barrier_arrive(free[s])
                     if store_ht:
-                        T.copy(S_f, ht[n, h, :, v0:v0 + BV])
+                        if halo:
+                            if is_last:
+                                T.copy(S_f, ht[seq, h, :, v0:v0 + BV])
+                        else:
+                            T.copy(S_f, ht[n, h, :, v0:v0 + BV])
             elif tx < 256:
                 # ---- output ----
                 if big and not psplit:
                     T.set_max_nreg(208, 1)
-                for i in T.serial(nchunks):
+                for i in T.serial(nwalk):
                     s = i % R
-                    b = i % 2 if nb == 2 else 0
-                    pb = s if pscores else (i % 2 if psplit else 0)     # (pscores: P came in ring slot s)
-                    bos = bos0 + i * C
+                    jc = i - nhalo if halo else i
+                    b = ((i + nhalo) % 2 if halo else i % 2) if nb == 2 else 0
+                    # (pscores: P came in ring slot s)
+                    pb = s if pscores else (((i + nhalo) % 2 if halo else i % 2) if psplit else 0)
+                    real = i >= nhalo if halo else True
+                    bos = bos0 + jc * C
                     T.barrier_wait(ready[s], (i // R) % 2)
                     stamp(trace_out, 5, i, tx, 128, bv, h, n)
                     if l2norm:
                         if psplit:
-                            T.barrier_wait(norm_ready[s], (i // R) % 2)
+                            if real:
+                                T.barrier_wait(norm_ready[s], (i // R) % 2)
                         else:
+                            # (also in the halo: the state chain needs nk)
                             l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
                             l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
                             T.barrier_arrive(norm_ready[s])
-                    # q Sb first: releasing Sb early keeps the state warpgroup off this one's work
-                    T.barrier_wait(state_ready[b], (i // nb) % 2)
-                    stamp(trace_out, 6, i, tx, 128, bv, h, n)
-                    T.gemm(q_s[s, :, :], S_s[b, :, :], o_f, clear_accum=True)
-                    stamp(trace_out, 7, i, tx, 128, bv, h, n)
-                    T.barrier_arrive(state_free[b])
-                    if l2norm:
-                        for r in T.Parallel(C):
-                            orow_f[r] = nq_s[s, r] * ex(G_s[s, r])
+                    if not real:
+                        T.barrier_arrive(free[s])
                     else:
-                        for r in T.Parallel(C):
-                            orow_f[r] = ex(G_s[s, r])
-                    for r, j in T.Parallel(C, BV):
-                        o_f[r, j] = o_f[r, j] * orow_f[r]
-                    if not pscores:
-                        if not psplit:
-                            T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
-                            build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s, gr_f, gc_f)
-                        # done with the ring slot (q, k, G, row factors): hand it back before waiting for
-                        # v_new, so the producer can refill it while the state chain is still on this chunk
-                        T.barrier_arrive(free[s])
-                    if psplit:
-                        T.barrier_wait(p_ready[pb], (i // 2) % 2)
-                    stamp(trace_out, 8, i, tx, 128, bv, h, n)
-                    T.barrier_wait(vnew_ready[b], (i // nb) % 2)
-                    stamp(trace_out, 9, i, tx, 128, bv, h, n)
-                    T.gemm(P_s[pb, :, :], vn_s[b, :, :], o_f)
-                    stamp(trace_out, 10, i, tx, 128, bv, h, n)
-                    T.barrier_arrive(vnew_free[b])
-                    if psplit:
-                        T.barrier_arrive(p_free[pb])
-                    if pscores:
-                        T.barrier_arrive(free[s])
-                    if ostage:
-                        if bos + C <= eos:
-                            for r, j in T.Parallel(C, BV):
-                                o_s[r, j] = o_f[r, j] * scale
-                            T.fence_proxy_async()
-                            T.copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
+                        # q Sb first: releasing Sb early keeps the state warpgroup off this one's work
+                        T.barrier_wait(state_ready[b], (jc // nb) % 2)
+                        stamp(trace_out, 6, i, tx, 128, bv, h, n)
+                        T.gemm(q_s[s, :, :], S_s[b, :, :], o_f, clear_accum=True)
+                        stamp(trace_out, 7, i, tx, 128, bv, h, n)
+                        T.barrier_arrive(state_free[b])
+                        if l2norm:
+                            for r in T.Parallel(C):
+                                orow_f[r] = nq_s[s, r] * ex(G_s[s, r])
+                        else:
+                            for r in T.Parallel(C):
+                                orow_f[r] = ex(G_s[s, r])
+                        for r, j in T.Parallel(C, BV):
+                            o_f[r, j] = o_f[r, j] * orow_f[r]
+                        if not pscores:
+                            if not psplit:
+                                T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
+                                build_scores(P_f, P_s, 0, s, nq_s, nk_s, G_s, gr_f, gc_f)
+                            # done with the ring slot (q, k, G, row factors): hand it back before waiting for
+                            # v_new, so the producer can refill it while the state chain is still on this chunk
+                            T.barrier_arrive(free[s])
+                        if psplit:
+                            T.barrier_wait(p_ready[pb], (jc // 2) % 2)
+                        stamp(trace_out, 8, i, tx, 128, bv, h, n)
+                        T.barrier_wait(vnew_ready[b], (jc // nb) % 2)
+                        stamp(trace_out, 9, i, tx, 128, bv, h, n)
+                        T.gemm(P_s[pb, :, :], vn_s[b, :, :], o_f)
+                        stamp(trace_out, 10, i, tx, 128, bv, h, n)
+                        T.barrier_arrive(vnew_free[b])
+                        if psplit:
+                            T.barrier_arrive(p_free[pb])
+                        if pscores:
+                            T.barrier_arrive(free[s])
+                        if ostage:
+                            if bos + C <= eos:
+                                for r, j in T.Parallel(C, BV):
+                                    o_s[r, j] = o_f[r, j] * scale
+                                T.fence_proxy_async()
+                                T.copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
+                            else:
+                                for r, j in T.Parallel(C, BV):
+                                    if bos + r < eos:
+                                        o[bos + r, h, v0 + j] = o_f[r, j] * scale
                         else:
                             for r, j in T.Parallel(C, BV):
                                 if bos + r < eos:
                                     o[bos + r, h, v0 + j] = o_f[r, j] * scale
-                    else:
-                        for r, j in T.Parallel(C, BV):
-                            if bos + r < eos:
-                                o[bos + r, h, v0 + j] = o_f[r, j] * scale
-                    stamp(trace_out, 11, i, tx, 128, bv, h, n)
+                        stamp(trace_out, 11, i, tx, 128, bv, h, n)
             elif psplit and tx < 384:
                 # ---- scores (psplit): row factors and P, up to two chunks ahead of the output ----
-                for i in T.serial(nchunks):
+                for i in T.serial(nwalk):
                     s = i % R
-                    pb = i % 2
+                    jc = i - nhalo if halo else i
+                    pb = (i + nhalo) % 2 if halo else i % 2
+                    real = i >= nhalo if halo else True
                     T.barrier_wait(ready[s], (i // R) % 2)
                     stamp(trace_out, 12, i, tx, 256, bv, h, n)
                     if l2norm:
+                        # (also in the halo: the state chain needs nk)
                         l2_row_factors(q_s, nq_s, s, sq_f, ss_f)
                         l2_row_factors(k_s, nk_s, s, sq_f, ss_f)
                         T.barrier_arrive(norm_ready[s])
-                    T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
-                    stamp(trace_out, 13, i, tx, 256, bv, h, n)
-                    T.barrier_wait(p_free[pb], (i // 2 + 1) % 2)
-                    build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s, gr_f, gc_f)
-                    T.barrier_arrive(p_ready[pb])
-                    stamp(trace_out, 14, i, tx, 256, bv, h, n)
+                    if real:
+                        T.gemm(q_s[s, :, :], k_s[s, :, :], P_f, transpose_B=True, clear_accum=True)
+                        stamp(trace_out, 13, i, tx, 256, bv, h, n)
+                        T.barrier_wait(p_free[pb], (jc // 2 + 1) % 2)
+                        build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s, gr_f, gc_f)
+                        T.barrier_arrive(p_ready[pb])
+                        stamp(trace_out, 14, i, tx, 256, bv, h, n)
                     T.barrier_arrive(free[s])
             else:
                 # ---- producer: one warp issues every TMA load of a slot ----
                 if big or psplit or tchain:
                     T.set_max_nreg(24 if psplit else 40, 0)
                 if tx < prod0 + 32:
-                    for i in T.serial(nchunks):
+                    for i in T.serial(nwalk):
                         s = i % R
-                        bos = bos0 + i * C
+                        jc = i - nhalo if halo else i
+                        bos = bos0 + jc * C
                         T.barrier_wait(free[s], (i // R + 1) % 2)
                         stamp(trace_out, 15, i, tx, prod0, bv, h, n)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s[s, :, :], barrier=ready[s])
                         T.tma_copy(k[bos:bos + C, hq, :], k_s[s, :, :], barrier=ready[s])
-                        T.tma_copy(w[c0 + i, h, :, :], w_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(w[c0 + jc, h, :, :], w_s[s, :, :], barrier=ready[s])
                         if fused:
                             T.tma_copy(u[bos:bos + C, h, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
                         else:
-                            T.tma_copy(u[c0 + i, h, :, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
-                        T.tma_copy(G[c0 + i, h, :], G_s[s, :], barrier=ready[s])
+                            T.tma_copy(u[c0 + jc, h, :, v0:v0 + BV], u_s[s, :, :], barrier=ready[s])
+                        T.tma_copy(G[c0 + jc, h, :], G_s[s, :], barrier=ready[s])
                         if pscores:
-                            T.tma_copy(scores_in[c0 + i, h, :, :], P_s[s, :, :], barrier=ready[s])
+                            T.tma_copy(scores_in[c0 + jc, h, :, :], P_s[s, :, :], barrier=ready[s])
                         T.barrier_arrive(ready[s])
 
     return gdn_fwd_recurrent_ws

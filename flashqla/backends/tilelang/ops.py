@@ -25,6 +25,7 @@ from .chunk_bwd_wy_v2_sm90 import build_bwd_wy_v2
 from .chunk_fwd_sm90 import build_fwd
 from .chunk_fwd_ws_sm90 import build_fwd_ws, ws_layout
 from .chunk_intra_sm90 import build_intra
+from . import segments
 
 CHUNK = 64
 # State columns per CTA of the recurrence kernels (V / BV CTAs per sequence and head).
@@ -151,8 +152,10 @@ def _trace_arg(device, bwd: bool = False) -> torch.Tensor:
     return buf if buf is not None else dummy((1, 1), torch.int64, device)
 
 
-def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False, pscores=False):
-    """``pscores``: the caller's :func:`fwd_pscores` choice (stage 1 must have written the scores)."""
+def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False, pscores=False,
+                  halo=False):
+    """``pscores``: the caller's :func:`fwd_pscores` choice (stage 1 must have written the scores); ``halo``:
+    the grid runs over segments (:mod:`.segments`)."""
     ring, nbuf = fwd_ws_layout(BV)
     fast_exp, psplit, tchain, ostage, _ = fwd_ws_options()
     pscores = pscores and fused         # stage 1 writes the scores in its Tb-only form only
@@ -161,8 +164,8 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=
            fast_exp, psplit)
     # (tchain, trace, fused, ostage, pscores, hw_ex2): the register-only state chain exists at BV = 64 and unfused
     # only (see build_fwd_ws)
-    flags = (bool(tchain and BV == 64 and not fused), TRACE_BUFFER is not None, bool(fused), bool(ostage),
-             bool(pscores), bool(fast_exp and hw_ex2()))
+    flags = (bool(tchain and BV == 64 and not fused and not halo), TRACE_BUFFER is not None, bool(fused),
+             bool(ostage), bool(pscores), bool(fast_exp and hw_ex2()), bool(halo))
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, _key(key, *((f, False) for f in flags)))
 
 
@@ -442,6 +445,24 @@ def _meta_bvs(NS, Hv, V, dev) -> tuple:
     return (fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else FWD_WS_BVS
 
 
+def seq_lengths(varlen, B: int, T: int) -> list:
+    """The sequences' lengths, from the host (``VarlenMeta``) or the dense shape."""
+    if varlen is not None:
+        c = varlen.cu_seqlens_cpu
+        return [c[i + 1] - c[i] for i in range(len(c) - 1)]
+    return [T] * B
+
+
+def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = None):
+    """The in-kernel split of :mod:`.segments` for this call, or None; the serial forward has none."""
+    if (variant or fwd_variant()) == "serial":
+        return None
+    sms = detect(device).sm_count or 132
+    meta = ChunkMeta.of_lengths(lengths)
+    plain_bv = fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, V, device)
+    return segments.segment_plan(lengths, Hv, V, sms, plain_bv)
+
+
 def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool, l2norm: bool,
             save: bool) -> FwdResult:
     """q, k [B, T, Hqk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; h0 [N, Hv, K, V] or None."""
@@ -464,7 +485,14 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     variant = fwd_variant()
     fused = variant == "fused" and not save
     walk_seqs = meta.busy_seqs or NS
-    bv = fwd_ws_bv(walk_seqs, Hv, V, dev)
+    # in-kernel CP: the recurrence walks segments with a halo (see .segments); its grid and V-block follow
+    # the segments, stage 1 is unchanged
+    split = fwd_segment_plan(seq_lengths(varlen, B, T), Hv, V, dev, variant) if dev.type != "meta" else None
+    if split is not None:
+        walk_seqs = split.num_segments
+        bv = fwd_ws_bv(walk_seqs, Hv, V, dev) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else split.bv
+    else:
+        bv = fwd_ws_bv(walk_seqs, Hv, V, dev)
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
@@ -506,17 +534,26 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         hs = dummy((1, 1, K, V), dt, dev)
         vn = dummy((1, 1, CHUNK, V), dt, dev)
     fwd_args = (qf, kf, w, u, G, meta.cu_seqlens, meta.chunk_offsets, h0f, o, ht, hs, vn, float(scale), ratio)
+    no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
     if variant == "serial":
         fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(*fwd_args)
     elif dev.type == "meta":
-        # key enumeration (precompile)
+        # key enumeration (precompile): every V-block and pscores choice, walking whole sequences or segments
         for b in _meta_bvs(NS, Hv, V, dev):
             for ps in _pscores_choices(fused, b):
-                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, b, fused, ps)(
-                    *fwd_args, _trace_arg(dev), scores)
+                for halo in (False, True):
+                    fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, b, fused, ps, halo)(
+                        *fwd_args, _trace_arg(dev), scores, *no_halo)
+    elif split is not None:
+        tables = segments.segment_tables(seq_lengths(varlen, B, T), split.seg_chunks, dev)
+        starts = segments.walk_starts(kf, gf, bf, tables, l2norm)
+        seg_args = (qf, kf, w, u, G, tables.cu_seqlens, tables.chunk_offsets, h0f, o, ht, hs, vn, float(scale),
+                    ratio)
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores, True)(
+            *seg_args, _trace_arg(dev), scores, tables.seg_table, starts)
     else:
         fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores)(
-            *fwd_args, _trace_arg(dev), scores)
+            *fwd_args, _trace_arg(dev), scores, *no_halo)
 
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,

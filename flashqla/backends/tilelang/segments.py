@@ -1,0 +1,317 @@
+"""In-kernel context parallelism of the tilelang forward: segments with a halo (issue #8).
+
+Why.  The warp-specialised recurrence runs one walk per (sequence, value head, V-block) and a walk is serial
+over its chunks.  With few walks (one 32k sequence at 8 or 16 value heads) most of the 132 SMs idle while
+each walk takes 512 chunk steps.  Here each long sequence is cut into chunk-aligned *segments* and every
+(segment, head) walks on its own SM.
+
+Exactness.  A segment's true start state is the state after every earlier chunk of its sequence.  The
+segment's CTA gets it by walking first the ``W`` chunks before its segment (the *halo*) from a zero state,
+where ``W`` is the fewest chunks whose decay bound ``sum_t [g_t + log max(1, |1 - beta_t ||k_t||^2|)]`` (the
+log of an upper bound of the halo's state map ``prod exp(g_t) (I - beta_t k_t k_t^T)``, per value head, see
+:mod:`flashqla.cp_bounds`) is at most ``-150``: the state entering the halo then reaches the segment start
+multiplied by less than ``exp(-150)``, under fp32's smallest subnormal for any state of norm below 1e20, so
+dropping it changes nothing fp32 can hold.  Where no such ``W`` exists within ``MAX_HALO_CHUNKS`` (heads that
+barely decay, g = 0, a NaN), or the halo reaches the sequence start, the CTA walks from the sequence start
+and from ``h0``: exact with no bound at all, as slow as no split for that walk.  The halo lengths come from
+one small device pass per call (:func:`walk_starts`): no host read, so the call stays capturable in a CUDA
+graph, and any gate is served.
+
+Cost.  The halo's chunks run the state chain only (no output), ~3 chunks per segment at the benchmarks'
+gates (``logsigmoid(randn)``: ~-0.8 per token).  The plan (:func:`segment_plan`) fills the SMs once at the
+V-block whose modelled makespan is least, and splits only where that beats the walk as it is.
+``FLASHQLA_TILELANG_SEGMENTS``: ``auto`` (default), ``off``, or a segment length in chunks (forced).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import torch
+
+CHUNK = 64
+NEGLIGIBLE_LOG_BOUND = -150.0
+# the halo search looks back at most this many chunks; past it the walk starts at the sequence start
+MAX_HALO_CHUNKS = 64
+# halo chunks the plan assumes per segment (the benchmarks' gates need 3)
+PLAN_HALO_CHUNKS = 4
+# modelled time of one chunk step of the recurrence with the SMs busy, per V-block, in microseconds (H200,
+# session 16's forward grid less stage 1: 8/32 4x8192 at BV 128, ~0.34 ms for 128 chunks; session 8's profile
+# of 16/32 1x32768 at BV 32, 0.745 ms for 512; BV 64 interpolated)
+STEP_US = {128: 2.7, 64: 1.9, 32: 1.46}
+# and with few walks (the recurrence alone at 2/8 1x32768, BV 32: 0.598 ms for 512 chunks; the others guessed)
+STEP_US_FEW = {128: 2.2, 64: 1.5, 32: 1.17}
+
+
+def mode() -> str:
+    """``auto``, ``off`` or a forced segment length in chunks (``FLASHQLA_TILELANG_SEGMENTS``)."""
+    raw = os.environ.get("FLASHQLA_TILELANG_SEGMENTS", "auto").strip().lower() or "auto"
+    if raw in ("auto", "off"):
+        return raw
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"FLASHQLA_TILELANG_SEGMENTS must be 'auto', 'off' or a segment length in chunks (>= 1), "
+                         f"got {raw!r}")
+    return str(n)
+
+
+@dataclass(frozen=True)
+class SegmentPlan:
+    seg_chunks: int                 # target segment length in chunks
+    bv: int                         # V-block of the split walk
+    num_segments: int
+    est_us: float                   # modelled recurrence time, split
+    est_plain_us: float             # and as it is
+    reason: str
+
+    def describe(self) -> str:
+        return self.reason
+
+
+def _segments_of(chunks: Sequence[int], seg: int) -> int:
+    return sum(max(1, -(-c // seg)) for c in chunks)
+
+
+def _step(bv: int, walks: float, sms: int) -> float:
+    return STEP_US[bv] if walks >= 0.7 * sms else STEP_US_FEW[bv]
+
+
+def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: int,
+                 forced: Optional[str] = None) -> Optional[SegmentPlan]:
+    """The split of sequences of ``lengths`` tokens for ``Hv`` value heads on ``sms`` SMs, or None (no split).
+
+    For each V-block the plan takes the shortest segment length with every (segment, head, V-block) walk
+    resident at once (one CTA per SM), and models the recurrence as (longest segment + halo) chunk steps;
+    it splits when the best of those beats the longest sequence's walk at ``plain_bv`` by 15%.  ``forced``:
+    :func:`mode`'s value."""
+    forced = mode() if forced is None else forced
+    chunks = [-(-int(n) // CHUNK) for n in lengths]
+    longest = max(chunks, default=0)
+    if forced == "off" or longest <= 1 or Hv <= 0:
+        return None
+    plain = longest * _step(plain_bv, Hv * len(chunks) * V / plain_bv, sms)
+    if forced != "auto":
+        seg = int(forced)
+        nseg = _segments_of(chunks, seg)
+        bv = plain_bv_for(Hv * nseg, V, sms)
+        est = (min(seg, longest) + PLAN_HALO_CHUNKS) * _step(bv, Hv * nseg * V / bv, sms)
+        return SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks "
+                           f"(FLASHQLA_TILELANG_SEGMENTS), {nseg} segments at BV {bv}")
+    best = None
+    for bv in (128, 64, 32):
+        if V % bv:
+            continue
+        per_walk = V // bv
+        cap = sms // (Hv * per_walk)         # walks of this V-block that fit one wave, per head
+        if cap < len(chunks):
+            continue
+        # the shortest segment length whose segments fit: segment counts fall as the length grows
+        lo, hi = 1, longest
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if _segments_of(chunks, mid) <= cap:
+                hi = mid
+            else:
+                lo = mid + 1
+        seg = lo
+        if seg >= longest:
+            continue
+        nseg = _segments_of(chunks, seg)
+        est = (seg + PLAN_HALO_CHUNKS) * _step(bv, Hv * nseg * per_walk, sms)
+        if best is None or est < best[0]:
+            best = (est, seg, bv, nseg)
+    if best is None or best[0] > 0.85 * plain:
+        return None
+    est, seg, bv, nseg = best
+    return SegmentPlan(seg, bv, nseg, est, plain,
+                       f"split: {nseg} segments of <= {seg} chunks at BV {bv} ({Hv * nseg * (V // bv)} CTAs on "
+                       f"{sms} SMs), modelled {est:.0f} us against {plain:.0f} us for the "
+                       f"{longest}-chunk walk at BV {plain_bv}")
+
+
+def plain_bv_for(walks: float, V: int, sms: int) -> int:
+    # fwd_ws_bv's rule without its environment override (avoids an import cycle with ops)
+    if walks >= 0.7 * sms and V % 128 == 0:
+        return 128
+    if 2 * walks >= 0.7 * sms and V % 64 == 0:
+        return 64
+    return 32 if V % 32 == 0 else V
+
+
+@dataclass
+class SegmentTables:
+    cu_seqlens: torch.Tensor        # int32 [NSEG + 1]: the segments' token boundaries
+    chunk_offsets: torch.Tensor     # int32 [NSEG + 1]: their first chunks
+    seg_table: torch.Tensor         # int32 [NSEG, 4]: (sequence, its first chunk, is-last, 0)
+    num_segments: int
+    split_seqs: int                 # sequences cut in more than one segment
+
+
+def split_lengths(lengths: Sequence[int], seg_chunks: int) -> list:
+    """Per sequence, its segments' lengths in tokens: balanced whole chunks, the tail (a partial chunk) in the
+    last; a sequence of at most ``seg_chunks`` chunks (also length 0) stays whole."""
+    out = []
+    for n in lengths:
+        n = int(n)
+        nc = -(-n // CHUNK)
+        parts = max(1, -(-nc // seg_chunks))
+        base, extra = divmod(nc, parts)
+        segs, left = [], n
+        for p in range(parts):
+            c = base + (1 if p < extra else 0)
+            t = min(c * CHUNK, left) if p < parts - 1 else left
+            segs.append(t)
+            left -= t
+        out.append(segs)
+    return out
+
+
+_TABLES: dict = {}
+
+
+def segment_tables(lengths: Sequence[int], seg_chunks: int, device) -> SegmentTables:
+    """The segment metadata of one split, built on the host once per (lengths, segment length, device) and
+    uploaded without a sync; a repeated call (a CUDA graph replay's capture) reads it from this cache."""
+    key = (tuple(int(n) for n in lengths), int(seg_chunks), str(device))
+    t = _TABLES.get(key)
+    if t is not None:
+        return t
+    cu, co, tab = [0], [0], []
+    split = 0
+    seq_c0 = 0
+    for s, segs in enumerate(split_lengths(lengths, seg_chunks)):
+        split += len(segs) > 1
+        for p, n in enumerate(segs):
+            tab.append((s, seq_c0, int(p == len(segs) - 1), 0))
+            cu.append(cu[-1] + n)
+            co.append(co[-1] + -(-n // CHUNK))
+        seq_c0 = co[-1]
+
+    def up(x):
+        t = torch.tensor(x, dtype=torch.int32)
+        if torch.device(device).type == "cuda":
+            t = t.pin_memory().to(device, non_blocking=True)
+        else:
+            t = t.to(device)
+        return t
+
+    t = SegmentTables(up(cu), up(co), up(tab).reshape(-1, 4), len(tab), split)
+    if len(_TABLES) > 64:
+        _TABLES.clear()
+    _TABLES[key] = t
+    return t
+
+
+def walk_starts_ref(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: int = MAX_HALO_CHUNKS,
+                    threshold: float = NEGLIGIBLE_LOG_BOUND) -> torch.Tensor:
+    """``[NSEG, Hv]`` int32: per segment and value head the global chunk its walk starts from (torch ops; the
+    CPU path and the oracle of :func:`walk_starts`).  ``k [NT, Hqk, K]``, ``g`` / ``beta`` ``[NT, Hv]``
+    (packed rows)."""
+    from ...cp_bounds import token_log_bound
+
+    dev = g.device
+    ell = token_log_bound(k[None], g[None], beta[None], l2norm).double()      # [NT, Hv]
+    NT, Hv = ell.shape
+    cu = tables.cu_seqlens.to(dev).long()
+    co = tables.chunk_offsets.to(dev).long()
+    cs0 = tables.seg_table.to(dev)[:, 1].long()
+    nseg = tables.num_segments
+    # per token its global chunk, and per chunk the summed bound (a NaN stays in its chunk)
+    seg_of = torch.repeat_interleave(torch.arange(nseg, device=dev), cu[1:] - cu[:-1])
+    tok = torch.arange(NT, device=dev)
+    chunk = co[seg_of] + (tok - cu[seg_of]) // CHUNK
+    NC = int(co[-1]) if nseg else 0
+    sums = torch.zeros(max(NC, 1), Hv, dtype=torch.float64, device=dev).index_add_(0, chunk, ell[:NT])
+    m = torch.arange(1, max_halo + 1, device=dev)
+    c0 = co[:-1]
+    back = c0[:, None] - m[None, :]                                  # [NSEG, M]: the m-th chunk before
+    valid = m[None, :] <= (c0 - cs0)[:, None]
+    cum = torch.where(valid[..., None], sums[back.clamp(min=0)], torch.zeros((), dtype=sums.dtype, device=dev))
+    cum = cum.cumsum(1)
+    hit = (cum <= threshold) & valid[..., None]                       # NaN compares false
+    first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.zeros((), dtype=torch.long, device=dev))
+    start = torch.where(first > 0, c0[:, None] - first, cs0[:, None].expand(-1, Hv))
+    return start.to(torch.int32)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel():
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def walk_start_kernel(k_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, tab_ptr, out_ptr, threshold, max_halo,
+                          stride_kt, stride_kh, stride_gt, stride_bt, Hqk: tl.constexpr, RATIO: tl.constexpr,
+                          Hv: tl.constexpr, K: tl.constexpr, HV_P: tl.constexpr, L2: tl.constexpr,
+                          C: tl.constexpr):
+        # one program per segment: back from the segment start a chunk at a time, the running bound per head;
+        # a head's walk starts at the first chunk count whose sum is under the threshold, else (none within
+        # max_halo, or a NaN) at the sequence's first chunk
+        e = tl.program_id(0)
+        bos = tl.load(cu_ptr + e)
+        c0 = tl.load(co_ptr + e)
+        cs0 = tl.load(tab_ptr + 4 * e + 1)
+        hv = tl.arange(0, HV_P)
+        hmask = hv < Hv
+        rows = tl.arange(0, C)
+        lim = tl.minimum(c0 - cs0, max_halo)
+        start = tl.zeros((HV_P,), tl.int32) + cs0
+        found = hv >= Hv                       # padding heads count as found
+        cum = tl.zeros((HV_P,), tl.float32)
+        m = 1
+        while (m <= lim) & (tl.sum(found.to(tl.int32), axis=0) < HV_P):
+            tok = bos - m * C + rows
+            g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=hmask[None, :], other=0.0)
+            b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=hmask[None, :], other=0.0)
+            g = g.to(tl.float32)
+            b = b.to(tl.float32)
+            if L2:
+                kap = tl.full((C, HV_P), 1.0, tl.float32)
+            else:
+                kap = tl.zeros((C, HV_P), tl.float32)
+                cols = tl.arange(0, K)
+                for hq in range(Hqk):
+                    kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :]).to(tl.float32)
+                    sq = tl.sum(kt * kt, axis=1)
+                    kap = tl.where((hv // RATIO == hq)[None, :], sq[:, None], kap)
+            bk = b * kap
+            f = tl.abs(1.0 - bk) + 0.02 * tl.abs(bk)
+            ell = g + tl.log(tl.maximum(f, 1.0))
+            cum += tl.sum(tl.where(hmask[None, :], ell, 0.0), axis=0)
+            hit = (cum <= threshold) & (~found)
+            start = tl.where(hit, c0 - m, start)
+            found = found | hit
+            m += 1
+        tl.store(out_ptr + e * Hv + hv, start, mask=hmask)
+
+    return walk_start_kernel
+
+
+def walk_starts(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: int = MAX_HALO_CHUNKS,
+                threshold: float = NEGLIGIBLE_LOG_BOUND, force_kernel: bool = False) -> torch.Tensor:
+    """:func:`walk_starts_ref` in one Triton launch on CUDA (``force_kernel``: also elsewhere, for the
+    interpreter tests).  ``k [NT, Hqk, K]``, ``g [NT, Hv]`` fp32, ``beta [NT, Hv]``, all with unit last stride."""
+    K = k.shape[-1]
+    if not (k.is_cuda or force_kernel) or K & (K - 1):
+        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold)
+    try:
+        import triton
+    except ImportError:         # (torch's CUDA wheels ship it; the ref runs on the device too)
+        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold)
+    Hqk, Hv = k.shape[1], g.shape[1]
+    out = torch.empty(tables.num_segments, Hv, dtype=torch.int32, device=g.device)
+    if tables.num_segments == 0:
+        return out
+    hv_p = triton.next_power_of_2(Hv)
+    _kernel()[(tables.num_segments,)](
+        k, g, beta, tables.cu_seqlens, tables.chunk_offsets, tables.seg_table, out, float(threshold),
+        int(max_halo), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), Hqk=Hqk, RATIO=Hv // Hqk, Hv=Hv,
+        K=K, HV_P=hv_p, L2=bool(l2norm), C=CHUNK, num_warps=4 if hv_p <= 32 else 8)
+    return out

@@ -1,0 +1,271 @@
+"""In-kernel context parallelism of the tilelang forward (``backends/tilelang/segments.py``): the split, the
+segment tables, the halo search (torch and Triton), the exactness of a halo walk in float64 on the CPU, the
+kernel variant's lowering, and on an sm_90 GPU the split forward against the oracle and the unsplit one."""
+
+import math
+import os
+
+import pytest
+import torch
+
+import flashqla
+from flashqla.backends.tilelang import segments as sg
+from flashqla.reference import l2norm as ref_l2norm
+from flashqla.testing import Case, make_gate, rel_l2
+
+try:
+    import tilelang  # noqa: F401
+    HAVE_TILELANG = True
+except Exception:
+    HAVE_TILELANG = False
+
+
+# ---- the split -------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("lengths,seg", [([32768], 32), ([28672, 4096], 150), ([0, 1, 63, 64, 65, 700], 3),
+                                         ([130], 1), ([4096 + 17], 7)])
+def test_split_lengths_cover_each_sequence_in_whole_chunks(lengths, seg):
+    parts = sg.split_lengths(lengths, seg)
+    for n, segs in zip(lengths, parts):
+        assert sum(segs) == n
+        nc = -(-n // 64)
+        assert len(segs) == max(1, -(-nc // seg))
+        # every segment but the last is whole chunks; balanced to a chunk
+        assert all(s % 64 == 0 for s in segs[:-1])
+        chunks = [-(-s // 64) for s in segs]
+        assert max(chunks) - min(chunks) <= 1 and max(chunks) <= max(seg, 1)
+
+
+def test_segment_tables():
+    t = sg.segment_tables([130, 0, 300], 2, "cpu")
+    # 130 -> 128 + 2 (chunks 2 + 1), 0 -> one empty segment, 300 -> 5 chunks in 3 segments (2, 2, 1)
+    assert t.cu_seqlens.tolist() == [0, 128, 130, 130, 258, 386, 430]
+    assert t.chunk_offsets.tolist() == [0, 2, 3, 3, 5, 7, 8]
+    assert t.seg_table.tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [1, 3, 1, 0], [2, 3, 0, 0], [2, 3, 0, 0],
+                                    [2, 3, 1, 0]]
+    assert t.num_segments == 6 and t.split_seqs == 2
+    assert sg.segment_tables([130, 0, 300], 2, "cpu") is t      # cached
+
+
+def test_segment_plan_splits_few_long_walks_only(monkeypatch):
+    monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
+    p = sg.segment_plan([32768], 8, 128, 132, 32)
+    assert p is not None and p.bv == 128 and 8 * p.num_segments * (128 // p.bv) <= 132
+    assert p.num_segments >= 8 and p.est_us < 0.5 * p.est_plain_us
+    assert "segments" in p.describe()
+    p = sg.segment_plan([32768], 32, 128, 132, 32)
+    assert p is not None and 32 * p.num_segments * (128 // p.bv) <= 132
+    # unequal lengths: the long one is cut, every walk still fits one wave
+    p = sg.segment_plan([28672, 4096], 32, 128, 132, 32)
+    assert p is not None and 32 * p.num_segments * (128 // p.bv) <= 132
+    # enough walks already, or too short to pay for a halo
+    assert sg.segment_plan([8192] * 4, 32, 128, 132, 128) is None
+    assert sg.segment_plan([300, 300], 4, 128, 132, 32) is None
+    assert sg.segment_plan([64], 1, 128, 132, 32) is None
+    assert sg.segment_plan([], 4, 128, 132, 32) is None
+
+
+def test_segment_mode_env(monkeypatch):
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "off")
+    assert sg.segment_plan([32768], 8, 128, 132, 32) is None
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "5")
+    p = sg.segment_plan([640, 64], 2, 128, 132, 32)
+    assert p.seg_chunks == 5 and p.num_segments == 3 and "forced" in p.describe()
+    for bad in ("0", "-3", "many"):
+        monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", bad)
+        with pytest.raises(ValueError, match="FLASHQLA_TILELANG_SEGMENTS"):
+            sg.mode()
+
+
+# ---- the halo search ---------------------------------------------------------------------------------------
+
+def _packed(lengths, Hqk, Hv, K, gate="logsigmoid", seed=0, normalize=True):
+    gen = torch.Generator().manual_seed(seed)
+    NT = sum(lengths)
+    k = torch.randn(NT, Hqk, K, generator=gen)
+    if normalize:
+        k = torch.nn.functional.normalize(k, dim=-1)
+    g = make_gate((NT, Hv), gate, gen).float()
+    beta = torch.sigmoid(torch.randn(NT, Hv, generator=gen))
+    return k, g, beta
+
+
+@pytest.mark.parametrize("gate", ["logsigmoid", "strong", "zero", "mixed", "nan"])
+@pytest.mark.parametrize("l2norm", [False, True])
+def test_walk_starts_kernel_matches_ref(gate, l2norm):
+    if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
+        pytest.skip("needs the Triton interpreter or a GPU")
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    lengths = [0, 1, 700, 64 * 9 + 5, 4000]
+    Hqk, Hv, K = 2, 4, 32
+    k, g, beta = _packed(lengths, Hqk, Hv, K, "logsigmoid" if gate in ("mixed", "nan") else gate,
+                         normalize=not l2norm)
+    if gate == "mixed":
+        g[:, 1] = 0.0                       # a head without decay: its walks start at the sequence start
+        g[:, 2] *= 0.01                     # a slow one: a long halo, or none within the search
+    if gate == "nan":
+        g[1000, 3] = float("nan")           # one poisoned token: no halo across it for that head
+    t = sg.segment_tables(lengths, 3, dev)
+    k, g, beta = k.to(dev), g.to(dev), beta.to(dev)
+    ref = sg.walk_starts_ref(k, g, beta, t, l2norm, max_halo=16)
+    got = sg.walk_starts(k, g, beta, t, l2norm, max_halo=16, force_kernel=True)
+    assert torch.equal(got.cpu(), ref.cpu())
+    co = t.chunk_offsets.cpu()
+    tab = t.seg_table.cpu()
+    ref = ref.cpu()
+    # every start lies between the sequence's first chunk and the segment's
+    assert bool(((ref >= tab[:, 1:2]) & (ref <= co[:-1, None])).all())
+    first = co[:-1] == tab[:, 1]
+    assert bool((ref[first] == co[:-1][first][:, None]).all())
+    if gate == "zero":
+        assert bool((ref == tab[:, 1:2]).all())
+    if gate == "strong":
+        # the strongest head (A = 16, g ~ -13 per token): one chunk of halo at most
+        assert bool(((co[:-1] - ref[:, -1]) <= 1).all())
+    if gate == "mixed":
+        assert bool((ref[:, 1] == tab[:, 1]).all())
+
+
+def _states_at(k, v, g, beta, S0, t0, t1):
+    # the recurrence in float64 over tokens [t0, t1) of one head from S0
+    S = S0.clone()
+    for t in range(t0, t1):
+        kt, vt = k[t], v[t]
+        S = math.exp(g[t]) * S
+        S = S + beta[t] * torch.outer(kt, vt - S.T @ kt)
+    return S
+
+
+@pytest.mark.parametrize("gate", ["logsigmoid", "strong"])
+def test_halo_walk_reaches_the_true_start_state(gate):
+    # each segment's walk from zero at its start chunk ends at the segment start with the true state to within
+    # exp(-150) of its size (float64 shows it; fp32 cannot): the claim the kernel relies on
+    lengths = [64 * 12 + 9, 64 * 7]
+    Hqk, Hv, K, V = 1, 2, 16, 8
+    k, g, beta = _packed(lengths, Hqk, Hv, K, gate, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    v = torch.randn(sum(lengths), Hv, V, generator=gen).double()
+    t = sg.segment_tables(lengths, 2, "cpu")
+    starts = sg.walk_starts_ref(k, g, beta, t, False)
+    cu, co, tab = t.cu_seqlens.tolist(), t.chunk_offsets.tolist(), t.seg_table.tolist()
+    seq_bos = [0, lengths[0]]
+    kd, gd, bd = k.double(), g.double(), beta.double()
+    halo_used = 0
+    for e in range(t.num_segments):
+        s, cs0 = tab[e][0], tab[e][1]
+        for h in range(Hv):
+            wf = int(starts[e, h])
+            t_seg = cu[e]
+            t_from = seq_bos[s] + (wf - cs0) * 64
+            true = _states_at(kd[:, 0], v[:, h], gd[:, h], bd[:, h], torch.zeros(K, V, dtype=torch.float64),
+                              seq_bos[s], t_seg)
+            halo = _states_at(kd[:, 0], v[:, h], gd[:, h], bd[:, h], torch.zeros(K, V, dtype=torch.float64),
+                              t_from, t_seg)
+            err = (true - halo).abs().max().item()
+            assert err <= 1e-60 * max(1.0, true.abs().max().item()), (e, h, wf, err)
+            halo_used += t_from > seq_bos[s]
+    assert halo_used > 0, "no walk started past its sequence start: the test checked nothing"
+
+
+# ---- the kernel variant ------------------------------------------------------------------------------------
+
+@pytest.mark.compile
+@pytest.mark.parametrize("args", [
+    # fused inference forward at BV 128 (psplit, ostage), its pscores form at BV 32 with L2 norm and h0, and the
+    # training forward (states saved) at BV 64
+    ("bfloat16", 128, 128, 128, False, False, True, False, 0, 0, True, True, False, False, True, True, False,
+     False, True),
+    ("bfloat16", 128, 128, 32, True, True, True, False, 0, 0, True, False, False, False, True, True, True, False,
+     True),
+    ("float16", 128, 128, 64, True, True, True, True, 0, 0, True, True, False, False, False, True, False, False,
+     True),
+], ids=["fused-bv128", "pscores-bv32-l2-h0", "train-bv64-fp16"])
+def test_halo_kernel_lowers_for_sm90a(args):
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
+    from test_backend_tilelang import assert_wgmma_pipelined, resource_usage
+
+    kern = tilelang.compile(build_fwd_ws(*args), out_idx=None, target=TARGET)
+    src = kern.get_kernel_source()
+    assert "wgmma" in src and ("tma_load" in src or "cp.async.bulk.tensor" in src)
+    usage = resource_usage(kern)
+    print(usage)
+    assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
+    assert_wgmma_pipelined(kern, str(args))
+    # the walk's start and the segment's sequence come from the two tables
+    assert "walk_from" in src and "seg_table" in src
+
+
+def test_halo_is_in_the_compile_key_only_when_on():
+    from flashqla.backends.tilelang import ops
+    from flashqla.backends.tilelang._compile import record_keys
+    with record_keys() as rec:
+        ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 128, fused=True)
+        ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 128, fused=True, halo=True)
+    plain, halo = rec[0][2], rec[1][2]
+    assert halo[:len(plain)] == plain and halo[-1] is True and len(halo) > len(plain)
+
+
+# ---- on the GPU --------------------------------------------------------------------------------------------
+
+def _sm90():
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+needs_sm90 = pytest.mark.skipif(not _sm90(), reason="needs an sm_90 GPU")
+
+_GPU_SEG_CASES = [
+    Case("long_logsigmoid", 2, 4, 128, 128, B=1, T=64 * 40 + 17),
+    Case("dense_h0_ht", 2, 4, 128, 128, B=2, T=64 * 9),
+    Case("varlen_len1_tail", 1, 2, 128, 128, seqlens=(1, 63, 64, 65, 64 * 11 + 3, 0, 7)),
+    Case("varlen_l2norm", 2, 4, 128, 128, seqlens=(33, 0, 64 * 14 + 6), l2norm=True),
+    Case("strong_decay", 1, 2, 128, 128, seqlens=(64 * 12 + 8, 7), gate="strong"),
+    Case("no_decay", 1, 2, 128, 128, B=1, T=64 * 8 + 40, gate="zero"),
+]
+
+
+def _oracle_run(case, grads, seg, monkeypatch):
+    from flashqla.testing import run_case
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", seg)
+    return run_case(flashqla.chunk_gated_delta_rule, case, "tilelang", torch.bfloat16, "cuda", grads=grads,
+                    exact_fp32=False, seed=0)
+
+
+def _outputs(case, seg, monkeypatch):
+    from flashqla.testing import make_inputs
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", seg)
+    x = make_inputs(case, torch.bfloat16, "cuda", 0)
+    with torch.no_grad():
+        return flashqla.chunk_gated_delta_rule(
+            x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.scale, initial_state=x["initial_state"],
+            output_final_state=case.ht, use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"],
+            backend="tilelang")
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("grads", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("case", _GPU_SEG_CASES, ids=lambda c: c.name)
+def test_gpu_split_forward_matches_oracle(case, grads, monkeypatch):
+    # segments of 2 chunks: most walks start in a halo (or at their sequence start where none exists)
+    from flashqla.backends.tilelang import _compile
+    res = _oracle_run(case, grads, "2", monkeypatch)
+    print(case.name, grads, {k: f"{v:.2e}" for k, v in res.errors.items()})
+    assert res.ok, f"{case.name}: {res.failures} (all {res.errors})"
+    assert any(name == "fwd_recurrent_ws_sm90" and key[-1] is True for name, key in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", _GPU_SEG_CASES, ids=lambda c: c.name)
+def test_gpu_split_forward_agrees_with_unsplit(case, monkeypatch):
+    o1, h1 = _outputs(case, "2", monkeypatch)
+    o0, h0 = _outputs(case, "off", monkeypatch)
+    d = rel_l2(o1.float(), o0.float())
+    print(case.name, f"o {d:.2e}", f"ht {rel_l2(h1, h0):.2e}" if h1 is not None else "")
+    assert d <= 2e-3
+    if case.ht:
+        assert rel_l2(h1, h0) <= 2e-3
