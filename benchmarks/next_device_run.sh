@@ -282,7 +282,7 @@ case "$STEP" in
     case $RUN_RC in 0) ;; *) echo "== segments: tests did not pass; the sweep skipped"; continue ;; esac
     TAIL=80 run_step "inference forward, segments off / auto / forced" ${SEG_SWEEP_S:-240} python \
         benchmarks/sweep_variants.py --backend tilelang --mode fwd --out $OUT/sweep_fwd_segments.json \
-        --rows ${SEG_ROWS:-2/8:1x32768,4/16:1x32768,16/16:1x32768,8/24:1x32768,16/32:1x32768,32/32:1x32768,16/32:28672+4096,2/8:4096+28672,16/48:4096+28672,8/32:1x16384,2/8:2x16384,16/32:4x8192} \
+        --rows ${SEG_ROWS:-2/8:1x32768,4/16:1x32768,8/24:1x32768,16/32:1x32768,16/64:1x32768,16/32:28672+4096,2/8:4096+28672,16/48:4096+28672,8/32:1x16384,2/8:2x16384,16/32:1x4096,2/8:1x2048,16/32:4x8192} \
         --variants "${SEG_VARIANTS:-FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_SEGMENTS=16;FLASHQLA_TILELANG_SEGMENTS=32;FLASHQLA_TILELANG_SEGMENTS=64;FLASHQLA_TILELANG_SEGMENTS=128}"
     [ "${SEG_TRAIN:-1}" = 0 ] && continue
     TAIL=12 run_step "training forward+backward, segments off / auto" ${SEG_TRAIN_S:-120} python \

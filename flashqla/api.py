@@ -246,6 +246,20 @@ def _tilelang_backward_note(q, spec, varlen_meta) -> str:
                       explain=True)[1]
 
 
+def _tilelang_forward_note(q, spec, varlen_meta) -> str:
+    """Whether the tilelang forward splits its state walk into segments with a halo (in-kernel CP) for this call,
+    and why."""
+    from .backends.tilelang.ops import fwd_segment_plan
+    from .cp import _seq_bounds
+    _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
+    plan = fwd_segment_plan(lens, spec.Hv, spec.V, q.device)
+    if plan is None:
+        return ("state walk per (sequence, head): no segment split (enough walks, or too short to pay for a halo; "
+                "FLASHQLA_TILELANG_SEGMENTS)")
+    return (f"in-kernel CP: {plan.describe()}; each walk starts in a halo where the gates' decay bound allows "
+            "(decided on the device), else at its sequence start")
+
+
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *, state_layout="KV",
             varlen_meta=None, needs_grad: Optional[bool] = None, print_it: bool = False) -> Decision:
@@ -278,6 +292,11 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
                                       "(the op's default is off)")
         except Exception as exc:  # the plan is advice; never let it break explain()
             d.context_parallel = f"no plan ({type(exc).__name__}: {exc})"
+        if d.chosen == "tilelang":
+            try:
+                d.forward = _tilelang_forward_note(q, spec, meta)
+            except Exception as exc:  # advice too
+                d.forward = f"no plan ({type(exc).__name__}: {exc})"
         if d.chosen == "tilelang" and spec.needs_grad:
             try:
                 d.backward = _tilelang_backward_note(q, spec, meta)

@@ -1125,10 +1125,56 @@ def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_
 
 
 def _sim_fwd_ws(key, *args):
-    # the ws kernel's last two parameters: its (diagnostic) trace buffer, untouched unless built with trace,
-    # and the scores from stage 1 (pscores, key entry 17; a placeholder otherwise)
+    # the ws kernel's trailing parameters: its (diagnostic) trace buffer, untouched unless built with trace, the
+    # scores from stage 1 (pscores, key entry 17; a placeholder otherwise), and the segment tables (halo, key
+    # entry 19: the grid runs over segments, each walk starts at walk_from[n, h]; placeholders otherwise)
     pscores = len(key) > 16 and key[16]
-    return _sim_fwd(key, *args[:-2], scores=args[-1] if pscores else None)
+    scores = args[15] if pscores else None
+    if len(key) > 18 and key[18]:
+        return _sim_fwd_halo(key, *args[:14], scores, args[16], args[17])
+    return _sim_fwd(key, *args[:14], scores=scores)
+
+
+def _sim_fwd_halo(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio, scores, seg_table,
+                  walk_from):
+    # per segment n: every head walks from its own start chunk (zero state, or h0 at its sequence's first chunk)
+    # to the segment's end; only the segment's own chunks write o / h_out / vn_out, only a sequence's last
+    # segment writes ht.  Heads are walked together from the earliest start; a head's state is reset at its own
+    # start chunk
+    dt, K, V, BV, l2norm, has_h0, store_ht, save = key[:8]
+    Hv = o.shape[1]
+    for n in range(cu.shape[0] - 1):
+        seq, cs0, last = (int(x) for x in seg_table[n, :3])
+        c0, c1 = int(coff[n]), int(coff[n + 1])
+        wf = walk_from[n].long()
+        assert bool(((wf >= cs0) & (wf <= c0)).all()), (n, wf, cs0, c0)
+        start = int(wf.min()) if Hv else c0
+        # rows of chunk c: the segment's rows shifted back by whole chunks (halo chunks are whole)
+        # (a segment without chunks -- a length-0 sequence -- still hands h0 to ht)
+        S = h0[seq].clone() if has_h0 and start == cs0 else torch.zeros(Hv, K, V)
+        sub_cu = torch.tensor([int(cu[n]) - (c0 - start) * C, int(cu[n + 1])], dtype=torch.int32)
+        sub_co = torch.tensor([start, c1], dtype=torch.int32)
+        o_tmp = torch.zeros_like(o)
+        h_tmp = torch.zeros((max(c1, 1),) + tuple(h_out.shape[1:]), dtype=h_out.dtype) if save else h_out
+        v_tmp = torch.zeros((max(c1, 1),) + tuple(vn_out.shape[1:]), dtype=vn_out.dtype) if save else vn_out
+        for c in range(start, c1):
+            reset = wf == c
+            if bool(reset.any()):
+                init = h0[seq] if (has_h0 and c == cs0) else torch.zeros(Hv, K, V)
+                S = torch.where(reset[:, None, None], init, S)
+            one_cu = torch.tensor([int(sub_cu[0]) + (c - start) * C, int(cu[n + 1])], dtype=torch.int32)
+            one_co = torch.tensor([c, c + 1], dtype=torch.int32)
+            st = S.clone()[None]
+            ht_one = torch.empty(1, Hv, K, V)
+            _sim_fwd(key[:5] + (True, True, save) + key[8:], q, k, w, u, G, one_cu, one_co, st, o_tmp, ht_one,
+                     h_tmp, v_tmp, scale, ratio, scores=scores)
+            S = ht_one[0]
+        o[int(cu[n]):int(cu[n + 1])] = o_tmp[int(cu[n]):int(cu[n + 1])]
+        if save:
+            h_out[c0:c1] = h_tmp[c0:c1]
+            vn_out[c0:c1] = v_tmp[c0:c1]
+        if store_ht and last:
+            ht[seq] = S
 
 
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,

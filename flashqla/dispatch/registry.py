@@ -220,6 +220,7 @@ class Decision:
     candidates: list[Candidate]
     note: str = ""
     context_parallel: str = ""   # what the CP cost model decides for this call (filled in by explain())
+    forward: str = ""            # how the chosen backend would run the forward's state walk (filled in by explain())
     backward: str = ""           # which backward the chosen backend would run, and why (filled in by explain())
 
     def __str__(self) -> str:
@@ -228,6 +229,8 @@ class Decision:
                  f"chosen: {self.chosen or 'none'}"]
         if self.context_parallel:
             lines.append(f"context parallelism: {self.context_parallel}")
+        if self.forward:
+            lines.append(f"forward: {self.forward}")
         if self.backward:
             lines.append(f"backward: {self.backward}")
         width = max([len(c.name) for c in self.candidates] + [7])

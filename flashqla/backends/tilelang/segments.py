@@ -26,6 +26,7 @@ V-block whose modelled makespan is least, and splits only where that beats the w
 from __future__ import annotations
 
 import functools
+import heapq
 import math
 import os
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ NEGLIGIBLE_LOG_BOUND = -150.0
 MAX_HALO_CHUNKS = 64
 # halo chunks the plan assumes per segment (the benchmarks' gates need 3)
 PLAN_HALO_CHUNKS = 4
+# the least modelled gain worth a split, microseconds
+MIN_GAIN_US = 15.0
 # modelled time of one chunk step of the recurrence with the SMs busy, per V-block, in microseconds (H200,
 # session 16's forward grid less stage 1: 8/32 4x8192 at BV 128, ~0.34 ms for 128 chunks; session 8's profile
 # of 16/32 1x32768 at BV 32, 0.745 ms for 512; BV 64 interpolated)
@@ -79,61 +82,104 @@ def _segments_of(chunks: Sequence[int], seg: int) -> int:
     return sum(max(1, -(-c // seg)) for c in chunks)
 
 
-def _step(bv: int, walks: float, sms: int) -> float:
-    return STEP_US[bv] if walks >= 0.7 * sms else STEP_US_FEW[bv]
+def _step(bv: int, ctas: int, sms: int) -> float:
+    return STEP_US[bv] if ctas >= 0.7 * sms else STEP_US_FEW[bv]
+
+
+# the segment counts of the longest sequence the plan tries
+_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def _makespan(durations: list, sms: int) -> float:
+    """Greedy list scheduling in launch order (a CTA starts on the first SM that frees up)."""
+    if len(durations) <= sms:
+        return max(durations, default=0.0)
+    free = [0.0] * sms
+    heapq.heapify(free)
+    end = 0.0
+    for d in durations:
+        t = heapq.heappop(free) + d
+        end = max(end, t)
+        heapq.heappush(free, t)
+    return end
+
+
+def _walk_chunks(chunks: Sequence[int], seg: int, halo: int) -> list:
+    """Per segment (in launch order) the chunks its walk takes: its own and the halo (none for a first one)."""
+    out = []
+    for c in chunks:
+        parts = max(1, -(-c // seg))
+        base, extra = divmod(c, parts)
+        for p in range(parts):
+            out.append(base + (1 if p < extra else 0) + (min(halo, p * base) if p else 0))
+    return out
+
+
+def _estimate(chunks: Sequence[int], seg: int, Hv: int, V: int, bv: int, sms: int, halo: int) -> float:
+    walks = _walk_chunks(chunks, seg, halo)
+    ctas = len(walks) * Hv * (V // bv)
+    if ctas > 3 * sms:
+        return math.inf
+    step = _step(bv, ctas, sms)
+    # one CTA per (segment, head, V-block); the heads and V-blocks of a segment launch together
+    durations = [w * step for w in walks for _ in range(Hv * (V // bv))]
+    return _makespan(durations, sms)
+
+
+_PLANS: dict = {}
 
 
 def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: int,
                  forced: Optional[str] = None) -> Optional[SegmentPlan]:
     """The split of sequences of ``lengths`` tokens for ``Hv`` value heads on ``sms`` SMs, or None (no split).
 
-    For each V-block the plan takes the shortest segment length with every (segment, head, V-block) walk
-    resident at once (one CTA per SM), and models the recurrence as (longest segment + halo) chunk steps;
-    it splits when the best of those beats the longest sequence's walk at ``plain_bv`` by 15%.  ``forced``:
-    :func:`mode`'s value."""
+    The model: one CTA per (segment, head, V-block), one CTA per SM, CTAs start in launch order on the first
+    free SM (list scheduling), a CTA takes (its chunks + halo) chunk steps of ``STEP_US`` at its V-block.  It
+    tries cutting the longest sequence in 2..64 segments (the others in segments of the same length) at every
+    V-block and splits when the best beats the walk as it is (at ``plain_bv``) by 15%.  Plans are cached per
+    (lengths, heads, SMs).  ``forced``: :func:`mode`'s value."""
     forced = mode() if forced is None else forced
-    chunks = [-(-int(n) // CHUNK) for n in lengths]
+    chunks = tuple(-(-int(n) // CHUNK) for n in lengths)
     longest = max(chunks, default=0)
     if forced == "off" or longest <= 1 or Hv <= 0:
         return None
-    plain = longest * _step(plain_bv, Hv * len(chunks) * V / plain_bv, sms)
+    key = (chunks, Hv, V, sms, plain_bv, forced)
+    if key in _PLANS:
+        return _PLANS[key]
+    plain = _estimate(chunks, longest, Hv, V, plain_bv, sms, 0)
+    plan = None
     if forced != "auto":
         seg = int(forced)
         nseg = _segments_of(chunks, seg)
         bv = plain_bv_for(Hv * nseg, V, sms)
-        est = (min(seg, longest) + PLAN_HALO_CHUNKS) * _step(bv, Hv * nseg * V / bv, sms)
-        return SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks "
+        est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS)
+        plan = SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks "
                            f"(FLASHQLA_TILELANG_SEGMENTS), {nseg} segments at BV {bv}")
-    best = None
-    for bv in (128, 64, 32):
-        if V % bv:
-            continue
-        per_walk = V // bv
-        cap = sms // (Hv * per_walk)         # walks of this V-block that fit one wave, per head
-        if cap < len(chunks):
-            continue
-        # the shortest segment length whose segments fit: segment counts fall as the length grows
-        lo, hi = 1, longest
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if _segments_of(chunks, mid) <= cap:
-                hi = mid
-            else:
-                lo = mid + 1
-        seg = lo
-        if seg >= longest:
-            continue
-        nseg = _segments_of(chunks, seg)
-        est = (seg + PLAN_HALO_CHUNKS) * _step(bv, Hv * nseg * per_walk, sms)
-        if best is None or est < best[0]:
-            best = (est, seg, bv, nseg)
-    if best is None or best[0] > 0.85 * plain:
-        return None
-    est, seg, bv, nseg = best
-    return SegmentPlan(seg, bv, nseg, est, plain,
-                       f"split: {nseg} segments of <= {seg} chunks at BV {bv} ({Hv * nseg * (V // bv)} CTAs on "
-                       f"{sms} SMs), modelled {est:.0f} us against {plain:.0f} us for the "
-                       f"{longest}-chunk walk at BV {plain_bv}")
+    elif Hv * len(chunks) * V / 128 < 0.7 * sms or plain_bv < 128:
+        # (a call with a walk per SM at whole V-blocks already has nothing to gain)
+        best = None
+        for bv in (128, 64, 32):
+            if V % bv:
+                continue
+            for parts in _SPLITS[1:]:
+                seg = -(-longest // parts)
+                if seg < 1 or (parts > 1 and seg == longest):
+                    continue
+                est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS)
+                if best is None or est < best[0]:
+                    best = (est, seg, bv)
+        # (and by MIN_GAIN_US: a split adds the halo search's launch and host work)
+        if best is not None and best[0] <= 0.85 * plain and plain - best[0] >= MIN_GAIN_US:
+            est, seg, bv = best
+            nseg = _segments_of(chunks, seg)
+            plan = SegmentPlan(seg, bv, nseg, est, plain,
+                               f"split: {nseg} segments of <= {seg} chunks at BV {bv} ({Hv * nseg * (V // bv)} "
+                               f"CTAs on {sms} SMs), modelled {est:.0f} us against {plain:.0f} us for the "
+                               f"{longest}-chunk walk at BV {plain_bv}")
+    if len(_PLANS) > 256:
+        _PLANS.clear()
+    _PLANS[key] = plan
+    return plan
 
 
 def plain_bv_for(walks: float, V: int, sms: int) -> int:
