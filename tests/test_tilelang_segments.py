@@ -55,12 +55,13 @@ def test_segment_plan_splits_few_long_walks_only(monkeypatch):
     assert "segments" in p.describe()
     p = sg.segment_plan([32768], 32, 128, 132, 32)
     assert p is not None and 32 * p.num_segments * (128 // p.bv) <= 132
-    # unequal lengths: the long one is cut, every walk still fits one wave
+    # unequal lengths: the long one is cut (run 1: 64-chunk segments in two waves beat 150-chunk ones in one)
     p = sg.segment_plan([28672, 4096], 32, 128, 132, 32)
-    assert p is not None and 32 * p.num_segments * (128 // p.bv) <= 132
+    assert p is not None and p.seg_chunks <= 150 and 32 * p.num_segments * (128 // p.bv) <= 3 * 132
     # enough walks already, or too short to pay for a halo
     assert sg.segment_plan([8192] * 4, 32, 128, 132, 128) is None
     assert sg.segment_plan([300, 300], 4, 128, 132, 32) is None
+    assert sg.segment_plan([2048], 8, 128, 132, 32) is None        # run 1: no gain at 32 chunks
     assert sg.segment_plan([64], 1, 128, 132, 32) is None
     assert sg.segment_plan([], 4, 128, 132, 32) is None
 

@@ -42,12 +42,15 @@ MAX_HALO_CHUNKS = 64
 PLAN_HALO_CHUNKS = 4
 # the least modelled gain worth a split, microseconds
 MIN_GAIN_US = 15.0
-# modelled time of one chunk step of the recurrence with the SMs busy, per V-block, in microseconds (H200,
-# session 16's forward grid less stage 1: 8/32 4x8192 at BV 128, ~0.34 ms for 128 chunks; session 8's profile
-# of 16/32 1x32768 at BV 32, 0.745 ms for 512; BV 64 interpolated)
-STEP_US = {128: 2.7, 64: 1.9, 32: 1.46}
-# and with few walks (the recurrence alone at 2/8 1x32768, BV 32: 0.598 ms for 512 chunks; the others guessed)
-STEP_US_FEW = {128: 2.2, 64: 1.5, 32: 1.17}
+# modelled time of one chunk step of the recurrence, per V-block, in microseconds, with the SMs busy (H200,
+# session 17 run 1, benchmarks/results/h200_2026-12-04_session17_README.md: BV 128 split walks, 0.419 ms for
+# 132 chunk steps at 16/32 1x32768 and 0.117 for ~36 at 2/8; BV 64, 1.007 ms for 512 at 16/64; BV 32, 0.744
+# for 512 at 16/32)
+STEP_US = {128: 3.2, 64: 1.95, 32: 1.45}
+# and with few CTAs (BV 32: 0.599 ms for 512 chunks at 2/8 1x32768; the others guessed)
+STEP_US_FEW = {128: 2.6, 64: 1.6, 32: 1.17}
+# what a split adds besides its walks: the halo search's launch (~5-8 us, run 2)
+SPLIT_FIXED_US = 8.0
 
 
 def mode() -> str:
@@ -87,7 +90,7 @@ def _step(bv: int, ctas: int, sms: int) -> float:
 
 
 # the segment counts of the longest sequence the plan tries
-_SPLITS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+_SPLITS = (1,) + tuple(range(2, 17)) + (20, 24, 28, 32, 40, 48, 56, 64)
 
 
 def _makespan(durations: list, sms: int) -> float:
@@ -117,12 +120,19 @@ def _walk_chunks(chunks: Sequence[int], seg: int, halo: int) -> list:
 
 def _estimate(chunks: Sequence[int], seg: int, Hv: int, V: int, bv: int, sms: int, halo: int) -> float:
     walks = _walk_chunks(chunks, seg, halo)
-    ctas = len(walks) * Hv * (V // bv)
+    per_seg = Hv * (V // bv)
+    ctas = len(walks) * per_seg
     if ctas > 3 * sms:
         return math.inf
     step = _step(bv, ctas, sms)
+    longest, shortest = max(walks), min(walks)
+    if ctas <= sms:
+        return longest * step
+    if longest <= 1.25 * shortest:
+        # (nearly equal walks: whole waves; the list scheduling below costs ~0.1 ms per candidate)
+        return -(-ctas // sms) * longest * step
     # one CTA per (segment, head, V-block); the heads and V-blocks of a segment launch together
-    durations = [w * step for w in walks for _ in range(Hv * (V // bv))]
+    durations = [w * step for w in walks for _ in range(per_seg)]
     return _makespan(durations, sms)
 
 
@@ -135,9 +145,10 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
 
     The model: one CTA per (segment, head, V-block), one CTA per SM, CTAs start in launch order on the first
     free SM (list scheduling), a CTA takes (its chunks + halo) chunk steps of ``STEP_US`` at its V-block.  It
-    tries cutting the longest sequence in 2..64 segments (the others in segments of the same length) at every
-    V-block and splits when the best beats the walk as it is (at ``plain_bv``) by 15%.  Plans are cached per
-    (lengths, heads, SMs).  ``forced``: :func:`mode`'s value."""
+    tries cutting the longest sequence in 2..64 segments (the others in segments of the same length) at each
+    V-block (128 or 64; split walks are many, where BV 32 loses) and splits when the best beats the walk as it is
+    (at ``plain_bv``) by 10% and ``MIN_GAIN_US``.  Plans are cached per (lengths, heads, SMs): a new shape costs
+    0.2-1.6 ms of host time here.  ``forced``: :func:`mode`'s value."""
     forced = mode() if forced is None else forced
     chunks = tuple(-(-int(n) // CHUNK) for n in lengths)
     longest = max(chunks, default=0)
@@ -152,24 +163,24 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
         seg = int(forced)
         nseg = _segments_of(chunks, seg)
         bv = plain_bv_for(Hv * nseg, V, sms)
-        est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS)
+        est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS) + SPLIT_FIXED_US
         plan = SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks "
                            f"(FLASHQLA_TILELANG_SEGMENTS), {nseg} segments at BV {bv}")
     elif Hv * len(chunks) * V / 128 < 0.7 * sms or plain_bv < 128:
         # (a call with a walk per SM at whole V-blocks already has nothing to gain)
         best = None
-        for bv in (128, 64, 32):
+        for bv in (128, 64):
             if V % bv:
                 continue
             for parts in _SPLITS[1:]:
                 seg = -(-longest // parts)
                 if seg < 1 or (parts > 1 and seg == longest):
                     continue
-                est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS)
+                est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS) + SPLIT_FIXED_US
                 if best is None or est < best[0]:
                     best = (est, seg, bv)
         # (and by MIN_GAIN_US: a split adds the halo search's launch and host work)
-        if best is not None and best[0] <= 0.85 * plain and plain - best[0] >= MIN_GAIN_US:
+        if best is not None and best[0] <= 0.9 * plain and plain - best[0] >= MIN_GAIN_US:
             est, seg, bv = best
             nseg = _segments_of(chunks, seg)
             plan = SegmentPlan(seg, bv, nseg, est, plain,
@@ -294,40 +305,38 @@ def _kernel():
 
     @triton.jit
     def walk_start_kernel(k_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, tab_ptr, out_ptr, threshold, max_halo,
-                          stride_kt, stride_kh, stride_gt, stride_bt, Hqk: tl.constexpr, RATIO: tl.constexpr,
-                          Hv: tl.constexpr, K: tl.constexpr, HV_P: tl.constexpr, L2: tl.constexpr,
-                          C: tl.constexpr):
-        # one program per segment: back from the segment start a chunk at a time, the running bound per head;
-        # a head's walk starts at the first chunk count whose sum is under the threshold, else (none within
-        # max_halo, or a NaN) at the sequence's first chunk
+                          stride_kt, stride_kh, stride_gt, stride_bt, Hv, RATIO: tl.constexpr,
+                          R_P: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, C: tl.constexpr):
+        # one program per (segment, query/key head) and its RATIO value heads: back from the segment start a
+        # chunk at a time, the running bound per head; a head's walk starts at the first chunk count whose sum
+        # is under the threshold, else (none within max_halo, or a NaN) at the sequence's first chunk.  (Looping
+        # over the key heads inside one program serialised a [64, K] load per head and chunk: 30-70 us.)
         e = tl.program_id(0)
+        hq = tl.program_id(1)
         bos = tl.load(cu_ptr + e)
         c0 = tl.load(co_ptr + e)
         cs0 = tl.load(tab_ptr + 4 * e + 1)
-        hv = tl.arange(0, HV_P)
-        hmask = hv < Hv
+        r = tl.arange(0, R_P)
+        hv = hq * RATIO + r
+        hmask = r < RATIO
         rows = tl.arange(0, C)
+        cols = tl.arange(0, K)
         lim = tl.minimum(c0 - cs0, max_halo)
-        start = tl.zeros((HV_P,), tl.int32) + cs0
-        found = hv >= Hv                       # padding heads count as found
-        cum = tl.zeros((HV_P,), tl.float32)
+        start = tl.zeros((R_P,), tl.int32) + cs0
+        found = r >= RATIO                     # padding heads count as found
+        cum = tl.zeros((R_P,), tl.float32)
         m = 1
-        while (m <= lim) & (tl.sum(found.to(tl.int32), axis=0) < HV_P):
+        while (m <= lim) & (tl.sum(found.to(tl.int32), axis=0) < R_P):
             tok = bos - m * C + rows
             g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=hmask[None, :], other=0.0)
             b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=hmask[None, :], other=0.0)
             g = g.to(tl.float32)
             b = b.to(tl.float32)
             if L2:
-                kap = tl.full((C, HV_P), 1.0, tl.float32)
+                bk = b
             else:
-                kap = tl.zeros((C, HV_P), tl.float32)
-                cols = tl.arange(0, K)
-                for hq in range(Hqk):
-                    kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :]).to(tl.float32)
-                    sq = tl.sum(kt * kt, axis=1)
-                    kap = tl.where((hv // RATIO == hq)[None, :], sq[:, None], kap)
-            bk = b * kap
+                kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :]).to(tl.float32)
+                bk = b * tl.sum(kt * kt, axis=1)[:, None]
             f = tl.abs(1.0 - bk) + 0.02 * tl.abs(bk)
             ell = g + tl.log(tl.maximum(f, 1.0))
             cum += tl.sum(tl.where(hmask[None, :], ell, 0.0), axis=0)
@@ -355,9 +364,9 @@ def walk_starts(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: int =
     out = torch.empty(tables.num_segments, Hv, dtype=torch.int32, device=g.device)
     if tables.num_segments == 0:
         return out
-    hv_p = triton.next_power_of_2(Hv)
-    _kernel()[(tables.num_segments,)](
+    ratio = Hv // Hqk
+    _kernel()[(tables.num_segments, Hqk)](
         k, g, beta, tables.cu_seqlens, tables.chunk_offsets, tables.seg_table, out, float(threshold),
-        int(max_halo), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), Hqk=Hqk, RATIO=Hv // Hqk, Hv=Hv,
-        K=K, HV_P=hv_p, L2=bool(l2norm), C=CHUNK, num_warps=4 if hv_p <= 32 else 8)
+        int(max_halo), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), Hv, RATIO=ratio,
+        R_P=triton.next_power_of_2(ratio), K=K, L2=bool(l2norm), C=CHUNK, num_warps=4)
     return out
