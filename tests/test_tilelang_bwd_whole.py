@@ -363,11 +363,12 @@ def test_whole_kernel_hw_ex2_lowers():
 
 
 def test_hw_ex2_switch_and_keys(monkeypatch):
-    """``FLASHQLA_TILELANG_EX2``: off by default (the kernels' keys as before), ``approx`` adds the flag at its
-    builder position in the whole backward's, stage 1's and the ws recurrence's keys."""
+    """``FLASHQLA_TILELANG_EX2``: ``auto`` (default) takes ex2.approx in the whole backward only (its GPU tests pass
+    with it, session 17), ``exp2f`` nowhere (the keys as before session 16), ``approx`` also in stage 1 and the ws
+    recurrence, the flag at its builder position in each key."""
     from flashqla.backends.tilelang import _compile, ops
     monkeypatch.delenv("FLASHQLA_TILELANG_EX2", raising=False)
-    assert ops.hw_ex2() is False
+    assert ops.hw_ex2("bwd_whole") is True and ops.hw_ex2() is False
 
     def keys():
         with _compile.record_keys() as rec:
@@ -376,13 +377,19 @@ def test_hw_ex2_switch_and_keys(monkeypatch):
             ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 128, fused=True)
         return {name: key for name, _, key in rec}
 
-    default = keys()
-    assert default["bwd_whole_sm90"] == ("bfloat16", "bfloat16", 128, 128, False, False)
+    auto = keys()
+    monkeypatch.setenv("FLASHQLA_TILELANG_EX2", "exp2f")
+    assert ops.hw_ex2("bwd_whole") is False and ops.hw_ex2() is False
+    plain = keys()
+    assert plain["bwd_whole_sm90"] == ("bfloat16", "bfloat16", 128, 128, False, False)
+    assert auto["bwd_whole_sm90"] == plain["bwd_whole_sm90"] + (False, None, True)
+    assert auto["fwd_intra_tb_sm90"] == plain["fwd_intra_tb_sm90"]
+    assert auto["fwd_recurrent_ws_sm90"] == plain["fwd_recurrent_ws_sm90"]
     monkeypatch.setenv("FLASHQLA_TILELANG_EX2", "approx")
     assert ops.hw_ex2() is True
     fast = keys()
-    assert fast["bwd_whole_sm90"] == default["bwd_whole_sm90"] + (False, None, True)
-    assert fast["fwd_intra_tb_sm90"] == default["fwd_intra_tb_sm90"] + (False, False, 128, True)
+    assert fast["bwd_whole_sm90"] == auto["bwd_whole_sm90"]
+    assert fast["fwd_intra_tb_sm90"] == plain["fwd_intra_tb_sm90"] + (False, False, 128, True)
     assert fast["fwd_recurrent_ws_sm90"][-1] is True and len(fast["fwd_recurrent_ws_sm90"]) == 18
     monkeypatch.setenv("FLASHQLA_TILELANG_EX2", "fast")
     with pytest.raises(ValueError, match="FLASHQLA_TILELANG_EX2"):
