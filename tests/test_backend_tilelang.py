@@ -1031,6 +1031,49 @@ def dt_of(t):
     return t.dtype
 
 
+def _sim_bwd_state_ws(key, *args):
+    # the ws kernel's trailing parameters: the backward segment tables (halo, key entry 8: the grid runs over
+    # segments, each gradient walk starts at walk_end[n, h]; placeholders otherwise)
+    if len(key) > 7 and key[7]:
+        return _sim_bwd_state_halo(key[:7], *args)
+    return _sim_bwd_state(key[:7], *args[:13])
+
+
+def _sim_bwd_state_halo(key, q, k, w, G, do, cu, coff, dht, dh_out, dvn_out, dh0, scale, ratio, seg_table,
+                        walk_end):
+    # per segment n: every head walks back from its own end chunk (dS = 0, or dht at its sequence's end chunk)
+    # to the segment's start; only the segment's own chunks write dh / dv_new, only a sequence's first segment
+    # writes dh0; rows are masked by the sequence's end.  One chunk at a time through _sim_bwd_state.
+    dt, K, V, BV, l2norm, has_dht, need_dh0 = key
+    Hv = do.shape[1]
+    for n in range(cu.shape[0] - 1):
+        seq, ce, first, seq_eos = (int(x) for x in seg_table[n])
+        c0, c1 = int(coff[n]), int(coff[n + 1])
+        we = walk_end[n].long()
+        assert bool(((we >= c1) & (we <= ce)).all()), (n, we, c1, ce)
+        end = int(we.max()) if Hv else c1
+        dS = dht[seq].clone() if has_dht and end == ce else torch.zeros(Hv, K, V)
+        for c in range(end - 1, c0 - 1, -1):
+            reset = we == c + 1
+            if bool(reset.any()):
+                init = dht[seq] if (has_dht and c + 1 == ce) else torch.zeros(Hv, K, V)
+                dS = torch.where(reset[:, None, None], init, dS)
+            bos = int(cu[n]) + (c - c0) * C
+            one_cu = torch.tensor([bos, seq_eos], dtype=torch.int32)
+            one_co = torch.tensor([c, c + 1], dtype=torch.int32)
+            dh_tmp = torch.zeros((c + 1,) + tuple(dh_out.shape[1:]), dtype=dh_out.dtype)
+            dv_tmp = torch.zeros((c + 1,) + tuple(dvn_out.shape[1:]), dtype=dvn_out.dtype)
+            out = torch.empty(1, Hv, K, V)
+            _sim_bwd_state((dt, K, V, BV, l2norm, True, True), q, k, w, G, do, one_cu, one_co, dS[None].clone(),
+                           dh_tmp, dv_tmp, out, scale, ratio)
+            if c < c1:
+                dh_out[c] = dh_tmp[c]
+                dvn_out[c] = dv_tmp[c]
+            dS = out[0]
+        if need_dh0 and first:
+            dh0[seq] = dS
+
+
 def _sim_bwd_dqk(key, q, k, do, G, h, vn, dh, dvn, cu, cidx, dq_out, dkp_out, dw_out, dG_out, scale, ratio):
     dt, K, V, l2norm = key
     NT, Hv = do.shape[0], do.shape[1]
@@ -1179,7 +1222,7 @@ def _sim_fwd_halo(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale,
 
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
-               "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state,
+               "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state_ws,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy,
                "bwd_whole_sm90": _sim_bwd_whole}
 

@@ -84,7 +84,8 @@ def test_list_shows_every_variant(tmp_path, capsys):
                             ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=True, pscores=True, halo=halo)
             for fl in itertools.product((False, True), repeat=3):
                 for bv in ops.BWD_WS_BVS:
-                    ops.bwd_state_ws_kernel(dt, 128, 128, *fl, bv)
+                    for halo in (False, True):
+                        ops.bwd_state_ws_kernel(dt, 128, 128, *fl, bv, halo)
             for a in (False, True):
                 ops.bwd_dqk_kernel(dt, 128, 128, a)
     want = {(n, repr(k)) for n, _, k in rec}

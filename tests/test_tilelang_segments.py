@@ -43,6 +43,9 @@ def test_segment_tables():
     assert t.chunk_offsets.tolist() == [0, 2, 3, 3, 5, 7, 8]
     assert t.seg_table.tolist() == [[0, 0, 0, 0], [0, 0, 1, 0], [1, 3, 1, 0], [2, 3, 0, 0], [2, 3, 0, 0],
                                     [2, 3, 1, 0]]
+    # the backward's table: (sequence, its end chunk, is-first, its end token)
+    assert t.seg_table_bwd.tolist() == [[0, 3, 1, 130], [0, 3, 0, 130], [1, 3, 1, 130], [2, 8, 1, 430],
+                                        [2, 8, 0, 430], [2, 8, 0, 430]]
     assert t.num_segments == 6 and t.split_seqs == 2
     assert sg.segment_tables([130, 0, 300], 2, "cpu") is t      # cached
 
@@ -91,9 +94,10 @@ def _packed(lengths, Hqk, Hv, K, gate="logsigmoid", seed=0, normalize=True):
     return k, g, beta
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("gate", ["logsigmoid", "strong", "zero", "mixed", "nan"])
 @pytest.mark.parametrize("l2norm", [False, True])
-def test_walk_starts_kernel_matches_ref(gate, l2norm):
+def test_walk_starts_kernel_matches_ref(gate, l2norm, reverse):
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
         pytest.skip("needs the Triton interpreter or a GPU")
     dev = "cuda" if torch.cuda.is_available() else "cpu"
@@ -108,10 +112,24 @@ def test_walk_starts_kernel_matches_ref(gate, l2norm):
         g[1000, 3] = float("nan")           # one poisoned token: no halo across it for that head
     t = sg.segment_tables(lengths, 3, dev)
     k, g, beta = k.to(dev), g.to(dev), beta.to(dev)
-    ref = sg.walk_starts_ref(k, g, beta, t, l2norm, max_halo=16)
-    got = sg.walk_starts(k, g, beta, t, l2norm, max_halo=16, force_kernel=True)
+    ref = sg.walk_starts_ref(k, g, beta, t, l2norm, max_halo=16, reverse=reverse)
+    got = sg.walk_starts(k, g, beta, t, l2norm, max_halo=16, force_kernel=True, reverse=reverse)
     assert torch.equal(got.cpu(), ref.cpu())
     co = t.chunk_offsets.cpu()
+    if reverse:
+        # every end lies between the segment's end chunk and the sequence's; a last segment ends at its own
+        tb = t.seg_table_bwd.cpu()
+        ref = ref.cpu()
+        assert bool(((ref >= co[1:, None]) & (ref <= tb[:, 1:2])).all())
+        last = co[1:] == tb[:, 1]
+        assert bool((ref[last] == co[1:][last][:, None]).all())
+        if gate == "zero":
+            assert bool((ref == tb[:, 1:2]).all())
+        if gate == "strong":
+            assert bool(((ref[:, -1] - co[1:]) <= 1).all())
+        if gate == "mixed":
+            assert bool((ref[:, 1] == tb[:, 1]).all())
+        return
     tab = t.seg_table.cpu()
     ref = ref.cpu()
     # every start lies between the sequence's first chunk and the segment's
@@ -168,6 +186,48 @@ def test_halo_walk_reaches_the_true_start_state(gate):
     assert halo_used > 0, "no walk started past its sequence start: the test checked nothing"
 
 
+def _grads_at(k, q, do, g, beta, dS_end, t0, t1):
+    # the state-gradient recurrence of one head in float64 over tokens [t0, t1), backwards from dS_end (its
+    # state-independent terms reduced to q_t do_t^T, which is all the halo argument needs)
+    dS = dS_end.clone()
+    for t in range(t1 - 1, t0 - 1, -1):
+        kt = k[t]
+        dS = dS + torch.outer(q[t], do[t])
+        dS = math.exp(g[t]) * (dS - beta[t] * torch.outer(kt, kt @ dS))
+    return dS
+
+
+@pytest.mark.parametrize("gate", ["logsigmoid", "strong"])
+def test_backward_halo_walk_reaches_the_true_end_gradient(gate):
+    # the backward's halo: each segment's gradient walk from zero at its end chunk reaches the segment's end with
+    # the true state gradient to within exp(-150) of its size
+    lengths = [64 * 12 + 9, 64 * 7]
+    Hqk, Hv, K, V = 1, 2, 16, 8
+    k, g, beta = _packed(lengths, Hqk, Hv, K, gate, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    NT = sum(lengths)
+    q = torch.randn(NT, K, generator=gen).double()
+    do = torch.randn(NT, Hv, V, generator=gen).double()
+    t = sg.segment_tables(lengths, 2, "cpu")
+    ends = sg.walk_starts_ref(k, g, beta, t, False, reverse=True)
+    cu, co, tb = t.cu_seqlens.tolist(), t.chunk_offsets.tolist(), t.seg_table_bwd.tolist()
+    kd, gd, bd = k.double()[:, 0], g.double(), beta.double()
+    used = 0
+    for e in range(t.num_segments):
+        seq_eos, ce = tb[e][3], tb[e][1]
+        for h in range(Hv):
+            we = int(ends[e, h])
+            t_end = cu[e + 1]
+            t_to = min(t_end + (we - co[e + 1]) * 64, seq_eos)
+            zero = torch.zeros(K, V, dtype=torch.float64)
+            true = _grads_at(kd, q, do[:, h], gd[:, h], bd[:, h], zero, t_end, seq_eos)
+            halo = _grads_at(kd, q, do[:, h], gd[:, h], bd[:, h], zero, t_end, t_to)
+            err = (true - halo).abs().max().item()
+            assert err <= 1e-60 * max(1.0, true.abs().max().item()), (e, h, we, err)
+            used += we < ce
+    assert used > 0, "no walk ended before its sequence end: the test checked nothing"
+
+
 # ---- the kernel variant ------------------------------------------------------------------------------------
 
 @pytest.mark.compile
@@ -200,6 +260,26 @@ def test_halo_kernel_lowers_for_sm90a(args):
     assert "walk_from" in src and "seg_table" in src
 
 
+@pytest.mark.compile
+@pytest.mark.parametrize("args", [("bfloat16", 128, 128, 64, False, True, True, True),
+                                  ("float16", 128, 128, 32, True, False, True, True)], ids=["bv64-dht", "bv32-l2"])
+def test_backward_halo_kernel_lowers_for_sm90a(args):
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_state_ws_sm90 import build_bwd_state_ws
+    from test_backend_tilelang import assert_wgmma_pipelined, resource_usage
+
+    kern = tilelang.compile(build_bwd_state_ws(*args), out_idx=None, target=TARGET)
+    src = kern.get_kernel_source()
+    assert "wgmma" in src and ("tma_load" in src or "cp.async.bulk.tensor" in src)
+    usage = resource_usage(kern)
+    assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
+    assert_wgmma_pipelined(kern, str(args))
+    assert "walk_end" in src and "seg_table" in src
+
+
 def test_halo_is_in_the_compile_key_only_when_on():
     from flashqla.backends.tilelang import ops
     from flashqla.backends.tilelang._compile import record_keys
@@ -208,6 +288,10 @@ def test_halo_is_in_the_compile_key_only_when_on():
         ops.fwd_ws_kernel(torch.bfloat16, 128, 128, False, False, True, False, 128, fused=True, halo=True)
     plain, halo = rec[0][2], rec[1][2]
     assert halo[:len(plain)] == plain and halo[-1] is True and len(halo) > len(plain)
+    with record_keys() as rec:
+        ops.bwd_state_ws_kernel(torch.bfloat16, 128, 128, False, True, True, 64)
+        ops.bwd_state_ws_kernel(torch.bfloat16, 128, 128, False, True, True, 64, True)
+    assert rec[0][2] == ("bfloat16", 128, 128, 64, False, True, True) and rec[1][2] == rec[0][2] + (True,)
 
 
 # ---- on the GPU --------------------------------------------------------------------------------------------
@@ -304,6 +388,13 @@ def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
                 if name in ref:
                     errs[name] = rel_l2(t, ref[name])
     assert "fwd_recurrent_ws_sm90" in simulated_kernels
+    if grads:
+        # the backward's gradient walk is split too (its tables and walk ends come from the forward)
+        assert aux["bwd_split"] is not None and "bwd_state_ws_sm90" in simulated_kernels
+        bv, tables, ends = aux["bwd_split"]
+        assert tables.num_segments > len(case.seqlens or [0] * case.B)
+        co = tables.chunk_offsets
+        assert bool((ends.cpu() > co[1:, None].cpu()).any()), "no gradient walk ran a halo"
     tol = TOLERANCES["bfloat16"]
     bad = {n: e for n, e in errs.items() if not e <= tol[n]}
     assert not bad, (bad, errs)

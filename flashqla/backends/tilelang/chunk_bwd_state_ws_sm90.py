@@ -39,6 +39,15 @@ measured no gain (1.632 vs 1.624 ms at 16/32 x 32k, 1.645 vs 1.662 at 4/8; ``ben
 h200_2026-12-03_s11run1_sweep_bwd_opts.json``), so the chain step is not spent waiting on those, and the option
 was removed.
 
+``halo`` (in-kernel context parallelism, the backward of :mod:`flashqla.backends.tilelang.segments`): the grid's
+last axis runs over segments (``cu_seqlens`` / ``chunk_offsets`` are the segments' boundaries) and each walk
+starts past its segment's end: ``seg_table[n] = (sequence, the sequence's end chunk, is-first, the sequence's
+end token)`` and ``walk_end[n, h]``, the global chunk (exclusive) the gradient chain starts from, between the
+segment's end and the sequence's.  The chunks between (the halo) run from ``dS = 0`` (from ``dht`` when the halo
+reaches the sequence end) and store nothing; row masks use the sequence's end; only a sequence's first segment
+writes ``dh0``.  The decay bound that sizes the halo is the forward's (the chain's map is the transpose of the
+forward's).
+
 Shared memory (K = V = 128, 16-bit, as compiled for sm_90a; each ring slot holds q, k, w 16 KB each, the dO
 tile, G and the row factors): BV = 32: ~141 KB (2 slots); BV = 64: ~177 KB.  One CTA per SM either way.
 """
@@ -47,7 +56,8 @@ CHUNK = 64
 L2_EPS = 1e-6
 
 
-def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: bool, need_dh0: bool):
+def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dht: bool, need_dh0: bool,
+                       halo: bool = False):
     import tilelang.language as T
 
     from ._common import make_l2_row_factors_ring, symbolic_sizes
@@ -57,6 +67,10 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
     DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
     D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
+    if halo:
+        # dht / dh0 stay per sequence while the grid runs over segments
+        DTN, D0N = T.dynamic("DTN"), T.dynamic("D0N")
+    SGN, WEN, WEH = (NS, NS, Hv) if halo else T.dynamic("SGN, WEN, WEH")
     assert V % BV == 0
     big = BV > 64
     R = 2       # ring slots
@@ -79,6 +93,8 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
         dh0: T.Tensor((D0N, D0H, K, V), acc),
         scale: T.float32,
         ratio: T.int32,
+        seg_table: T.Tensor((SGN, 4), "int32"),
+        walk_end: T.Tensor((WEN, WEH), "int32"),
     ):
         with T.Kernel(V // BV, Hv, NS, threads=384) as (bv, h, n):
             q_s = T.alloc_shared((R, C, K), dtype)
@@ -115,27 +131,46 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
             tx = T.get_thread_binding()
             hq = h // ratio
             bos0 = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
             c0 = chunk_offsets[n]
             nchunks = chunk_offsets[n + 1] - c0
             v0 = bv * BV
+            if halo:
+                seq = seg_table[n, 0]
+                eos = seg_table[n, 3]
+                nhalo = walk_end[n, h] - (c0 + nchunks)
+                from_dht = walk_end[n, h] == seg_table[n, 1]
+                is_first = seg_table[n, 2] != 0
+            else:
+                eos = cu_seqlens[n + 1]
+                nhalo = 0
+            nwalk = nchunks + nhalo if halo else nchunks
 
             if tx < 128:
                 # ---- gradient chain ----
                 if big:
                     T.set_max_nreg(240, 1)
                 if has_dht:
-                    T.copy(dht[n, h, :, v0:v0 + BV], dS_f)
+                    if halo:
+                        # a halo that reaches the sequence end walks from dht (no approximation at all)
+                        if from_dht:
+                            T.copy(dht[seq, h, :, v0:v0 + BV], dS_f)
+                        else:
+                            T.clear(dS_f)
+                    else:
+                        T.copy(dht[n, h, :, v0:v0 + BV], dS_f)
                 else:
                     T.clear(dS_f)
-                for i in T.serial(nchunks):
+                for i in T.serial(nwalk):
                     s = i % R
-                    ci = nchunks - 1 - i
+                    # halo: ci >= nchunks for the halo's chunks, past the segment's end
+                    ci = nwalk - 1 - i
                     bos = bos0 + ci * C
+                    real = i >= nhalo if halo else True
                     T.barrier_wait(ready[s], (i // R) % 2)
                     T.copy(dS_f, dS_s)
                     T.fence_proxy_async()
-                    T.copy(dS_s, dh_out[c0 + ci, h, :, v0:v0 + BV])
+                    if real:
+                        T.copy(dS_s, dh_out[c0 + ci, h, :, v0:v0 + BV])
                     T.gemm(k_s[s, :, :], dS_s, a1_f, clear_accum=True)
                     T.barrier_wait(aux_ready, i % 2)
                     if l2norm:
@@ -150,7 +185,8 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
                     for r, j in T.Parallel(C, BV):
                         ndvn_s[r, j] = -a1_f[r, j]
                     T.fence_proxy_async()
-                    T.copy(dvn_s, dvn_out[c0 + ci, h, :, v0:v0 + BV])
+                    if real:
+                        T.copy(dvn_s, dvn_out[c0 + ci, h, :, v0:v0 + BV])
                     glast[0] = T.exp(G_s[s, C - 1])
                     for a, b in T.Parallel(K, BV):
                         dS_f[a, b] = dS_f[a, b] * glast[0]
@@ -159,14 +195,18 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
                     T.barrier_arrive(aux_free)
                     T.barrier_arrive(free[s])
                 if need_dh0:
-                    T.copy(dS_f, dh0[n, h, :, v0:v0 + BV])
+                    if halo:
+                        if is_first:
+                            T.copy(dS_f, dh0[seq, h, :, v0:v0 + BV])
+                    else:
+                        T.copy(dS_f, dh0[n, h, :, v0:v0 + BV])
             elif tx < 256:
                 # ---- state-free terms ----
                 if big:
                     T.set_max_nreg(208, 1)
-                for i in T.serial(nchunks):
+                for i in T.serial(nwalk):
                     s = i % R
-                    ci = nchunks - 1 - i
+                    ci = nwalk - 1 - i
                     bos = bos0 + ci * C
                     T.barrier_wait(ready[s], (i // R) % 2)
                     if l2norm:
@@ -203,9 +243,9 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
                 if big:
                     T.set_max_nreg(40, 0)
                 if tx < 288:
-                    for i in T.serial(nchunks):
+                    for i in T.serial(nwalk):
                         s = i % R
-                        ci = nchunks - 1 - i
+                        ci = nwalk - 1 - i
                         bos = bos0 + ci * C
                         T.barrier_wait(free[s], (i // R + 1) % 2)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s[s, :, :], barrier=ready[s])

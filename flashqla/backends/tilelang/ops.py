@@ -264,9 +264,9 @@ def bwd_state_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV=BWD_BV):
                       (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0)))
 
 
-def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV):
+def bwd_state_ws_kernel(dtype, K, V, l2norm, has_dht, need_dh0, BV, halo=False):
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_dht), bool(need_dh0))
-    return get_kernel("bwd_state_ws_sm90", build_bwd_state_ws, key)
+    return get_kernel("bwd_state_ws_sm90", build_bwd_state_ws, _key(key, (bool(halo), False)))
 
 
 def bwd_variant() -> str:
@@ -443,6 +443,9 @@ class FwdResult:
     k: Optional[torch.Tensor] = None
     v: Optional[torch.Tensor] = None
     beta: Optional[torch.Tensor] = None
+    # the backward's split of its gradient walk, decided with the forward (it needs g, which is not saved):
+    # (V-block, segments.SegmentTables, walk ends [NSEG, Hv] int32), or None
+    bwd_split: Optional[tuple] = None
 
 
 def _meta_bvs(NS, Hv, V, dev) -> tuple:
@@ -457,6 +460,17 @@ def seq_lengths(varlen, B: int, T: int) -> list:
         c = varlen.cu_seqlens_cpu
         return [c[i + 1] - c[i] for i in range(len(c) - 1)]
     return [T] * B
+
+
+def bwd_segment_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device):
+    """The split of the backward's gradient walk (``bwd_state_ws`` with a halo, :mod:`.segments`) for this call,
+    or None: only where the split backward runs (not the whole-V kernel, not ``serial``)."""
+    meta = ChunkMeta.of_lengths(lengths)
+    if bwd_choice(meta, Hv, K, V, l2norm, device)[0] != "ws":
+        return None
+    sms = detect(device).sm_count or 132
+    plain_bv = min(fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, V, device), BWD_WS_BVS[-1])
+    return segments.segment_plan(lengths, Hv, V, sms, plain_bv, backward=True)
 
 
 def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = None):
@@ -561,13 +575,22 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores)(
             *fwd_args, _trace_arg(dev), scores, *no_halo)
 
+    bwd_split = None
+    if save and dev.type != "meta" and variant != "serial":
+        lengths = seq_lengths(varlen, B, T)
+        bplan = bwd_segment_plan(lengths, Hv, K, V, l2norm, dev)
+        if bplan is not None:
+            tables = segments.segment_tables(lengths, bplan.seg_chunks, dev)
+            bv_b = (min(fwd_ws_bv(bplan.num_segments, Hv, V, dev), BWD_WS_BVS[-1])
+                    if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else bplan.bv)
+            bwd_split = (bv_b, tables, segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
-                     qf, kf, vf, bf)
+                     qf, kf, vf, bf, bwd_split)
 
 
 def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: float, l2norm: bool,
-             has_h0: bool, do, dht):
+             has_h0: bool, do, dht, bwd_split: Optional[tuple] = None):
     """Gradients from the forward's saved tensors (flattened q/k/v/beta, chunk-major w, G, X, chunk
     states hs and v_new).  Returns (dq, dk, dv, dg, dbeta, dh0 or None) in the input shapes: dq, dk and dv
     in the inputs' dtype, dbeta in beta's, dg and dh0 in fp32.  The kernels accumulate in fp32 and round
@@ -597,14 +620,22 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
     dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
     state_args = (q, k, w, G, dof, meta.cu_seqlens, meta.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio)
+    no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
     if variant == "serial":
         bwd_state_kernel(dt, K, V, l2norm, has_dht, has_h0)(*state_args)
     elif dev.type == "meta":
         for bv in BWD_WS_BVS:
-            bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
+            for halo in (False, True):
+                bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv, halo)(*state_args, *no_halo)
+    elif bwd_split is not None:
+        # segments with a halo past each one's end (see .segments; the split was decided with the forward)
+        bv, tables, ends = bwd_split
+        bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv, True)(
+            q, k, w, G, dof, tables.cu_seqlens, tables.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio,
+            tables.seg_table_bwd, ends)
     else:
         bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
-        bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args)
+        bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args, *no_halo)
 
     dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
     dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)

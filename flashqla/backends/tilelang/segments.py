@@ -85,7 +85,14 @@ def _segments_of(chunks: Sequence[int], seg: int) -> int:
     return sum(max(1, -(-c // seg)) for c in chunks)
 
 
-def _step(bv: int, ctas: int, sms: int) -> float:
+# the backward's gradient walk (``chunk_bwd_state_ws``): ~3.2 us per chunk step whatever the number of CTAs
+# (latency-bound, its docstring; sessions 10-11 at BV 32), BV 64 guessed
+STEP_BWD_US = {64: 3.8, 32: 3.2}
+
+
+def _step(bv: int, ctas: int, sms: int, steps=None) -> float:
+    if steps is not None:
+        return steps[bv]
     return STEP_US[bv] if ctas >= 0.7 * sms else STEP_US_FEW[bv]
 
 
@@ -118,13 +125,14 @@ def _walk_chunks(chunks: Sequence[int], seg: int, halo: int) -> list:
     return out
 
 
-def _estimate(chunks: Sequence[int], seg: int, Hv: int, V: int, bv: int, sms: int, halo: int) -> float:
+def _estimate(chunks: Sequence[int], seg: int, Hv: int, V: int, bv: int, sms: int, halo: int,
+              steps=None) -> float:
     walks = _walk_chunks(chunks, seg, halo)
     per_seg = Hv * (V // bv)
     ctas = len(walks) * per_seg
     if ctas > 3 * sms:
         return math.inf
-    step = _step(bv, ctas, sms)
+    step = _step(bv, ctas, sms, steps)
     longest, shortest = max(walks), min(walks)
     if ctas <= sms:
         return longest * step
@@ -140,7 +148,7 @@ _PLANS: dict = {}
 
 
 def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: int,
-                 forced: Optional[str] = None) -> Optional[SegmentPlan]:
+                 forced: Optional[str] = None, backward: bool = False) -> Optional[SegmentPlan]:
     """The split of sequences of ``lengths`` tokens for ``Hv`` value heads on ``sms`` SMs, or None (no split).
 
     The model: one CTA per (segment, head, V-block), one CTA per SM, CTAs start in launch order on the first
@@ -148,35 +156,40 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
     tries cutting the longest sequence in 2..64 segments (the others in segments of the same length) at each
     V-block (128 or 64; split walks are many, where BV 32 loses) and splits when the best beats the walk as it is
     (at ``plain_bv``) by 10% and ``MIN_GAIN_US``.  Plans are cached per (lengths, heads, SMs): a new shape costs
-    0.2-1.6 ms of host time here.  ``forced``: :func:`mode`'s value."""
+    0.2-1.6 ms of host time here.  ``forced``: :func:`mode`'s value.  ``backward``: the split of the backward's
+    gradient walk (``STEP_BWD_US``, V-blocks 64 and 32, one split for both directions' env switch)."""
     forced = mode() if forced is None else forced
     chunks = tuple(-(-int(n) // CHUNK) for n in lengths)
     longest = max(chunks, default=0)
     if forced == "off" or longest <= 1 or Hv <= 0:
         return None
-    key = (chunks, Hv, V, sms, plain_bv, forced)
+    key = (chunks, Hv, V, sms, plain_bv, forced, backward)
     if key in _PLANS:
         return _PLANS[key]
-    plain = _estimate(chunks, longest, Hv, V, plain_bv, sms, 0)
+    steps = STEP_BWD_US if backward else None
+    bvs = (64, 32) if backward else (128, 64)
+    plain = _estimate(chunks, longest, Hv, V, plain_bv, sms, 0, steps)
     plan = None
     if forced != "auto":
         seg = int(forced)
         nseg = _segments_of(chunks, seg)
         bv = plain_bv_for(Hv * nseg, V, sms)
-        est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS) + SPLIT_FIXED_US
+        if backward:
+            bv = min(bv, 64)
+        est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS, steps) + SPLIT_FIXED_US
         plan = SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks "
                            f"(FLASHQLA_TILELANG_SEGMENTS), {nseg} segments at BV {bv}")
-    elif Hv * len(chunks) * V / 128 < 0.7 * sms or plain_bv < 128:
-        # (a call with a walk per SM at whole V-blocks already has nothing to gain)
+    elif backward or Hv * len(chunks) * V / 128 < 0.7 * sms or plain_bv < 128:
+        # (a forward with a walk per SM at whole V-blocks already has nothing to gain)
         best = None
-        for bv in (128, 64):
+        for bv in bvs:
             if V % bv:
                 continue
             for parts in _SPLITS[1:]:
                 seg = -(-longest // parts)
                 if seg < 1 or (parts > 1 and seg == longest):
                     continue
-                est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS) + SPLIT_FIXED_US
+                est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS, steps) + SPLIT_FIXED_US
                 if best is None or est < best[0]:
                     best = (est, seg, bv)
         # (and by MIN_GAIN_US: a split adds the halo search's launch and host work)
@@ -207,6 +220,7 @@ class SegmentTables:
     cu_seqlens: torch.Tensor        # int32 [NSEG + 1]: the segments' token boundaries
     chunk_offsets: torch.Tensor     # int32 [NSEG + 1]: their first chunks
     seg_table: torch.Tensor         # int32 [NSEG, 4]: (sequence, its first chunk, is-last, 0)
+    seg_table_bwd: torch.Tensor     # int32 [NSEG, 4]: (sequence, its end chunk, is-first, its end token)
     num_segments: int
     split_seqs: int                 # sequences cut in more than one segment
 
@@ -240,13 +254,16 @@ def segment_tables(lengths: Sequence[int], seg_chunks: int, device) -> SegmentTa
     t = _TABLES.get(key)
     if t is not None:
         return t
-    cu, co, tab = [0], [0], []
+    cu, co, tab, tab_b = [0], [0], [], []
     split = 0
     seq_c0 = 0
     for s, segs in enumerate(split_lengths(lengths, seg_chunks)):
         split += len(segs) > 1
+        seq_c1 = seq_c0 + sum(-(-n // CHUNK) for n in segs)
+        seq_eos = cu[-1] + sum(segs)
         for p, n in enumerate(segs):
             tab.append((s, seq_c0, int(p == len(segs) - 1), 0))
+            tab_b.append((s, seq_c1, int(p == 0), seq_eos))
             cu.append(cu[-1] + n)
             co.append(co[-1] + -(-n // CHUNK))
         seq_c0 = co[-1]
@@ -259,7 +276,7 @@ def segment_tables(lengths: Sequence[int], seg_chunks: int, device) -> SegmentTa
             t = t.to(device)
         return t
 
-    t = SegmentTables(up(cu), up(co), up(tab).reshape(-1, 4), len(tab), split)
+    t = SegmentTables(up(cu), up(co), up(tab).reshape(-1, 4), up(tab_b).reshape(-1, 4), len(tab), split)
     if len(_TABLES) > 64:
         _TABLES.clear()
     _TABLES[key] = t
@@ -267,10 +284,11 @@ def segment_tables(lengths: Sequence[int], seg_chunks: int, device) -> SegmentTa
 
 
 def walk_starts_ref(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: int = MAX_HALO_CHUNKS,
-                    threshold: float = NEGLIGIBLE_LOG_BOUND) -> torch.Tensor:
+                    threshold: float = NEGLIGIBLE_LOG_BOUND, reverse: bool = False) -> torch.Tensor:
     """``[NSEG, Hv]`` int32: per segment and value head the global chunk its walk starts from (torch ops; the
     CPU path and the oracle of :func:`walk_starts`).  ``k [NT, Hqk, K]``, ``g`` / ``beta`` ``[NT, Hv]``
-    (packed rows)."""
+    (packed rows).  ``reverse`` (the backward's gradient walk): the chunk its walk *ends* at (exclusive), past
+    the segment's end, or the sequence's end chunk."""
     from ...cp_bounds import token_log_bound
 
     dev = g.device
@@ -287,14 +305,24 @@ def walk_starts_ref(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: i
     NC = int(co[-1]) if nseg else 0
     sums = torch.zeros(max(NC, 1), Hv, dtype=torch.float64, device=dev).index_add_(0, chunk, ell[:NT])
     m = torch.arange(1, max_halo + 1, device=dev)
-    c0 = co[:-1]
-    back = c0[:, None] - m[None, :]                                  # [NSEG, M]: the m-th chunk before
-    valid = m[None, :] <= (c0 - cs0)[:, None]
-    cum = torch.where(valid[..., None], sums[back.clamp(min=0)], torch.zeros((), dtype=sums.dtype, device=dev))
+    if reverse:
+        c1 = co[1:]
+        ce = tables.seg_table_bwd.to(dev)[:, 1].long()
+        at = c1[:, None] + m[None, :] - 1                             # [NSEG, M]: the m-th chunk after
+        valid = m[None, :] <= (ce - c1)[:, None]
+        edge, last = c1, ce
+    else:
+        c0 = co[:-1]
+        at = c0[:, None] - m[None, :]                                 # [NSEG, M]: the m-th chunk before
+        valid = m[None, :] <= (c0 - cs0)[:, None]
+        edge, last = c0, cs0
+    cum = torch.where(valid[..., None], sums[at.clamp(min=0, max=max(NC - 1, 0))],
+                      torch.zeros((), dtype=sums.dtype, device=dev))
     cum = cum.cumsum(1)
     hit = (cum <= threshold) & valid[..., None]                       # NaN compares false
     first = torch.where(hit.any(1), hit.int().argmax(1) + 1, torch.zeros((), dtype=torch.long, device=dev))
-    start = torch.where(first > 0, c0[:, None] - first, cs0[:, None].expand(-1, Hv))
+    sign = 1 if reverse else -1
+    start = torch.where(first > 0, edge[:, None] + sign * first, last[:, None].expand(-1, Hv))
     return start.to(torch.int32)
 
 
@@ -306,42 +334,62 @@ def _kernel():
     @triton.jit
     def walk_start_kernel(k_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, tab_ptr, out_ptr, threshold, max_halo,
                           stride_kt, stride_kh, stride_gt, stride_bt, Hv, RATIO: tl.constexpr,
-                          R_P: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, C: tl.constexpr):
+                          R_P: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, C: tl.constexpr,
+                          REVERSE: tl.constexpr):
         # one program per (segment, query/key head) and its RATIO value heads: back from the segment start a
         # chunk at a time, the running bound per head; a head's walk starts at the first chunk count whose sum
         # is under the threshold, else (none within max_halo, or a NaN) at the sequence's first chunk.  (Looping
         # over the key heads inside one program serialised a [64, K] load per head and chunk: 30-70 us.)
+        # (REVERSE, the backward's walk: forward from the segment's end; tab is then the backward table, whose
+        # second column is the sequence's end chunk and fourth its end token, which masks a partial last chunk)
         e = tl.program_id(0)
         hq = tl.program_id(1)
-        bos = tl.load(cu_ptr + e)
-        c0 = tl.load(co_ptr + e)
-        cs0 = tl.load(tab_ptr + 4 * e + 1)
+        if REVERSE:
+            bos = tl.load(cu_ptr + e + 1)
+            c0 = tl.load(co_ptr + e + 1)
+            cs0 = tl.load(tab_ptr + 4 * e + 1)
+            seq_eos = tl.load(tab_ptr + 4 * e + 3)
+        else:
+            bos = tl.load(cu_ptr + e)
+            c0 = tl.load(co_ptr + e)
+            cs0 = tl.load(tab_ptr + 4 * e + 1)
+            seq_eos = bos
         r = tl.arange(0, R_P)
         hv = hq * RATIO + r
         hmask = r < RATIO
         rows = tl.arange(0, C)
         cols = tl.arange(0, K)
-        lim = tl.minimum(c0 - cs0, max_halo)
+        lim = tl.minimum(tl.abs(c0 - cs0), max_halo)
         start = tl.zeros((R_P,), tl.int32) + cs0
         found = r >= RATIO                     # padding heads count as found
         cum = tl.zeros((R_P,), tl.float32)
         m = 1
         while (m <= lim) & (tl.sum(found.to(tl.int32), axis=0) < R_P):
-            tok = bos - m * C + rows
-            g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=hmask[None, :], other=0.0)
-            b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=hmask[None, :], other=0.0)
+            if REVERSE:
+                tok = bos + (m - 1) * C + rows
+                tmask = tok < seq_eos
+            else:
+                tok = bos - m * C + rows
+                tmask = tok >= 0
+            mask2 = tmask[:, None] & hmask[None, :]
+            g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=mask2, other=0.0)
+            b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=mask2, other=0.0)
             g = g.to(tl.float32)
             b = b.to(tl.float32)
             if L2:
                 bk = b
             else:
-                kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :]).to(tl.float32)
+                kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :], mask=tmask[:, None],
+                             other=0.0).to(tl.float32)
                 bk = b * tl.sum(kt * kt, axis=1)[:, None]
             f = tl.abs(1.0 - bk) + 0.02 * tl.abs(bk)
             ell = g + tl.log(tl.maximum(f, 1.0))
-            cum += tl.sum(tl.where(hmask[None, :], ell, 0.0), axis=0)
+            cum += tl.sum(tl.where(mask2, ell, 0.0), axis=0)
             hit = (cum <= threshold) & (~found)
-            start = tl.where(hit, c0 - m, start)
+            if REVERSE:
+                start = tl.where(hit, c0 + m, start)
+            else:
+                start = tl.where(hit, c0 - m, start)
             found = found | hit
             m += 1
         tl.store(out_ptr + e * Hv + hv, start, mask=hmask)
@@ -350,23 +398,25 @@ def _kernel():
 
 
 def walk_starts(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: int = MAX_HALO_CHUNKS,
-                threshold: float = NEGLIGIBLE_LOG_BOUND, force_kernel: bool = False) -> torch.Tensor:
+                threshold: float = NEGLIGIBLE_LOG_BOUND, force_kernel: bool = False,
+                reverse: bool = False) -> torch.Tensor:
     """:func:`walk_starts_ref` in one Triton launch on CUDA (``force_kernel``: also elsewhere, for the
     interpreter tests).  ``k [NT, Hqk, K]``, ``g [NT, Hv]`` fp32, ``beta [NT, Hv]``, all with unit last stride."""
     K = k.shape[-1]
     if not (k.is_cuda or force_kernel) or K & (K - 1):
-        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold)
+        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold, reverse)
     try:
         import triton
     except ImportError:         # (torch's CUDA wheels ship it; the ref runs on the device too)
-        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold)
+        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold, reverse)
     Hqk, Hv = k.shape[1], g.shape[1]
     out = torch.empty(tables.num_segments, Hv, dtype=torch.int32, device=g.device)
     if tables.num_segments == 0:
         return out
     ratio = Hv // Hqk
     _kernel()[(tables.num_segments, Hqk)](
-        k, g, beta, tables.cu_seqlens, tables.chunk_offsets, tables.seg_table, out, float(threshold),
-        int(max_halo), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), Hv, RATIO=ratio,
-        R_P=triton.next_power_of_2(ratio), K=K, L2=bool(l2norm), C=CHUNK, num_warps=4)
+        k, g, beta, tables.cu_seqlens, tables.chunk_offsets, tables.seg_table_bwd if reverse else tables.seg_table,
+        out, float(threshold), int(max_halo), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), Hv,
+        RATIO=ratio, R_P=triton.next_power_of_2(ratio), K=K, L2=bool(l2norm), C=CHUNK, REVERSE=bool(reverse),
+        num_warps=4)
     return out
