@@ -241,9 +241,14 @@ def _tilelang_backward_note(q, spec, varlen_meta) -> str:
     ``varlen_meta`` is the one ``validate`` returned (None: B sequences of T tokens)."""
     from .backends.tilelang.ops import ChunkMeta, bwd_choice
     from .cp import _seq_bounds
+    from .backends.tilelang.ops import bwd_segment_plan
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
-    return bwd_choice(ChunkMeta.of_lengths(lens), spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device,
+    note = bwd_choice(ChunkMeta.of_lengths(lens), spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device,
                       explain=True)[1]
+    plan = bwd_segment_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)
+    if plan is not None:
+        note += f"; its gradient walk in-kernel CP: {plan.describe()}"
+    return note
 
 
 def _tilelang_forward_note(q, spec, varlen_meta) -> str:

@@ -70,6 +70,20 @@ def test_segment_plan_splits_few_long_walks_only(monkeypatch):
 
 
 def test_segment_mode_env(monkeypatch):
+    # the backward's split: off by default, "auto" follows the forward's setting, a number forces it
+    monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS", raising=False)
+    assert sg.mode() == "auto" and sg.mode(backward=True) == "off"
+    assert sg.segment_plan([32768], 8, 128, 132, 32, backward=True) is None
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
+    assert sg.segment_plan([32768], 8, 128, 132, 32, backward=True) is not None
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "7")
+    assert sg.mode(backward=True) == "7"
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "3")
+    assert sg.mode(backward=True) == "3"
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "off")
+    assert sg.mode(backward=True) == "off"
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS")
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "off")
     assert sg.segment_plan([32768], 8, 128, 132, 32) is None
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "5")
@@ -315,6 +329,7 @@ _GPU_SEG_CASES = [
 def _oracle_run(case, grads, seg, monkeypatch):
     from flashqla.testing import run_case
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", seg)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")    # (the backward's split follows)
     return run_case(flashqla.chunk_gated_delta_rule, case, "tilelang", torch.bfloat16, "cuda", grads=grads,
                     exact_fp32=False, seed=0)
 
@@ -375,6 +390,7 @@ def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
     # oracle (and the gradients through the states the split forward saved)
     from flashqla.testing import TOLERANCES, poisoned_outputs
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "1")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
     be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=grads)
     with poisoned_outputs("cpu"):
@@ -398,3 +414,25 @@ def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
     tol = TOLERANCES["bfloat16"]
     bad = {n: e for n, e in errs.items() if not e <= tol[n]}
     assert not bad, (bad, errs)
+
+
+def test_explain_notes(monkeypatch):
+    # explain()'s forward note (the split of the forward walk) and the backward note's gradient-walk split
+    from types import SimpleNamespace
+
+    from flashqla.api import _tilelang_backward_note, _tilelang_forward_note
+    monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS", raising=False)
+    spec = SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False)
+    q = torch.empty(1, 32768, 2, 128)
+    note = _tilelang_forward_note(q, spec, None)
+    assert note.startswith("in-kernel CP: split: 16 segments"), note
+    assert _tilelang_forward_note(torch.empty(4, 8192, 8, 128), SimpleNamespace(Hv=32, K=128, V=128), None) \
+        .startswith("state walk per (sequence, head): no segment split")
+    assert "gradient walk" not in _tilelang_backward_note(q, spec, None)          # off by default
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
+    assert "its gradient walk in-kernel CP: split: " in _tilelang_backward_note(q, spec, None)
+    d = flashqla.explain(*(torch.randn(1, 64, 2, 128) for _ in range(3)), torch.zeros(1, 64, 2),
+                         torch.ones(1, 64, 2))
+    d.forward = "in-kernel CP: why"
+    assert "forward: in-kernel CP: why" in str(d)

@@ -53,19 +53,29 @@ STEP_US_FEW = {128: 2.6, 64: 1.6, 32: 1.17}
 SPLIT_FIXED_US = 8.0
 
 
-def mode() -> str:
-    """``auto``, ``off`` or a forced segment length in chunks (``FLASHQLA_TILELANG_SEGMENTS``)."""
-    raw = os.environ.get("FLASHQLA_TILELANG_SEGMENTS", "auto").strip().lower() or "auto"
-    if raw in ("auto", "off"):
-        return raw
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"FLASHQLA_TILELANG_SEGMENTS must be 'auto', 'off' or a segment length in chunks (>= 1), "
-                         f"got {raw!r}")
-    return str(n)
+def mode(backward: bool = False) -> str:
+    """``auto``, ``off`` or a forced segment length in chunks: ``FLASHQLA_TILELANG_SEGMENTS`` (default auto),
+    and for the backward's gradient walk ``FLASHQLA_TILELANG_BWD_SEGMENTS`` (default off until its GPU tests have
+    run; ``auto`` follows the forward's setting), which ``FLASHQLA_TILELANG_SEGMENTS=off`` also turns off."""
+    def read(name, default):
+        raw = os.environ.get(name, default).strip().lower() or default
+        if raw in ("auto", "off"):
+            return raw
+        try:
+            n = int(raw)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise ValueError(f"{name} must be 'auto', 'off' or a segment length in chunks (>= 1), got {raw!r}")
+        return str(n)
+
+    fwd = read("FLASHQLA_TILELANG_SEGMENTS", "auto")
+    if not backward:
+        return fwd
+    bwd = read("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
+    if fwd == "off" or bwd == "off":
+        return "off"
+    return fwd if bwd == "auto" else bwd
 
 
 @dataclass(frozen=True)
@@ -158,7 +168,7 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
     (at ``plain_bv``) by 10% and ``MIN_GAIN_US``.  Plans are cached per (lengths, heads, SMs): a new shape costs
     0.2-1.6 ms of host time here.  ``forced``: :func:`mode`'s value.  ``backward``: the split of the backward's
     gradient walk (``STEP_BWD_US``, V-blocks 64 and 32, one split for both directions' env switch)."""
-    forced = mode() if forced is None else forced
+    forced = mode(backward) if forced is None else forced
     chunks = tuple(-(-int(n) // CHUNK) for n in lengths)
     longest = max(chunks, default=0)
     if forced == "off" or longest <= 1 or Hv <= 0:
