@@ -21,6 +21,13 @@ Cost.  The halo's chunks run the state chain only (no output), ~3 chunks per seg
 gates (``logsigmoid(randn)``: ~-0.8 per token).  The plan (:func:`segment_plan`) fills the SMs once at the
 V-block whose modelled makespan is least, and splits only where that beats the walk as it is.
 ``FLASHQLA_TILELANG_SEGMENTS``: ``auto`` (default), ``off``, or a segment length in chunks (forced).
+
+Backward.  The split backward's gradient walk (``chunk_bwd_state_ws`` with ``halo``) is cut the same way and
+walks a halo *past* each segment's end from ``dS = 0`` (its map is the transpose of the forward's, with the same
+bound), or from ``dht`` at the sequence end.  The walk ends come from the same device pass looking forward
+(``walk_starts(reverse=True)``), run with the forward because g is not saved for the backward.  Session 17:
+CPU-tested (lowering, host simulation, float64 exactness), not yet on a GPU, so ``FLASHQLA_TILELANG_BWD_SEGMENTS``
+is ``off`` by default.
 """
 
 from __future__ import annotations
