@@ -137,6 +137,30 @@ def test_forward_both_paths(monkeypatch, fuse):
     assert all(e <= FWD_TOL for e in res.errors.values()), res.errors
 
 
+@pytest.mark.parametrize("tune", ["fwd.fuse=0,serial.seg=1", "fwd.fuse=1,fwd.tb=1,serial.seg=2",
+                                  "fwd.fuse=0,state.t=1,state.bv=64,serial.seg=1",
+                                  "fwd.fuse=1,fused.t=1,fused.bv=32,serial.seg=1"],
+                         ids=["unfused", "fused_tb", "transposed", "transposed_fused"])
+@pytest.mark.parametrize("grads", [False, True], ids=["fwd", "fwdbwd"])
+def test_forward_walk_in_segments_with_halo(monkeypatch, tune, grads):
+    # serial.seg: the forward walk (and the backward's recompute) cut into segments, each starting in a halo
+    # before it (backends/tilelang/segments.py); strong gates give halos of a chunk or two, zero gates none (the
+    # walk starts at the sequence start), h0 only where a walk starts there
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune + ",output.bv=64")
+    from flashqla.backends.triton import ops as tops
+    calls = []
+    real = tops.segment_split
+    monkeypatch.setattr(tops, "segment_split", lambda *a, **kw: calls.append(real(*a, **kw)) or calls[-1])
+    for case in (Case("seg_strong", 1, 2, 64, 64, seqlens=(64 * 5 + 3, 1, 0, 130), gate="strong"),
+                 Case("seg_zero_l2", 1, 2, 64, 64, B=2, T=64 * 3 + 7, gate="zero", l2norm=True)):
+        res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=grads)
+        assert res.ok if grads else all(e <= FWD_TOL for e in res.errors.values()), (case.name, res.errors)
+    splits = [c for c in calls if c is not None]
+    assert splits, "no call was split"
+    tables, starts = splits[0]
+    assert bool((starts.cpu() > tables.seg_table.cpu()[:, 1:2]).any()), "no walk started in a halo"
+
+
 @pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64,bstate.t=1,bstate.bv=64",
                                   "fwd.fuse=1,fused.t=1,fused.bv=32,bstate.t=1"],
                          ids=["transposed_state", "transposed_fused"])

@@ -245,53 +245,38 @@ def test_backward_halo_walk_reaches_the_true_end_gradient(gate):
 # ---- the kernel variant ------------------------------------------------------------------------------------
 
 @pytest.mark.compile
-@pytest.mark.parametrize("args", [
-    # fused inference forward at BV 128 (psplit, ostage), its pscores form at BV 32 with L2 norm and h0, and the
-    # training forward (states saved) at BV 64
-    ("bfloat16", 128, 128, 128, False, False, True, False, 0, 0, True, True, False, False, True, True, False,
-     False, True),
-    ("bfloat16", 128, 128, 32, True, True, True, False, 0, 0, True, False, False, False, True, True, True, False,
-     True),
-    ("float16", 128, 128, 64, True, True, True, True, 0, 0, True, True, False, False, False, True, False, False,
-     True),
-], ids=["fused-bv128", "pscores-bv32-l2-h0", "train-bv64-fp16"])
-def test_halo_kernel_lowers_for_sm90a(args):
+@pytest.mark.parametrize("kind,args", [
+    # the forward: fused inference at BV 128 (psplit, ostage), its pscores form at BV 32 with L2 norm and h0, and
+    # the training forward (states saved) at BV 64
+    ("fwd", ("bfloat16", 128, 128, 128, False, False, True, False, 0, 0, True, True, False, False, True, True, False,
+             False, True)),
+    ("fwd", ("bfloat16", 128, 128, 32, True, True, True, False, 0, 0, True, False, False, False, True, True, True,
+             False, True)),
+    ("fwd", ("float16", 128, 128, 64, True, True, True, True, 0, 0, True, True, False, False, False, True, False,
+             False, True)),
+    # the backward's gradient walk, with dht at BV 64 and with the L2 norm at BV 32
+    ("bwd", ("bfloat16", 128, 128, 64, False, True, True, True)),
+    ("bwd", ("float16", 128, 128, 32, True, False, True, True)),
+], ids=["fwd-fused-bv128", "fwd-pscores-bv32-l2-h0", "fwd-train-bv64-fp16", "bwd-bv64-dht", "bwd-bv32-l2"])
+def test_halo_kernels_lower_for_sm90a(kind, args):
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here")
     import tilelang
     from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_state_ws_sm90 import build_bwd_state_ws
     from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
     from test_backend_tilelang import assert_wgmma_pipelined, resource_usage
 
-    kern = tilelang.compile(build_fwd_ws(*args), out_idx=None, target=TARGET)
+    builder = build_fwd_ws if kind == "fwd" else build_bwd_state_ws
+    kern = tilelang.compile(builder(*args), out_idx=None, target=TARGET)
     src = kern.get_kernel_source()
     assert "wgmma" in src and ("tma_load" in src or "cp.async.bulk.tensor" in src)
     usage = resource_usage(kern)
     print(usage)
     assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
     assert_wgmma_pipelined(kern, str(args))
-    # the walk's start and the segment's sequence come from the two tables
-    assert "walk_from" in src and "seg_table" in src
-
-
-@pytest.mark.compile
-@pytest.mark.parametrize("args", [("bfloat16", 128, 128, 64, False, True, True, True),
-                                  ("float16", 128, 128, 32, True, False, True, True)], ids=["bv64-dht", "bv32-l2"])
-def test_backward_halo_kernel_lowers_for_sm90a(args):
-    if not HAVE_TILELANG:
-        pytest.skip("tilelang is not importable here")
-    import tilelang
-    from flashqla.backends.tilelang._compile import TARGET
-    from flashqla.backends.tilelang.chunk_bwd_state_ws_sm90 import build_bwd_state_ws
-    from test_backend_tilelang import assert_wgmma_pipelined, resource_usage
-
-    kern = tilelang.compile(build_bwd_state_ws(*args), out_idx=None, target=TARGET)
-    src = kern.get_kernel_source()
-    assert "wgmma" in src and ("tma_load" in src or "cp.async.bulk.tensor" in src)
-    usage = resource_usage(kern)
-    assert "LOCAL:0" in usage or "unavailable" in usage, f"register spills: {usage}"
-    assert_wgmma_pipelined(kern, str(args))
-    assert "walk_end" in src and "seg_table" in src
+    # each walk's start (forward) or end (backward) and the segment's sequence come from the two tables
+    assert ("walk_from" if kind == "fwd" else "walk_end") in src and "seg_table" in src
 
 
 def test_halo_is_in_the_compile_key_only_when_on():

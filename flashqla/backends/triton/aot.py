@@ -23,7 +23,7 @@ import tempfile
 SMEM_LIMIT = {80: 99 * 1024, 86: 99 * 1024, 89: 99 * 1024, 90: 227 * 1024}
 _PTR_FP32 = {"g_ptr", "beta_ptr", "G_ptr", "h0_ptr", "ht_ptr", "dht_ptr", "dh0_ptr", "dq_ptr", "dk_ptr", "dka_ptr",
              "dGa_ptr", "dbeta_ptr", "dg_ptr"}
-_PTR_I32 = {"cu_ptr", "cidx_ptr", "coff_ptr", "ord_ptr"}
+_PTR_I32 = {"cu_ptr", "cidx_ptr", "coff_ptr", "ord_ptr", "seg_ptr", "walk_ptr"}
 _SCALAR_F32 = {"scale"}
 _DT = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 
@@ -75,8 +75,12 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
     for tb in (False, True):
         out.append(("state+output (fused" + (", Tb)" if tb else ")"), chunk_state.chunk_state_fwd_kernel,
                     dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True, TRANSPOSED=False,
-                         FROM_TB=tb, ORDERED=False),
+                         FROM_TB=tb, ORDERED=False, HALO=False),
                     launch))
+    # the walk in segments with a halo (ops.segment_split, serial.seg), fused Tb and unfused
+    out.append(("state+output (fused, Tb, halo)", chunk_state.chunk_state_fwd_kernel,
+                dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=False, FUSE_OUTPUT=True, TRANSPOSED=False,
+                     FROM_TB=True, ORDERED=False, HALO=True), launch))
     for bv_state in (16, 32, 64):     # 16: the Tb form on the fewest programs (ops._state_bv)
         bv, launch = cfg("state", bv_state)
         # 2 stages, and the 3 that ops._state_stages picks at bv 32 when the programs fit one per SM
@@ -85,8 +89,12 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
                 out.append((f"state ({'Tb, ' if tb else ''}bv={bv}, stages={stages})",
                             chunk_state.chunk_state_fwd_kernel,
                             dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False,
-                                 TRANSPOSED=False, FROM_TB=tb, ORDERED=False),
+                                 TRANSPOSED=False, FROM_TB=tb, ORDERED=False, HALO=False),
                             dict(launch, num_stages=stages)))
+    bv, launch = cfg("state", 32)
+    out.append(("state (halo)", chunk_state.chunk_state_fwd_kernel,
+                dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False, TRANSPOSED=False,
+                     FROM_TB=False, ORDERED=False, HALO=True), launch))
     bv, launch = cfg("output", 64 if ieee else V)
     out.append(("output", chunk_output.chunk_output_kernel, dict(feat, BV=bv), launch))
     # the state gradient as ops._bstate_cfg launches it: BV 16 / 32 on 4 warps with 2 or 3 stages, BV 64 on 8 warps;
@@ -106,7 +114,7 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
     bv, launch = cfg("state", 32)
     out.append(("state (longest first)", chunk_state.chunk_state_fwd_kernel,
                 dict(feat, BV=bv, HAS_H0=True, STORE_HT=True, STORE_H=True, FUSE_OUTPUT=False, TRANSPOSED=False,
-                     FROM_TB=False, ORDERED=True), launch))
+                     FROM_TB=False, ORDERED=True, HALO=False), launch))
     out.append(("bwd state (longest first)", chunk_bwd_state.chunk_state_bwd_kernel,
                 dict(feat, BV=min(32, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=True,
                      ORDERED=True), dict(num_warps=4, num_stages=1 if ieee else 2)))

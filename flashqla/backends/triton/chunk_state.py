@@ -44,6 +44,14 @@ transposed, both take it as the *A* operand, which may stay in registers::
 (M = BV, a multiple of 64 for wgmma).  H200, session 5 run 10: no gain at 1-2 programs per SM (16/32 1x32768:
 state 1.226 ms at BV 64 against 0.955 plain at BV 32); with the output fused, BV 128 and 8 warps, 1.820 ms
 against 1.959 for the plain fused kernel at 4x8192.
+
+``HALO`` (in-kernel context parallelism, as in the tilelang forward: ``backends/tilelang/segments.py``): the
+grid's programs run over chunk-aligned *segments* (``cu`` / ``coff`` are the segments' boundaries, varlen form) and
+each walk starts at global chunk ``walk[n, h]``, before its segment, from a zero state (from h0 when that is its
+sequence's first chunk): the halo's chunks store nothing (with FUSE_OUTPUT
+their o is computed and dropped).  ``seg[n] = (sequence, its
+first chunk, is-last, 0)``; h0 / ht stay per sequence and only a sequence's last segment writes ht.  Off, the two
+pointers are placeholders.
 """
 
 from __future__ import annotations
@@ -58,35 +66,59 @@ from .common import (BT, L2_EPS, gdiff, l2n, load_cols, load_gate, load_gate_las
 
 @triton.jit(do_not_specialize=["T", "NT", "TT"])
 def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_ptr, vn_ptr, o_ptr, cu_ptr,
-                           coff_ptr, ord_ptr, scale, T, NT, TT, Hqk, Hv,
+                           coff_ptr, ord_ptr, seg_ptr, walk_ptr, scale, T, NT, TT, Hqk, Hv,
                            K: tl.constexpr, V: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
                            USE_L2: tl.constexpr, HAS_H0: tl.constexpr, STORE_HT: tl.constexpr,
                            STORE_H: tl.constexpr, FUSE_OUTPUT: tl.constexpr, IEEE: tl.constexpr,
-                           TRANSPOSED: tl.constexpr, FROM_TB: tl.constexpr = False, ORDERED: tl.constexpr = False):
+                           TRANSPOSED: tl.constexpr, FROM_TB: tl.constexpr = False, ORDERED: tl.constexpr = False,
+                           HALO: tl.constexpr = False):
     v0, h, hk, bos, eos, nt, cbase, sbase, GS = serial_program(cu_ptr, coff_ptr, ord_ptr, T, NT, TT, Hqk, Hv, K, V,
                                                                 BV, IS_VARLEN, ORDERED)
     DT: tl.constexpr = w_ptr.dtype.element_ty
     r = tl.arange(0, BT)
+    if HALO:
+        # (the 2-D grid: program_id(0) = segment * Hv + head)
+        n = tl.program_id(0) // Hv
+        wf = tl.load(walk_ptr + n * Hv + h).to(tl.int64)
+        first = (wf - cbase).to(tl.int32)          # minus the halo's chunk count: the walk's first i
+        from_h0 = wf == tl.load(seg_ptr + 4 * n + 1)
+        is_last = tl.load(seg_ptr + 4 * n + 2) != 0
+        sbase = (tl.load(seg_ptr + 4 * n).to(tl.int64) * Hv + h) * K * V
+    else:
+        first = 0
 
     if TRANSPOSED:
         if HAS_H0:
             S = load_state_t(h0_ptr, sbase, K, V, v0, BV).to(tl.float32)
+            if HALO:
+                S = tl.where(from_h0, S, 0.0)
         else:
             S = tl.zeros([BV, K], dtype=tl.float32)
     else:
         if HAS_H0:
             S = load_state(h0_ptr, sbase, K, V, v0, BV).to(tl.float32)
+            if HALO:
+                S = tl.where(from_h0, S, 0.0)
         else:
             S = tl.zeros([K, BV], dtype=tl.float32)
 
-    for i in range(0, nt):
+    for i in range(first, nt):
         t0 = bos + i * BT
         L = tl.minimum(eos - t0, BT).to(tl.int32)
         valid = r < L
+        if HALO:
+            # stores take Ls rows: none for the halo's chunks (i < 0), whose rows lie before the segment
+            Ls = tl.where(i >= 0, L, 0)
+        else:
+            Ls = L
         if TRANSPOSED:
             Sc = S.to(DT)
             if STORE_H:
-                store_state_t(h_ptr, Sc, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
+                if HALO:
+                    if i >= 0:
+                        store_state_t(h_ptr, Sc, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
+                else:
+                    store_state_t(h_ptr, Sc, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
             if FROM_TB:
                 k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)   # [64, K]
                 gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
@@ -98,7 +130,7 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                 ut = load_t(u_ptr, t0, L, h, Hv, V, BT, v0, BV, TT)                 # [BV, 64]
                 vnt = ut.to(tl.float32) - mm(Sc, wt, IEEE, DT)                      # [BV, 64]
             if STORE_H:
-                store_t(vn_ptr, vnt, t0, L, h, Hv, V, BT, v0, BV, TT)
+                store_t(vn_ptr, vnt, t0, Ls, h, Hv, V, BT, v0, BV, TT)
             if not FROM_TB:
                 k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)   # [64, K]
                 gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
@@ -113,12 +145,16 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                 at = mm(k, qt, IEEE, DT)
                 at = masked_decay(at, mt, gdiff(gh[None, :], gl[None, :], gh[:, None], gl[:, None]))
                 ot = mma(vnt, at, mm(Sc, qt, IEEE, DT) * tl.exp(gh + gl)[None, :], IEEE, DT)
-                store_t(o_ptr, ot * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
+                store_t(o_ptr, ot * scale, t0, Ls, h, Hv, V, BT, v0, BV, TT)
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
             S = mma(vnt * fac[None, :], k, S * tl.exp(lh + ll), IEEE, DT)
         else:
             if STORE_H:
-                store_state(h_ptr, S, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
+                if HALO:
+                    if i >= 0:
+                        store_state(h_ptr, S, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
+                else:
+                    store_state(h_ptr, S, ((cbase + i) * Hv + h) * K * V, K, V, v0, BV)
             if FROM_TB:
                 k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
                 gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
@@ -132,7 +168,7 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                 Sc = S.to(DT)
                 vn = u - mm(w, Sc, IEEE, DT)
             if STORE_H:
-                store_cols(vn_ptr, vn, t0, L, h, Hv, V, BT, v0, BV, TT)
+                store_cols(vn_ptr, vn, t0, Ls, h, Hv, V, BT, v0, BV, TT)
             if not FROM_TB:
                 k = l2n(load_rows(k_ptr, t0, L, hk, Hqk, K, BT, 0, TT), USE_L2, L2_EPS).to(DT)
                 gh, gl = load_gate(G_ptr, t0, L, h, TT, GS, BT, 0)
@@ -143,13 +179,20 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
                 a = mm(q, tl.trans(k), IEEE, DT)
                 a = masked_decay(a, m, gdiff(gh[:, None], gl[:, None], gh[None, :], gl[None, :]))
                 o = mma(a, vn, mm(q, Sc, IEEE, DT) * tl.exp(gh + gl)[:, None], IEEE, DT)
-                store_cols(o_ptr, o * scale, t0, L, h, Hv, V, BT, v0, BV, TT)
+                store_cols(o_ptr, o * scale, t0, Ls, h, Hv, V, BT, v0, BV, TT)
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
             # (diag(fac) k)^T v_new = k^T (diag(fac) v_new): scale the smaller tile
             S = mma(tl.trans(k), vn * fac[:, None], S * tl.exp(lh + ll), IEEE, DT)
 
     if STORE_HT:
-        if TRANSPOSED:
-            store_state_t(ht_ptr, S, sbase, K, V, v0, BV)
+        if HALO:
+            if is_last:
+                if TRANSPOSED:
+                    store_state_t(ht_ptr, S, sbase, K, V, v0, BV)
+                else:
+                    store_state(ht_ptr, S, sbase, K, V, v0, BV)
         else:
-            store_state(ht_ptr, S, sbase, K, V, v0, BV)
+            if TRANSPOSED:
+                store_state_t(ht_ptr, S, sbase, K, V, v0, BV)
+            else:
+                store_state(ht_ptr, S, sbase, K, V, v0, BV)

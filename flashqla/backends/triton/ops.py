@@ -114,7 +114,8 @@ _DEFAULTS = {
     "bstate": dict(warps=0, stages=0, bv=0, t=0, ldv=1),  # 0s: _bstate_cfg; t=1: transposed state gradient
                                                   # (chunk_bwd_state); ldv: the intra-chunk dv_new from the
                                                   # kept-inverse prep (LOCAL_DV)
-    "serial": dict(order=0),                     # order=1: the serial walks launch longest first (_serial_grid)
+    "serial": dict(order=0, seg=0),              # order=1: the serial walks launch longest first (_serial_grid);
+                                                 # seg: the forward walk in segments with a halo (segment_split)
     "dqk": dict(warps=0, stages=2, bv=64),        # warps 0: _grads_warps
     "wy": dict(warps=0, stages=2, bv=64),         # warps 0: _grads_warps
 }
@@ -394,11 +395,40 @@ def use_tb_forward(inference: bool) -> bool:
     return inference and bool(tune("fwd")["tb"])
 
 
+def segment_split(geo: Geometry, k, g, beta, use_l2: bool, BV: int):
+    """In-kernel context parallelism of the forward walk (``chunk_state_fwd_kernel`` with ``HALO``; the split,
+    tables and halo search of ``backends/tilelang/segments.py``): ``(tables, walk starts)`` or None.
+    ``FLASHQLA_TRITON_TUNE=serial.seg=N`` cuts sequences into segments of N chunks, ``serial.seg=-1`` lets the
+    tilelang backend's model choose; 0, the default, is off (not yet measured on a GPU)."""
+    seg = tune("serial")["seg"]
+    if seg == 0 or geo.TT == 0:
+        return None
+    from ..tilelang import segments as sg
+    if geo.varlen:
+        c = geo.meta.cu_seqlens_cpu
+        lengths = [c[i + 1] - c[i] for i in range(len(c) - 1)]
+    else:
+        lengths = [geo.T] * geo.B
+    if seg < 0:
+        plan = sg.segment_plan(lengths, geo.Hv, geo.V, _sm_count(k.device) or 132, BV, forced="auto")
+        if plan is None:
+            return None
+        seg = plan.seg_chunks
+    tables = sg.segment_tables(lengths, seg, k.device)
+    if tables.split_seqs == 0:
+        return None
+    kf = k.reshape(geo.TT, geo.Hqk, geo.K)
+    gf = g.reshape(geo.TT, geo.Hv).to(torch.float32).contiguous()
+    bf = beta.reshape(geo.TT, geo.Hv).contiguous()
+    return tables, sg.walk_starts(kf if kf.stride(-1) == 1 else kf.contiguous(), gf, bf, tables, use_l2)
+
+
 def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2: bool, scale: float = 1.0,
-              fuse_output: bool = False, from_tb: bool = False):
+              fuse_output: bool = False, from_tb: bool = False, split_from=None):
     """Serial state pass.  ``fuse_output``: also computes o (returned in place of h) and stores neither
     the chunk states nor v_new; otherwise returns (h, v_new, final state).  ``from_tb``: ``w`` is Tb and
-    ``u`` is v (``prep_tb``, ``use_tb_forward``)."""
+    ``u`` is v (``prep_tb``, ``use_tb_forward``).  ``split_from``: ``(g, beta)`` of the call, for
+    :func:`segment_split` (the walk in segments with a halo, when it is on)."""
     from .chunk_state import chunk_state_fwd_kernel
 
     dev = k.device
@@ -420,14 +450,23 @@ def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2
         cfg["stages"] = cfg["stages"] or _state_stages(geo.busy * geo.Hv * triton.cdiv(geo.V, BV), BV, dev,
                                                        from_tb)
     dummy = u
-    grid, order, ordered = _serial_grid(geo, BV)
+    split = segment_split(geo, k, *split_from, use_l2, BV) if split_from is not None else None
+    if split is not None:
+        tables, starts = split
+        grid = (tables.num_segments * geo.Hv, triton.cdiv(geo.V, BV))
+        cu, coff, order, seg, walk, varlen, ordered = (tables.cu_seqlens, tables.chunk_offsets, tables.cu_seqlens,
+                                                       tables.seg_table, starts, True, False)
+    else:
+        grid, order, ordered = _serial_grid(geo, BV)
+        cu, coff, seg, walk, varlen = geo.cu, geo.coff, order, order, geo.varlen
     launch(chunk_state_fwd_kernel, grid,
         q, k, w, u, G, h0 if h0 is not None else dummy, ht if ht is not None else dummy,
         h if h is not None else dummy, vn if vn is not None else dummy, o if o is not None else dummy,
-        geo.cu, geo.coff, order, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
-        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
+        cu, coff, order, seg, walk, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=varlen, USE_L2=use_l2, HAS_H0=h0 is not None,
         STORE_HT=ht is not None, STORE_H=not fuse_output, FUSE_OUTPUT=fuse_output, IEEE=geo.ieee,
-        TRANSPOSED=bool(cfg.get("t")), FROM_TB=from_tb, ORDERED=ordered, **_launch(cfg, geo))
+        TRANSPOSED=bool(cfg.get("t")), FROM_TB=from_tb, ORDERED=ordered, HALO=split is not None,
+        **_launch(cfg, geo))
     return (o if fuse_output else h), vn, ht
 
 
@@ -536,9 +575,10 @@ def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2
         w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=keeps_inverse(inference))
     if fuse_forward_output(geo, q.device):
         o, _, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, scale, fuse_output=True,
-                             from_tb=from_tb)
+                             from_tb=from_tb, split_from=(g, beta))
         return o, ht, Tm
-    h, vn, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, from_tb=from_tb)
+    h, vn, ht = state_fwd(geo, q, k, w, u, G, h0, output_final_state, use_l2, from_tb=from_tb,
+                          split_from=(g, beta))
     # the output pass reads neither: free them before o is allocated (the backward recomputes its own), so
     # the forward's peak is max(w + u, o) + h + v_new instead of w + u + h + v_new + o
     del w, u
@@ -631,7 +671,7 @@ def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, gva_dtyp
                                    local_dv=(q, do, scale) if tune("bstate")["ldv"] else None)
     else:
         w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
-    h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2)
+    h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2, split_from=(g, beta))
     dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2, dvl=dvl)
     dh_box = [dh]
     del dh      # (grads frees it after its first launch)
