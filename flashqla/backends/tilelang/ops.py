@@ -507,7 +507,11 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     walk_seqs = meta.busy_seqs or NS
     # in-kernel CP: the recurrence walks segments with a halo (see .segments); its grid and V-block follow
     # the segments, stage 1 is unchanged
-    split = fwd_segment_plan(seq_lengths(varlen, B, T), Hv, V, dev, variant) if dev.type != "meta" else None
+    split = None
+    if dev.type != "meta" and variant != "serial" and (
+            segments.mode() != "auto" or walk_seqs * Hv < 0.7 * (detect(dev).sm_count or 132)):
+        # (auto splits only where the walks leave SMs idle: a call with many sequences skips the host work)
+        split = fwd_segment_plan(seq_lengths(varlen, B, T), Hv, V, dev, variant)
     if split is not None:
         walk_seqs = split.num_segments
         bv = fwd_ws_bv(walk_seqs, Hv, V, dev) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else split.bv
@@ -576,7 +580,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
             *fwd_args, _trace_arg(dev), scores, *no_halo)
 
     bwd_split = None
-    if save and dev.type != "meta" and variant != "serial":
+    if save and dev.type != "meta" and variant != "serial" and segments.mode(backward=True) != "off":
         lengths = seq_lengths(varlen, B, T)
         bplan = bwd_segment_plan(lengths, Hv, K, V, l2norm, dev)
         if bplan is not None:
