@@ -169,37 +169,6 @@ def _states_at(k, v, g, beta, S0, t0, t1):
     return S
 
 
-@pytest.mark.parametrize("gate", ["logsigmoid", "strong"])
-def test_halo_walk_reaches_the_true_start_state(gate):
-    # each segment's walk from zero at its start chunk ends at the segment start with the true state to within
-    # exp(-150) of its size (float64 shows it; fp32 cannot): the claim the kernel relies on
-    lengths = [64 * 12 + 9, 64 * 7]
-    Hqk, Hv, K, V = 1, 2, 16, 8
-    k, g, beta = _packed(lengths, Hqk, Hv, K, gate, seed=3)
-    gen = torch.Generator().manual_seed(4)
-    v = torch.randn(sum(lengths), Hv, V, generator=gen).double()
-    t = sg.segment_tables(lengths, 2, "cpu")
-    starts = sg.walk_starts_ref(k, g, beta, t, False)
-    cu, co, tab = t.cu_seqlens.tolist(), t.chunk_offsets.tolist(), t.seg_table.tolist()
-    seq_bos = [0, lengths[0]]
-    kd, gd, bd = k.double(), g.double(), beta.double()
-    halo_used = 0
-    for e in range(t.num_segments):
-        s, cs0 = tab[e][0], tab[e][1]
-        for h in range(Hv):
-            wf = int(starts[e, h])
-            t_seg = cu[e]
-            t_from = seq_bos[s] + (wf - cs0) * 64
-            true = _states_at(kd[:, 0], v[:, h], gd[:, h], bd[:, h], torch.zeros(K, V, dtype=torch.float64),
-                              seq_bos[s], t_seg)
-            halo = _states_at(kd[:, 0], v[:, h], gd[:, h], bd[:, h], torch.zeros(K, V, dtype=torch.float64),
-                              t_from, t_seg)
-            err = (true - halo).abs().max().item()
-            assert err <= 1e-60 * max(1.0, true.abs().max().item()), (e, h, wf, err)
-            halo_used += t_from > seq_bos[s]
-    assert halo_used > 0, "no walk started past its sequence start: the test checked nothing"
-
-
 def _grads_at(k, q, do, g, beta, dS_end, t0, t1):
     # the state-gradient recurrence of one head in float64 over tokens [t0, t1), backwards from dS_end (its
     # state-independent terms reduced to q_t do_t^T, which is all the halo argument needs)
@@ -211,35 +180,46 @@ def _grads_at(k, q, do, g, beta, dS_end, t0, t1):
     return dS
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "bwd"])
 @pytest.mark.parametrize("gate", ["logsigmoid", "strong"])
-def test_backward_halo_walk_reaches_the_true_end_gradient(gate):
-    # the backward's halo: each segment's gradient walk from zero at its end chunk reaches the segment's end with
-    # the true state gradient to within exp(-150) of its size
+def test_halo_walk_reaches_the_true_state(gate, reverse):
+    # each segment's walk from zero at its halo's far end reaches the segment's edge with the true state (forward:
+    # at its start) or state gradient (backward: at its end) to within exp(-150) of its size (float64 shows it;
+    # fp32 cannot): the claim the kernels rely on
     lengths = [64 * 12 + 9, 64 * 7]
     Hqk, Hv, K, V = 1, 2, 16, 8
-    k, g, beta = _packed(lengths, Hqk, Hv, K, gate, seed=5)
-    gen = torch.Generator().manual_seed(6)
+    k, g, beta = _packed(lengths, Hqk, Hv, K, gate, seed=5 if reverse else 3)
+    gen = torch.Generator().manual_seed(6 if reverse else 4)
     NT = sum(lengths)
     q = torch.randn(NT, K, generator=gen).double()
-    do = torch.randn(NT, Hv, V, generator=gen).double()
+    x = torch.randn(NT, Hv, V, generator=gen).double()        # v (forward) or do (backward)
     t = sg.segment_tables(lengths, 2, "cpu")
-    ends = sg.walk_starts_ref(k, g, beta, t, False, reverse=True)
-    cu, co, tb = t.cu_seqlens.tolist(), t.chunk_offsets.tolist(), t.seg_table_bwd.tolist()
+    walk = sg.walk_starts_ref(k, g, beta, t, False, reverse=reverse)
+    cu, co = t.cu_seqlens.tolist(), t.chunk_offsets.tolist()
+    tab, tb = t.seg_table.tolist(), t.seg_table_bwd.tolist()
+    seq_bos = [0, lengths[0]]
     kd, gd, bd = k.double()[:, 0], g.double(), beta.double()
+    zero = torch.zeros(K, V, dtype=torch.float64)
     used = 0
     for e in range(t.num_segments):
-        seq_eos, ce = tb[e][3], tb[e][1]
+        s = tab[e][0]
         for h in range(Hv):
-            we = int(ends[e, h])
-            t_end = cu[e + 1]
-            t_to = min(t_end + (we - co[e + 1]) * 64, seq_eos)
-            zero = torch.zeros(K, V, dtype=torch.float64)
-            true = _grads_at(kd, q, do[:, h], gd[:, h], bd[:, h], zero, t_end, seq_eos)
-            halo = _grads_at(kd, q, do[:, h], gd[:, h], bd[:, h], zero, t_end, t_to)
+            c = int(walk[e, h])
+            if reverse:
+                seq_eos, t_edge = tb[e][3], cu[e + 1]
+                t_far = min(t_edge + (c - co[e + 1]) * 64, seq_eos)
+                true = _grads_at(kd, q, x[:, h], gd[:, h], bd[:, h], zero, t_edge, seq_eos)
+                halo = _grads_at(kd, q, x[:, h], gd[:, h], bd[:, h], zero, t_edge, t_far)
+                used += c < tb[e][1]
+            else:
+                t_edge = cu[e]
+                t_far = seq_bos[s] + (c - tab[e][1]) * 64
+                true = _states_at(kd, x[:, h], gd[:, h], bd[:, h], zero, seq_bos[s], t_edge)
+                halo = _states_at(kd, x[:, h], gd[:, h], bd[:, h], zero, t_far, t_edge)
+                used += t_far > seq_bos[s]
             err = (true - halo).abs().max().item()
-            assert err <= 1e-60 * max(1.0, true.abs().max().item()), (e, h, we, err)
-            used += we < ce
-    assert used > 0, "no walk ended before its sequence end: the test checked nothing"
+            assert err <= 1e-60 * max(1.0, true.abs().max().item()), (e, h, c, err)
+    assert used > 0, "no walk started in a halo short of its sequence's edge: the test checked nothing"
 
 
 # ---- the kernel variant ------------------------------------------------------------------------------------
