@@ -18,8 +18,9 @@ one small device pass per call (:func:`walk_starts`): no host read, so the call 
 graph, and any gate is served.
 
 Cost.  The halo's chunks run the state chain only (no output), ~3 chunks per segment at the benchmarks'
-gates (``logsigmoid(randn)``: ~-0.8 per token).  The plan (:func:`segment_plan`) fills the SMs once at the
-V-block whose modelled makespan is least, and splits only where that beats the walk as it is.
+gates (``logsigmoid(randn)``: ~-0.8 per token).  The plan (:func:`segment_plan`) takes the V-block and segment
+count whose modelled makespan (list scheduling of the CTAs, up to three waves) is least, and splits only where
+that beats the walk as it is.
 ``FLASHQLA_TILELANG_SEGMENTS``: ``auto`` (default), ``off``, or a segment length in chunks (forced).
 
 Backward.  The split backward's gradient walk (``chunk_bwd_state_ws`` with ``halo``) is cut the same way and
@@ -56,7 +57,9 @@ MIN_GAIN_US = 15.0
 STEP_US = {128: 3.2, 64: 1.95, 32: 1.45}
 # and with few CTAs (BV 32: 0.599 ms for 512 chunks at 2/8 1x32768; the others guessed)
 STEP_US_FEW = {128: 2.6, 64: 1.6, 32: 1.17}
-# what a split adds besides its walks: the halo search's launch (~5-8 us, run 2)
+# what a split adds besides its walks.  The halo search took 20 us at 2/8 1x32768 (run 6), but the step times
+# above overstate short split walks; at 8 the 32-head 1x4096 rows stay split, which made them faster (16/32:
+# 0.131 ms unsplit in run 1, 0.119 split in run 4)
 SPLIT_FIXED_US = 8.0
 
 
