@@ -1356,8 +1356,7 @@ class _CPFunction(torch.autograd.Function):
 def _seq_bounds(B: int, T: int, meta: Optional[VarlenMeta]):
     if meta is None:
         return [b * T for b in range(B)], [T] * B
-    cu = meta.cu_seqlens_cpu
-    return list(cu[:-1]), [cu[i + 1] - cu[i] for i in range(len(cu) - 1)]
+    return list(meta.cu_seqlens_cpu[:-1]), meta.seqlens
 
 
 # Backends on which the automatic plan (``segments=None``) stays off, with the measurement that says why.

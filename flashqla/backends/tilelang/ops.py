@@ -7,6 +7,7 @@ tensors from ``torch.arange`` on the device, so both cases run the same kernels.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -448,39 +449,51 @@ class FwdResult:
     bwd_split: Optional[tuple] = None
 
 
+def bv_forced() -> bool:
+    """Whether ``FLASHQLA_TILELANG_BV`` forces the recurrences' V-block (see :func:`fwd_ws_bv`)."""
+    return bool(os.environ.get("FLASHQLA_TILELANG_BV", "").strip())
+
+
 def _meta_bvs(NS, Hv, V, dev) -> tuple:
     """Every V-block the call-time choice can make (only the forced one under FLASHQLA_TILELANG_BV): the
     meta-device key enumeration of precompile builds them all."""
-    return (fwd_ws_bv(NS, Hv, V, dev),) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else FWD_WS_BVS
+    return (fwd_ws_bv(NS, Hv, V, dev),) if bv_forced() else FWD_WS_BVS
 
 
 def seq_lengths(varlen, B: int, T: int) -> list:
     """The sequences' lengths, from the host (``VarlenMeta``) or the dense shape."""
-    if varlen is not None:
-        c = varlen.cu_seqlens_cpu
-        return [c[i + 1] - c[i] for i in range(len(c) - 1)]
-    return [T] * B
+    return varlen.seqlens if varlen is not None else [T] * B
 
 
 def bwd_segment_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device):
     """The split of the backward's gradient walk (``bwd_state_ws`` with a halo, :mod:`.segments`) for this call,
-    or None: only where the split backward runs (not the whole-V kernel, not ``serial``)."""
+    or None: only where the split backward runs (not the whole-V kernel, not ``serial``).  A V-block forced by
+    ``FLASHQLA_TILELANG_BV`` replaces the plan's."""
     meta = ChunkMeta.of_lengths(lengths)
     if bwd_choice(meta, Hv, K, V, l2norm, device)[0] != "ws":
         return None
     sms = detect(device).sm_count or 132
     plain_bv = min(fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, V, device), BWD_WS_BVS[-1])
-    return segments.segment_plan(lengths, Hv, V, sms, plain_bv, backward=True)
+    plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv, backward=True)
+    if plan is not None and bv_forced():
+        bv = min(fwd_ws_bv(plan.num_segments, Hv, V, device), BWD_WS_BVS[-1])
+        plan = dataclasses.replace(plan, bv=bv, reason=f"{plan.reason}; run at BV {bv} (FLASHQLA_TILELANG_BV)")
+    return plan
 
 
 def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = None):
-    """The in-kernel split of :mod:`.segments` for this call, or None; the serial forward has none."""
+    """The in-kernel split of :mod:`.segments` for this call, or None; the serial forward has none.  A V-block
+    forced by ``FLASHQLA_TILELANG_BV`` replaces the plan's."""
     if (variant or fwd_variant()) == "serial":
         return None
     sms = detect(device).sm_count or 132
     meta = ChunkMeta.of_lengths(lengths)
     plain_bv = fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, V, device)
-    return segments.segment_plan(lengths, Hv, V, sms, plain_bv)
+    plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv)
+    if plan is not None and bv_forced():
+        bv = fwd_ws_bv(plan.num_segments, Hv, V, device)
+        plan = dataclasses.replace(plan, bv=bv, reason=f"{plan.reason}; run at BV {bv} (FLASHQLA_TILELANG_BV)")
+    return plan
 
 
 def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool, l2norm: bool,
@@ -507,14 +520,15 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     walk_seqs = meta.busy_seqs or NS
     # in-kernel CP: the recurrence walks segments with a halo (see .segments); its grid and V-block follow
     # the segments, stage 1 is unchanged
-    split = None
+    split = lengths = None
     if dev.type != "meta" and variant != "serial" and (
             segments.mode() != "auto" or walk_seqs * Hv < 0.7 * (detect(dev).sm_count or 132)):
         # (auto splits only where the walks leave SMs idle: a call with many sequences skips the host work)
-        split = fwd_segment_plan(seq_lengths(varlen, B, T), Hv, V, dev, variant)
+        lengths = seq_lengths(varlen, B, T)
+        split = fwd_segment_plan(lengths, Hv, V, dev, variant)
     if split is not None:
         walk_seqs = split.num_segments
-        bv = fwd_ws_bv(walk_seqs, Hv, V, dev) if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else split.bv
+        bv = split.bv
     else:
         bv = fwd_ws_bv(walk_seqs, Hv, V, dev)
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
@@ -557,8 +571,15 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     else:
         hs = dummy((1, 1, K, V), dt, dev)
         vn = dummy((1, 1, CHUNK, V), dt, dev)
-    fwd_args = (qf, kf, w, u, G, meta.cu_seqlens, meta.chunk_offsets, h0f, o, ht, hs, vn, float(scale), ratio)
     no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
+    if split is not None:
+        # the walk's boundaries are the segments', and each (segment, head) starts where the halo search says
+        tables = segments.segment_tables(lengths, split.seg_chunks, dev)
+        walk_cu, walk_co = tables.cu_seqlens, tables.chunk_offsets
+        halo_args = (tables.seg_table, segments.walk_starts(kf, gf, bf, tables, l2norm))
+    else:
+        walk_cu, walk_co, halo_args = meta.cu_seqlens, meta.chunk_offsets, no_halo
+    fwd_args = (qf, kf, w, u, G, walk_cu, walk_co, h0f, o, ht, hs, vn, float(scale), ratio)
     if variant == "serial":
         fwd_kernel(dt, K, V, l2norm, has_h0, output_final_state, save)(*fwd_args)
     elif dev.type == "meta":
@@ -568,26 +589,18 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                 for halo in (False, True):
                     fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, b, fused, ps, halo)(
                         *fwd_args, _trace_arg(dev), scores, *no_halo)
-    elif split is not None:
-        tables = segments.segment_tables(seq_lengths(varlen, B, T), split.seg_chunks, dev)
-        starts = segments.walk_starts(kf, gf, bf, tables, l2norm)
-        seg_args = (qf, kf, w, u, G, tables.cu_seqlens, tables.chunk_offsets, h0f, o, ht, hs, vn, float(scale),
-                    ratio)
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores, True)(
-            *seg_args, _trace_arg(dev), scores, tables.seg_table, starts)
     else:
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores)(
-            *fwd_args, _trace_arg(dev), scores, *no_halo)
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores, split is not None)(
+            *fwd_args, _trace_arg(dev), scores, *halo_args)
 
     bwd_split = None
     if save and dev.type != "meta" and variant != "serial" and segments.mode(backward=True) != "off":
-        lengths = seq_lengths(varlen, B, T)
+        if lengths is None:
+            lengths = seq_lengths(varlen, B, T)
         bplan = bwd_segment_plan(lengths, Hv, K, V, l2norm, dev)
         if bplan is not None:
             tables = segments.segment_tables(lengths, bplan.seg_chunks, dev)
-            bv_b = (min(fwd_ws_bv(bplan.num_segments, Hv, V, dev), BWD_WS_BVS[-1])
-                    if os.environ.get("FLASHQLA_TILELANG_BV", "").strip() else bplan.bv)
-            bwd_split = (bv_b, tables, segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
+            bwd_split = (bplan.bv, tables, segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
                      qf, kf, vf, bf, bwd_split)
@@ -623,23 +636,25 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
     dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-    state_args = (q, k, w, G, dof, meta.cu_seqlens, meta.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio)
     no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
+    # segments with a halo past each one's end (see .segments; the split was decided with the forward), where the
+    # split backward's ws kernel runs
+    halo = bwd_split is not None and variant == "ws" and dev.type != "meta"
+    if halo:
+        bv, tables, ends = bwd_split
+        walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
+    else:
+        bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
+        walk_cu, walk_co, halo_args = meta.cu_seqlens, meta.chunk_offsets, no_halo
+    state_args = (q, k, w, G, dof, walk_cu, walk_co, dhtf, dh, dvn, dh0, float(scale), ratio)
     if variant == "serial":
         bwd_state_kernel(dt, K, V, l2norm, has_dht, has_h0)(*state_args)
     elif dev.type == "meta":
         for bv in BWD_WS_BVS:
             for halo in (False, True):
                 bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv, halo)(*state_args, *no_halo)
-    elif bwd_split is not None:
-        # segments with a halo past each one's end (see .segments; the split was decided with the forward)
-        bv, tables, ends = bwd_split
-        bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv, True)(
-            q, k, w, G, dof, tables.cu_seqlens, tables.chunk_offsets, dhtf, dh, dvn, dh0, float(scale), ratio,
-            tables.seg_table_bwd, ends)
     else:
-        bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])
-        bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv)(*state_args, *no_halo)
+        bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv, halo)(*state_args, *halo_args)
 
     dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
     dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)

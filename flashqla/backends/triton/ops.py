@@ -404,11 +404,7 @@ def segment_split(geo: Geometry, k, g, beta, use_l2: bool, BV: int):
     if seg == 0 or geo.TT == 0:
         return None
     from ..tilelang import segments as sg
-    if geo.varlen:
-        c = geo.meta.cu_seqlens_cpu
-        lengths = [c[i + 1] - c[i] for i in range(len(c) - 1)]
-    else:
-        lengths = [geo.T] * geo.B
+    lengths = geo.meta.seqlens if geo.varlen else [geo.T] * geo.B
     if seg < 0:
         plan = sg.segment_plan(lengths, geo.Hv, geo.V, _sm_count(k.device) or 132, BV, forced="auto")
         if plan is None:
