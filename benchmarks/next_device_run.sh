@@ -50,7 +50,7 @@
 #                                                 then the A/B against exp2f, whole backward and inference forward
 #   bash benchmarks/next_device_run.sh segments   in-kernel CP of the tilelang forward (segments with a halo): GPU tests,
 #                                                 then the A/B against the unsplit walk, inference and training (#8)
-#   bash benchmarks/next_device_run.sh tritonseg  the triton forward walk in segments (serial.seg): GPU tests, A/B (#8)
+#   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
@@ -292,8 +292,9 @@ case "$STEP" in
         --rows ${SEG_TRAIN_ROWS:-2/8:1x32768,16/32:1x32768,4/8:1x8192} \
         --variants "FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_BWD_SEGMENTS=auto" ;;
   tritonseg)
-    # the triton forward walk in segments with a halo (session 17, serial.seg, off by default): its tests on the GPU,
-    # then the A/B against the plain walk, inference and training (#8 item 3)
+    # the triton forward walk in segments with a halo (session 17, serial.seg, off by default) and the state-gradient
+    # walk's (session 18, serial.bseg): their tests on the GPU, then the A/B against the plain walks, inference and
+    # training (#8 item 3)
     TAIL=6 run_step "triton segment tests" ${TSEG_TEST_S:-200} $PYT tests/test_backend_triton.py -k segments_with_halo
     case $RUN_RC in 0) ;; *) echo "== tritonseg: tests did not pass; the sweep skipped"; continue ;; esac
     for m in fwd fwdbwd; do
@@ -301,7 +302,11 @@ case "$STEP" in
           --backend triton --mode $m --out $OUT/sweep_triton_seg_$m.json \
           --rows ${TSEG_ROWS:-2/8:1x32768,16/32:1x32768,16/32:28672+4096} \
           "--variants=FLASHQLA_TRITON_TUNE=serial.seg=0;FLASHQLA_TRITON_TUNE=serial.seg=-1;FLASHQLA_TRITON_TUNE=serial.seg=32"
-    done ;;
+    done
+    TAIL=12 run_step "triton fwdbwd, serial.bseg off / auto / 32" ${TSEG_SWEEP_S:-150} python benchmarks/sweep_variants.py \
+        --backend triton --mode fwdbwd --out $OUT/sweep_triton_bseg_fwdbwd.json \
+        --rows ${TSEG_ROWS:-2/8:1x32768,16/32:1x32768,16/32:28672+4096} \
+        "--variants=FLASHQLA_TRITON_TUNE=serial.seg=-1,serial.bseg=0;FLASHQLA_TRITON_TUNE=serial.seg=-1,serial.bseg=-1;FLASHQLA_TRITON_TUNE=serial.seg=-1,serial.bseg=32" ;;
   bwdtrace)
     # the whole backward's role timeline (clock64 stamps of CTA 0; its traced kernel precompiled in the carried
     # kcache), then the tilelang backward / determinism GPU tests of the default path (#4)

@@ -161,6 +161,31 @@ def test_forward_walk_in_segments_with_halo(monkeypatch, tune, grads):
     assert bool((starts.cpu() > tables.seg_table.cpu()[:, 1:2]).any()), "no walk started in a halo"
 
 
+@pytest.mark.parametrize("tune", ["serial.bseg=1", "serial.bseg=2,bstate.ldv=0", "serial.bseg=1,bstate.t=1,bstate.bv=64",
+                                  "serial.bseg=1,fwd.savet=0", "serial.bseg=1,serial.seg=2"],
+                         ids=["local_dv", "recomputed_dv", "transposed", "no_kept_inverse", "both_split"])
+def test_state_gradient_walk_in_segments_with_halo(monkeypatch, tune):
+    # serial.bseg: the state-gradient walk cut into segments, each starting in a halo past its end (from dS = 0, or
+    # from dht at the sequence end); dh0 from a sequence's first segment only.  With the local dv the halo's chunks
+    # recompute their intra-chunk dv_new: the stored tile belongs to the next segment, which completes it in place
+    monkeypatch.setenv("FLASHQLA_TRITON_TUNE", tune + ",output.bv=64")
+    from flashqla.backends.triton import ops as tops
+    calls = []
+    real = tops.segment_split
+    monkeypatch.setattr(tops, "segment_split", lambda *a, **kw: calls.append((kw.get("backward", False),
+                                                                             real(*a, **kw))) or calls[-1][1])
+    for case in (Case("bseg_strong", 1, 2, 64, 64, seqlens=(64 * 5 + 3, 1, 0, 130), gate="strong"),
+                 Case("bseg_zero_l2", 1, 2, 64, 64, B=2, T=64 * 3 + 7, gate="zero", l2norm=True),
+                 Case("bseg_gva_logsigmoid", 1, 4, 64, 64, seqlens=(64 * 6, 64 * 2 + 9))):
+        res = run_case(flashqla.chunk_gated_delta_rule, case, BACKEND, torch.float32, DEV, grads=True)
+        assert res.ok, (case.name, res.failures)
+    splits = [c for bwd, c in calls if bwd and c is not None]
+    assert splits, "no backward walk was split"
+    tables, ends = splits[0]
+    assert bool((ends.cpu() < tables.seg_table_bwd.cpu()[:, 1:2]).any()), "no walk ended in a halo"
+    assert bool((ends.cpu() > tables.chunk_offsets.cpu()[1:, None]).any()), "no walk had a halo"
+
+
 @pytest.mark.parametrize("tune", ["fwd.fuse=0,state.t=1,state.bv=64,bstate.t=1,bstate.bv=64",
                                   "fwd.fuse=1,fused.t=1,fused.bv=32,bstate.t=1"],
                          ids=["transposed_state", "transposed_fused"])

@@ -108,8 +108,14 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
             continue
         out.append(("bwd state" + label, chunk_bwd_state.chunk_state_bwd_kernel,
                     dict(feat, BV=min(bv, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=ldv,
-                         ORDERED=False),
+                         ORDERED=False, HALO=False),
                     dict(num_warps=warps, num_stages=1 if ieee else stages)))
+    # its walk in segments with a halo past each one's end (ops.segment_split with backward, serial.bseg)
+    for bv, warps in ((32, 4), (64, 8)):
+        out.append((f"bwd state (local dv, halo, bv={bv})", chunk_bwd_state.chunk_state_bwd_kernel,
+                    dict(feat, BV=min(bv, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=True,
+                         ORDERED=False, HALO=True),
+                    dict(num_warps=warps, num_stages=1 if ieee else 2)))
     # the longest-first launch order (ops._serial_grid, serial.order=1): both serial kernels once
     bv, launch = cfg("state", 32)
     out.append(("state (longest first)", chunk_state.chunk_state_fwd_kernel,
@@ -117,7 +123,7 @@ def _variants(K: int, V: int, ieee: bool, arch: int = 90):
                      FROM_TB=False, ORDERED=True, HALO=False), launch))
     out.append(("bwd state (longest first)", chunk_bwd_state.chunk_state_bwd_kernel,
                 dict(feat, BV=min(32, V), HAS_DHT=True, STORE_DH0=True, TRANSPOSED=False, LOCAL_DV=True,
-                     ORDERED=True), dict(num_warps=4, num_stages=1 if ieee else 2)))
+                     ORDERED=True, HALO=False), dict(num_warps=4, num_stages=1 if ieee else 2)))
     for name, kern in (("dqk", chunk_bwd_grads.chunk_bwd_dqk_kernel), ("wy", chunk_bwd_grads.chunk_bwd_wy_kernel)):
         bv, launch = cfg(name)
         for warps in (4, 8):       # ops._grads_warps: 4 on sm_90 for 16-bit inputs, 8 elsewhere

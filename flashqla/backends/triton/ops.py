@@ -114,8 +114,9 @@ _DEFAULTS = {
     "bstate": dict(warps=0, stages=0, bv=0, t=0, ldv=1),  # 0s: _bstate_cfg; t=1: transposed state gradient
                                                   # (chunk_bwd_state); ldv: the intra-chunk dv_new from the
                                                   # kept-inverse prep (LOCAL_DV)
-    "serial": dict(order=0, seg=0),              # order=1: the serial walks launch longest first (_serial_grid);
-                                                 # seg: the forward walk in segments with a halo (segment_split)
+    "serial": dict(order=0, seg=0, bseg=0),      # order=1: the serial walks launch longest first (_serial_grid);
+                                                 # seg / bseg: the forward / state-gradient walk in segments with a
+                                                 # halo (segment_split)
     "dqk": dict(warps=0, stages=2, bv=64),        # warps 0: _grads_warps
     "wy": dict(warps=0, stages=2, bv=64),         # warps 0: _grads_warps
 }
@@ -142,7 +143,7 @@ def tune(kernel: str) -> dict:
             except (ValueError, KeyError) as exc:
                 raise ValueError(f"FLASHQLA_TRITON_TUNE: cannot parse {item!r} (kernel.key=int with kernel in "
                                  f"{sorted(_DEFAULTS)}, keys warps/stages/bv, fwd.fuse, fwd.tb, fwd.savet, "
-                                 "prep.maxnreg, state.t, fused.t, bstate.t, bstate.ldv, serial.order)") from exc
+                                 "prep.maxnreg, state.t, fused.t, bstate.t, bstate.ldv, serial.order, serial.seg, serial.bseg)") from exc
         _tune_cache[key] = cfg
     return _tune_cache[key]
 
@@ -237,7 +238,7 @@ def _smem_per_block(device) -> int:
     return getattr(torch.cuda.get_device_properties(device), "shared_memory_per_block_optin", 0)
 
 
-def _bstate_cfg(geo: Geometry, device) -> dict:
+def _bstate_cfg(geo: Geometry, device, walks: int = 0) -> dict:
     """Launch of the serial state-gradient kernel (``bstate.*`` knobs left at 0 are chosen here): the widest
     V-block whose programs still fit one per SM, from 16 up to 32; BV 64 on 8 warps once the BV-32 programs
     would not (a second wave of 32-column walks costs more than the wider step).
@@ -248,10 +249,11 @@ def _bstate_cfg(geo: Geometry, device) -> dict:
     program per SM; where the BV-32 programs are many, BV 64 on 8 warps (8/32 4x8192, 512 of them: 1.211 ->
     0.820; it was 1.613 at 16/32 1x32768, where 128 BV-32 programs fit).  Session 14 run 4: 16/64 1x32768 (256
     BV-32 programs) BV 64 2.371 -> 1.818 ms, 16/64 1x8192 0.600 -> 0.466; 4/16 1x32768 (128 BV-16 programs) BV 16
-    0.747 -> 0.637, 2/8 1x32768 0.777 -> 0.645 (BV 64 there: 1.43)."""
+    0.747 -> 0.637, 2/8 1x32768 0.777 -> 0.645 (BV 64 there: 1.43).  ``walks``: their number when the walk is
+    split (``segment_split``), else one per (busy sequence, value head)."""
     cfg = dict(tune("bstate"))
     sms = _sm_count(device)
-    walks = geo.busy * geo.Hv
+    walks = walks or geo.busy * geo.Hv
     if not cfg["bv"]:
         if geo.ieee or not sms:
             cfg["bv"] = 32
@@ -395,18 +397,22 @@ def use_tb_forward(inference: bool) -> bool:
     return inference and bool(tune("fwd")["tb"])
 
 
-def segment_split(geo: Geometry, k, g, beta, use_l2: bool, BV: int):
+def segment_split(geo: Geometry, k, g, beta, use_l2: bool, BV: int, backward: bool = False):
     """In-kernel context parallelism of the forward walk (``chunk_state_fwd_kernel`` with ``HALO``; the split,
     tables and halo search of ``backends/tilelang/segments.py``): ``(tables, walk starts)`` or None.
     ``FLASHQLA_TRITON_TUNE=serial.seg=N`` cuts sequences into segments of N chunks, ``serial.seg=-1`` lets the
-    tilelang backend's model choose; 0, the default, is off (not yet measured on a GPU)."""
-    seg = tune("serial")["seg"]
+    tilelang backend's model choose; 0, the default, is off (not yet measured on a GPU).  ``backward``: the same
+    for the state-gradient walk (``chunk_state_bwd_kernel`` with ``HALO``, ``serial.bseg``), whose walks *end* in
+    a halo past their segment (``walk_starts(reverse=True)``: the returned tensor holds the walks' end chunks)."""
+    seg = tune("serial")["bseg" if backward else "seg"]
     if seg == 0 or geo.TT == 0:
         return None
     from ..tilelang import segments as sg
     lengths = geo.meta.seqlens if geo.varlen else [geo.T] * geo.B
     if seg < 0:
-        plan = sg.segment_plan(lengths, geo.Hv, geo.V, _sm_count(k.device) or 132, BV, forced="auto")
+        # (the tilelang model's step tables start at BV 32: a BV-16 walk is modelled as a BV-32 one)
+        plan = sg.segment_plan(lengths, geo.Hv, geo.V, _sm_count(k.device) or 132, max(BV, 32), forced="auto",
+                               backward=backward)
         if plan is None:
             return None
         seg = plan.seg_chunks
@@ -416,7 +422,8 @@ def segment_split(geo: Geometry, k, g, beta, use_l2: bool, BV: int):
     kf = k.reshape(geo.TT, geo.Hqk, geo.K)
     gf = g.reshape(geo.TT, geo.Hv).to(torch.float32).contiguous()
     bf = beta.reshape(geo.TT, geo.Hv).contiguous()
-    return tables, sg.walk_starts(kf if kf.stride(-1) == 1 else kf.contiguous(), gf, bf, tables, use_l2)
+    return tables, sg.walk_starts(kf if kf.stride(-1) == 1 else kf.contiguous(), gf, bf, tables, use_l2,
+                                  reverse=backward)
 
 
 def state_fwd(geo: Geometry, q, k, w, u, G, h0, output_final_state: bool, use_l2: bool, scale: float = 1.0,
@@ -582,8 +589,10 @@ def _forward(q, k, v, g, beta, scale, h0, meta, output_final_state: bool, use_l2
     return o, ht, Tm
 
 
-def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool, dvl=None):
-    """``dvl``: the intra-chunk part of dv_new from ``prep_from_t``; completed in place into dv_new (LOCAL_DV)."""
+def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, use_l2: bool, dvl=None,
+              split_from=None):
+    """``dvl``: the intra-chunk part of dv_new from ``prep_from_t``; completed in place into dv_new (LOCAL_DV).
+    ``split_from``: ``(g, beta)`` of the call, for :func:`segment_split` (the walk in segments, when it is on)."""
     from .chunk_bwd_state import chunk_state_bwd_kernel
 
     dev = q.device
@@ -591,14 +600,22 @@ def state_bwd(geo: Geometry, q, k, w, G, do, dht, need_dh0: bool, scale: float, 
     dvn = dvl if dvl is not None else torch.empty(geo.B, geo.T, geo.Hv, geo.V, dtype=q.dtype, device=dev)
     dh0 = torch.empty(geo.N, geo.Hv, geo.K, geo.V, dtype=torch.float32, device=dev) if need_dh0 else None
     cfg = _bstate_cfg(geo, dev)
-    BV = cfg["bv"]
-    grid, order, ordered = _serial_grid(geo, BV)
+    split = segment_split(geo, k, *split_from, use_l2, cfg["bv"], backward=True) if split_from is not None else None
+    if split is not None:
+        tables, ends = split
+        cfg = _bstate_cfg(geo, dev, walks=tables.num_segments * geo.Hv)
+        grid = (tables.num_segments * geo.Hv, triton.cdiv(geo.V, cfg["bv"]))
+        cu, coff, order, seg, walk, varlen, ordered = (tables.cu_seqlens, tables.chunk_offsets, tables.cu_seqlens,
+                                                       tables.seg_table_bwd, ends, True, False)
+    else:
+        grid, order, ordered = _serial_grid(geo, cfg["bv"])
+        cu, coff, seg, walk, varlen = geo.cu, geo.coff, order, order, geo.varlen
     launch(chunk_state_bwd_kernel, grid,
         q, k, w, G, do, dht if dht is not None else dh, dh0 if dh0 is not None else dh, dh, dvn,
-        geo.cu, geo.coff, order, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
-        K=geo.K, V=geo.V, BV=BV, IS_VARLEN=geo.varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
+        cu, coff, order, seg, walk, float(scale), geo.T, geo.NT, geo.TT, geo.Hqk, geo.Hv,
+        K=geo.K, V=geo.V, BV=cfg["bv"], IS_VARLEN=varlen, USE_L2=use_l2, HAS_DHT=dht is not None,
         STORE_DH0=dh0 is not None, IEEE=geo.ieee, TRANSPOSED=bool(cfg["t"]), LOCAL_DV=dvl is not None,
-        ORDERED=ordered, **_launch(cfg, geo))
+        ORDERED=ordered, HALO=split is not None, **_launch(cfg, geo))
     return dh, dvn, dh0
 
 
@@ -668,7 +685,8 @@ def _backward(q, k, v, g, beta, scale, h0, meta, do, dht, use_l2: bool, gva_dtyp
     else:
         w, u, G, Tm = prep(geo, k, v, g, beta, use_l2, store_t=True)
     h, vn, _ = state_fwd(geo, q, k, w, u, G, h0, False, use_l2, split_from=(g, beta))
-    dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2, dvl=dvl)
+    dh, dvn, dh0 = state_bwd(geo, q, k, w, G, do, dht, h0 is not None, scale, use_l2, dvl=dvl,
+                             split_from=(g, beta))
     dh_box = [dh]
     del dh      # (grads frees it after its first launch)
     dq, dk, dv, dbeta, dg = grads(geo, q, k, v, beta, G, Tm, w, u, h, dh_box, vn, dvn, do, scale, use_l2,
