@@ -278,8 +278,9 @@ case "$STEP" in
   segments)
     # in-kernel CP of the forward (session 17, backends/tilelang/segments.py: segments with a halo): its GPU tests,
     # then the A/B against the unsplit walk on the long-sequence rows (auto and forced segment lengths), inference
-    # and training forwards; the training A/B also with the backward's split (FLASHQLA_TILELANG_BWD_SEGMENTS=auto,
-    # off by default until these GPU tests have passed with it: the tests force it) (#8)
+    # and training forwards; the training A/B also with the backward's split (FLASHQLA_TILELANG_BWD_SEGMENTS=auto:
+    # the split backward's state walk or, session 18, the whole-V backward's walk over segments; off by default
+    # until these GPU tests have passed with it: the tests force it, both backwards) (#8)
     TAIL=12 run_step "segment GPU tests" ${SEG_TEST_S:-300} $PYT tests/test_tilelang_segments.py
     case $RUN_RC in 0) ;; *) echo "== segments: tests did not pass; the sweep skipped"; continue ;; esac
     TAIL=80 run_step "inference forward, segments off / auto / forced" ${SEG_SWEEP_S:-240} python \
@@ -287,9 +288,9 @@ case "$STEP" in
         --rows ${SEG_ROWS:-2/8:1x32768,4/16:1x32768,8/24:1x32768,16/32:1x32768,16/64:1x32768,16/32:28672+4096,2/8:4096+28672,16/48:4096+28672,8/32:1x16384,2/8:2x16384,16/32:1x4096,2/8:1x2048,16/32:4x8192} \
         --variants "${SEG_VARIANTS:-FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_SEGMENTS=16;FLASHQLA_TILELANG_SEGMENTS=32;FLASHQLA_TILELANG_SEGMENTS=64;FLASHQLA_TILELANG_SEGMENTS=128}"
     [ "${SEG_TRAIN:-1}" = 0 ] && continue
-    TAIL=12 run_step "training forward+backward, segments off / auto" ${SEG_TRAIN_S:-120} python \
+    TAIL=12 run_step "training forward+backward, segments off / auto" ${SEG_TRAIN_S:-200} python \
         benchmarks/sweep_variants.py --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_segments.json \
-        --rows ${SEG_TRAIN_ROWS:-2/8:1x32768,16/32:1x32768,4/8:1x8192} \
+        --rows ${SEG_TRAIN_ROWS:-2/8:1x32768,16/32:1x32768,4/8:1x8192,2/4:1x32768,16/32:28672+4096} \
         --variants "FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_BWD_SEGMENTS=auto" ;;
   tritonseg)
     # the triton forward walk in segments with a halo (session 17, serial.seg, off by default) and the state-gradient

@@ -239,15 +239,10 @@ def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[
 def _tilelang_backward_note(q, spec, varlen_meta) -> str:
     """The tilelang backend's backward choice for this call (split, or the whole-V fused kernel) and its reason;
     ``varlen_meta`` is the one ``validate`` returned (None: B sequences of T tokens)."""
-    from .backends.tilelang.ops import ChunkMeta, bwd_choice, bwd_segment_plan
+    from .backends.tilelang.ops import bwd_plan
     from .cp import _seq_bounds
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
-    note = bwd_choice(ChunkMeta.of_lengths(lens), spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device,
-                      explain=True)[1]
-    plan = bwd_segment_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)
-    if plan is not None:
-        note += f"; its gradient walk in-kernel CP: {plan.describe()}"
-    return note
+    return bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)[2]
 
 
 def _tilelang_forward_note(q, spec, varlen_meta) -> str:

@@ -1148,9 +1148,13 @@ def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_ou
 
 
 def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out, db_out, dh0,
-                   trace, scale, ratio):
+                   trace, scale, ratio, seg_table=None, walk_end=None):
     # chunk_bwd_whole_sm90: the CPU model in its w-free order (bwd_fused_ref(w_free=True), the kernel's order) at
-    # whole V, with q / k given per value head (ratio 1): dq, dk per value head, as the kernel writes them
+    # whole V, with q / k given per value head (ratio 1): dq, dk per value head, as the kernel writes them.  Key
+    # entry 10 (halo): the grid runs over segments, each head's walk starts at walk_end[n, h] (_sim_bwd_whole_halo)
+    if len(key) > 9 and key[9]:
+        return _sim_bwd_whole_halo(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out,
+                                   db_out, dh0, scale, ratio, seg_table, walk_end)
     from flashqla.backends.tilelang.chunk_bwd_fused_ref import bwd_fused_ref
     dt, _, K, V, has_dht, need_dh0 = key[:6]
     qv, kv = q.repeat_interleave(ratio, 1), k.repeat_interleave(ratio, 1)
@@ -1165,6 +1169,34 @@ def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_
     db_out.copy_(db.float())
     if need_dh0:
         dh0.copy_(d0)
+
+
+def _sim_bwd_whole_halo(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out, db_out,
+                        dh0, scale, ratio, seg_table, walk_end):
+    # per segment n and per distinct walk end e (global chunk, exclusive): the plain model over the tokens from the
+    # segment's start to chunk e (or the sequence's end), from dS = 0 (dht at the sequence's end chunk); the heads
+    # that end at e keep its gradients of the segment's own rows, a sequence's first segment its dh0
+    dt, bdt, K, V, has_dht, need_dh0 = key[:6]
+    Hv = v.shape[1]
+    for n in range(cu.shape[0] - 1):
+        seq, ce, first, seq_eos = (int(x) for x in seg_table[n])
+        t0, t1, c0, c1 = int(cu[n]), int(cu[n + 1]), int(coff[n]), int(coff[n + 1])
+        we = walk_end[n].long()
+        assert bool(((we >= c1) & (we <= ce)).all()), (n, we, c1, ce)
+        for e in sorted(set(we.tolist())):
+            heads = we == e
+            te = min(seq_eos, t0 + (e - c0) * C)
+            sub = [torch.zeros(te - t0, *x.shape[1:], dtype=x.dtype) for x in (dq_h, dk_h, dv_out, dg_out, db_out)]
+            d0 = torch.zeros(1, Hv, K, V)
+            from_dht = has_dht and e == ce
+            sub_dht = dht[seq:seq + 1].clone() if from_dht else torch.zeros(1, Hv, K, V)
+            _sim_bwd_whole(key[:6], q[t0:te], k[t0:te], v[t0:te], beta[t0:te], do[t0:te], G[c0:e], X[c0:e],
+                           h[c0:e], vn[c0:e], torch.tensor([0, te - t0], dtype=torch.int32),
+                           torch.tensor([0, e - c0], dtype=torch.int32), sub_dht, *sub, d0, None, scale, ratio)
+            for full, part in zip((dq_h, dk_h, dv_out, dg_out, db_out), sub):
+                full[t0:t1][:, heads] = part[:t1 - t0][:, heads]
+            if need_dh0 and first:
+                dh0[seq][heads] = d0[0][heads]
 
 
 def _sim_fwd_ws(key, *args):

@@ -161,8 +161,9 @@ def test_forward_walk_in_segments_with_halo(monkeypatch, tune, grads):
     assert bool((starts.cpu() > tables.seg_table.cpu()[:, 1:2]).any()), "no walk started in a halo"
 
 
-@pytest.mark.parametrize("tune", ["serial.bseg=1", "serial.bseg=2,bstate.ldv=0", "serial.bseg=1,bstate.t=1,bstate.bv=64",
-                                  "serial.bseg=1,fwd.savet=0", "serial.bseg=1,serial.seg=2"],
+@pytest.mark.parametrize("tune", ["serial.bseg=1", "serial.bseg=2,bstate.ldv=0",
+                                  "serial.bseg=1,bstate.t=1,bstate.bv=64", "serial.bseg=1,fwd.savet=0",
+                                  "serial.bseg=1,serial.seg=2"],
                          ids=["local_dv", "recomputed_dv", "transposed", "no_kept_inverse", "both_split"])
 def test_state_gradient_walk_in_segments_with_halo(monkeypatch, tune):
     # serial.bseg: the state-gradient walk cut into segments, each starting in a halo past its end (from dS = 0, or

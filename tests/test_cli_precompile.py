@@ -71,8 +71,10 @@ def test_list_shows_every_variant(tmp_path, capsys):
                     ops.bwd_wy_kernel(dt, bdt, 128, 128, a)
                     # the whole-V fused backward (FLASHQLA_TILELANG_BWD=auto takes it where it pays), with a
                     # final-state gradient or not (a), dh0 or not
-                    ops.bwd_whole_kernel(dt, bdt, 128, 128, a, True)
-                    ops.bwd_whole_kernel(dt, bdt, 128, 128, a, False)
+                    # (and walking segments with a halo: in-kernel CP of the backward)
+                    for halo in (False, True):
+                        ops.bwd_whole_kernel(dt, bdt, 128, 128, a, True, halo)
+                        ops.bwd_whole_kernel(dt, bdt, 128, 128, a, False, halo)
             # the default recurrences: warp-specialised, every V-block the call-time rule can pick; fused
             # when nothing is saved for a backward
             # (and each walking whole sequences or segments with a halo: in-kernel CP)

@@ -291,10 +291,11 @@ _GPU_SEG_CASES = [
 ]
 
 
-def _oracle_run(case, grads, seg, monkeypatch):
+def _oracle_run(case, grads, seg, monkeypatch, bwd="auto"):
     from flashqla.testing import run_case
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", seg)
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")    # (the backward's split follows)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", bwd)
     return run_case(flashqla.chunk_gated_delta_rule, case, "tilelang", torch.bfloat16, "cuda", grads=grads,
                     exact_fp32=False, seed=0)
 
@@ -325,6 +326,21 @@ def test_gpu_split_forward_matches_oracle(case, grads, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("bwd", ["ws", "whole"])
+@pytest.mark.parametrize("case", _GPU_SEG_CASES, ids=lambda c: c.name)
+def test_gpu_split_backward_matches_oracle(case, bwd, monkeypatch):
+    # the gradient walk in segments of 2 chunks with a halo past each one's end, in the split backward's state
+    # kernel or in the whole-V kernel (which does not serve the L2 norm: that case takes the split backward)
+    from flashqla.backends.tilelang import _compile
+    res = _oracle_run(case, True, "2", monkeypatch, bwd)
+    print(case.name, bwd, {k: f"{v:.2e}" for k, v in res.errors.items()})
+    assert res.ok, f"{case.name}: {res.failures} (all {res.errors})"
+    name = "bwd_whole_sm90" if bwd == "whole" and not case.l2norm else "bwd_state_ws_sm90"
+    assert any(n == name and key[-1] is True for n, key in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("case", _GPU_SEG_CASES, ids=lambda c: c.name)
 def test_gpu_split_forward_agrees_with_unsplit(case, monkeypatch):
     o1, h1 = _outputs(case, "2", monkeypatch)
@@ -347,16 +363,18 @@ _HOST_SEG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("grads", [False, True], ids=["inference", "training"])
+@pytest.mark.parametrize("grads", [False, "ws", "whole"], ids=["inference", "training_ws", "training_whole"])
 @pytest.mark.parametrize("case", _HOST_SEG_CASES, ids=lambda c: c.name)
 def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
     # the backend's glue with segments of one chunk: segment tables, the halo search (torch on the CPU), the
     # halo variant's arguments checked against its prim_func, the per-head walk starts simulated; against the
-    # oracle (and the gradients through the states the split forward saved)
+    # oracle (and the gradients through the states the split forward saved, by the split backward or the whole-V
+    # one, whose walks are split too; the whole-V kernel does not serve the L2 norm: the split backward does)
     from flashqla.testing import TOLERANCES, poisoned_outputs
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "1")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", grads or "ws")
+    bwd, grads = grads, bool(grads)
     be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=grads)
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)
@@ -371,14 +389,59 @@ def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
     assert "fwd_recurrent_ws_sm90" in simulated_kernels
     if grads:
         # the backward's gradient walk is split too (its tables and walk ends come from the forward)
-        assert aux["bwd_split"] is not None and "bwd_state_ws_sm90" in simulated_kernels
-        bv, tables, ends = aux["bwd_split"]
+        variant = "whole" if bwd == "whole" and not case.l2norm else "ws"
+        assert aux["bwd_split"] is not None and aux["bwd_split"][0] == variant
+        assert ("bwd_whole_sm90" if variant == "whole" else "bwd_state_ws_sm90") in simulated_kernels
+        _, bv, tables, ends = aux["bwd_split"]
         assert tables.num_segments > len(case.seqlens or [0] * case.B)
         co = tables.chunk_offsets
         assert bool((ends.cpu() > co[1:, None].cpu()).any()), "no gradient walk ran a halo"
     tol = TOLERANCES["bfloat16"]
     bad = {n: e for n, e in errs.items() if not e <= tol[n]}
     assert not bad, (bad, errs)
+
+
+def test_backward_plan_splits_the_whole_backward_where_walks_are_few(monkeypatch):
+    # with the backward's split on, the whole-V kernel walks segments too: on one 32k sequence at 16/32 it is
+    # modelled ~4x faster split than unsplit, and faster than the split backward split; the plan is bwd_choice's
+    # where no split pays (a walk per SM already), the split backward's under FLASHQLA_TILELANG_BWD=ws or the L2
+    # norm (which the whole-V kernel does not serve), none with the switch off
+    from flashqla.backends.tilelang import ops
+    from flashqla.dispatch.device import fake_device
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
+    with fake_device("cuda", (9, 0)):
+        variant, plan, why = ops.bwd_plan([32768], 32, 128, 128, False, cpu, explain=True)
+        assert variant == "whole" and plan is not None and plan.bv == 128
+        assert 32 * plan.num_segments <= 132 and plan.est_us < 0.3 * plan.est_plain_us, plan
+        assert why.startswith("whole-V fused backward, its gradient walk in-kernel CP: split: "), why
+        assert ops.bwd_plan([8192] * 4, 32, 128, 128, False, cpu) == ("whole", None, "")
+        variant, plan, _ = ops.bwd_plan([32768], 32, 128, 128, True, cpu)
+        assert variant == "ws" and plan is not None and plan.bv in ops.BWD_WS_BVS
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
+        variant, plan, _ = ops.bwd_plan([32768], 32, 128, 128, False, cpu)
+        assert variant == "ws" and plan is not None
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "16")
+        variant, plan, _ = ops.bwd_plan([32768], 8, 128, 128, False, cpu)
+        assert variant == "whole" and plan.seg_chunks == 16 and plan.bv == 128 and plan.num_segments == 32
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
+        assert ops.bwd_plan([32768], 32, 128, 128, False, cpu)[:2] == ("whole", None)
+
+
+def test_whole_backward_halo_is_in_its_key_only_when_on(monkeypatch):
+    from flashqla.backends.tilelang import ops
+    from flashqla.backends.tilelang._compile import record_keys
+    monkeypatch.delenv("FLASHQLA_TILELANG_EX2", raising=False)
+    with record_keys() as rec:
+        ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, True, True)
+        ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, True, True, True)
+    plain, halo = rec[0][2], rec[1][2]
+    # (trace, nregs, hw_ex2 as the default builds it, then halo)
+    assert plain == ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True)
+    assert halo == plain + (True,)
 
 
 def test_explain_notes(monkeypatch):

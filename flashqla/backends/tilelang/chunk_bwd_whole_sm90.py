@@ -56,6 +56,16 @@ chunk ahead of the key warpgroup).
 Outputs: ``dq``, ``dk`` ``[NT, Hv, K]`` per value head in the inputs' dtype (the host sums each GVA group in
 fp32), ``dv`` ``[NT, Hv, V]``, ``dg``, ``db`` ``[NT, Hv]`` fp32, ``dh0`` ``[N, Hv, K, V]`` fp32.  Rows past a
 sequence's end are never stored.
+
+``halo`` (in-kernel context parallelism, as the split backward's ``chunk_bwd_state_ws`` and
+:mod:`flashqla.backends.tilelang.segments`): the grid's last axis runs over chunk-aligned segments
+(``cu_seqlens`` / ``chunk_offsets`` are the segments' boundaries), ``seg_table[n] = (sequence, its end chunk,
+is-first, its end token)`` and ``walk_end[n, h]`` the global chunk (exclusive) the walk starts from, between the
+segment's end and the sequence's.  The chunks between (the halo) run the whole step from ``dS = 0`` (from ``dht``
+where the halo reaches the sequence end) and store nothing: every role runs them, so the barrier protocol is the
+plain walk's over more chunks.  A whole step per halo chunk costs more than the chain alone would, but the halo is
+~3 chunks at the benchmarks' gates against 100+ per segment.  Row masks use the sequence's end; only a sequence's
+first segment writes ``dh0``.
 """
 
 CHUNK = 64
@@ -85,11 +95,12 @@ NREGS = (160, 168, 160, 24)
 
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
-                    trace: bool = False, nregs=None, hw_ex2: bool = False):
+                    trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
     exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
-    instructions in the value role, ~160 in the key role; session 16, not yet run on a GPU)."""
+    instructions in the value role, ~160 in the key role); ``halo``: the walk over segments (the docstring;
+    ``seg_table`` / ``walk_end`` are placeholders otherwise)."""
     import tilelang.language as T
 
     from ._common import EX2_APPROX_SRC, ex2_approx, make_store_rows, symbolic_sizes
@@ -104,6 +115,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
     DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
     D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
+    if halo:
+        # dht / dh0 stay per sequence while the grid runs over segments
+        DTN, D0N = T.dynamic("DTN"), T.dynamic("D0N")
+    SGN, WEN, WEH = (NS, NS, Hv) if halo else T.dynamic("SGN, WEN, WEH")
     TR0, TR1 = (len(TRACE_EVENTS), TRACE_CHUNKS) if trace else T.dynamic("TR0, TR1")
     EV = {name: e for e, (name, _) in enumerate(TRACE_EVENTS)}
     LOG2E = 1.4426950408889634
@@ -116,6 +131,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         if hw_ex2:
             return ex2_approx(x * LOG2E)
         return T.exp2(x * LOG2E)
+
+    def store_end(i, nhalo, bos, eos):
+        # the row bound of step i's stores: the sequence's end, or (a halo chunk) the chunk's start: nothing.  A
+        # bound, not an ``if`` around the stores: that ``if`` around the key role's dk stores made ptxas serialise
+        # every wgmma of the kernel (its accumulators live across the branch; session 18, lowering for sm_90a)
+        return T.if_then_else(i >= nhalo, eos, bos) if halo else eos
 
     @T.macro
     def stamp(trace_out, name, i, tx, tx0, hv, n):
@@ -146,6 +167,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         trace_out: T.Tensor((TR0, TR1), "int64"),
         scale: T.float32,
         ratio: T.int32,
+        seg_table: T.Tensor((SGN, 4), "int32"),
+        walk_end: T.Tensor((WEN, WEH), "int32"),
     ):
         with T.Kernel(Hv, NS, threads=512) as (hv, n):
             if hw_ex2:
@@ -219,15 +242,33 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             tx = T.get_thread_binding()
             hq = hv // ratio
             bos0 = cu_seqlens[n]
-            eos = cu_seqlens[n + 1]
+            if not halo:
+                eos = cu_seqlens[n + 1]
             c0 = chunk_offsets[n]
-            nchunks = chunk_offsets[n + 1] - c0
+            if halo:
+                # the walk: the halo's chunks past the segment's end (ci >= the segment's chunk count), then its own
+                seq = seg_table[n, 0]
+                eos = seg_table[n, 3]
+                nhalo = walk_end[n, hv] - chunk_offsets[n + 1]
+                from_dht = walk_end[n, hv] == seg_table[n, 1]
+                is_first = seg_table[n, 2] != 0
+                nchunks = walk_end[n, hv] - c0
+            else:
+                nhalo = 0
+                nchunks = chunk_offsets[n + 1] - c0
 
             if tx < 128:
                 # ---------------- chain ----------------
                 T.set_max_nreg(R_CHAIN, 1)
                 if has_dht:
-                    T.copy(dht[n, hv, :, :], dS_f)
+                    if halo:
+                        # a halo that reaches the sequence end walks from dht (no approximation at all)
+                        # (a select, not an if / else around the copy: that branch made ptxas serialise every wgmma)
+                        T.copy(dht[seq, hv, :, :], dS_f)
+                        for a, b in T.Parallel(K, V):
+                            dS_f[a, b] = T.if_then_else(from_dht, dS_f[a, b], 0.0)
+                    else:
+                        T.copy(dht[n, hv, :, :], dS_f)
                 else:
                     T.clear(dS_f)
                 for i in T.serial(nchunks):
@@ -289,7 +330,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "chain: step done", i, tx, 0, hv, n)
                 if need_dh0:
-                    T.copy(dS_f, dh0[n, hv, :, :])
+                    if halo:
+                        if is_first:
+                            T.copy(dS_f, dh0[seq, hv, :, :])
+                    else:
+                        T.copy(dS_f, dh0[n, hv, :, :])
             elif tx < 256:
                 # ---------------- value ----------------
                 T.set_max_nreg(R_VALUE, 1)
@@ -383,12 +428,12 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # alone, within the dVg pass, or with dq / dk staged too, was 5-7% slower in session 16 runs 3-5:
                     # per-element shared stores and the named barriers around each stage cost more than these
                     # scattered 4-byte stores, and releasing staging tiles late coupled the roles)
-                    if bos + C <= eos:
+                    if bos + C <= store_end(i, nhalo, bos, eos):
                         for r, j in T.Parallel(C, V):
                             dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
                     else:
                         for r, j in T.Parallel(C, V):
-                            if bos + r < eos:
+                            if bos + r < store_end(i, nhalo, bos, eos):
                                 dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
                     stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
                     # m = dvn Y^T, before dVg overwrites dvn
@@ -514,7 +559,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        store_rows(dq_out, t_f, bos, eos, hv, hb * KH)
+                        store_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
@@ -579,8 +624,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    store_rows(dk_out, dk0_f, bos, eos, hv, 0)
-                    store_rows(dk_out, dk1_f, bos, eos, hv, KH)
+                    store_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0)
+                    store_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
@@ -605,10 +650,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             y = T.shfl_down(suf, 1 << sh)
                             if lane + (1 << sh) < 32:
                                 suf = suf + y
-                        if bos + 2 * lane < eos:
+                        if bos + 2 * lane < store_end(i, nhalo, bos, eos):
                             dg_out[bos + 2 * lane, hv] = suf + last
                             db_out[bos + 2 * lane, hv] = vb_s[s, 2 * lane]
-                        if bos + 2 * lane + 1 < eos:
+                        if bos + 2 * lane + 1 < store_end(i, nhalo, bos, eos):
                             dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
                             db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
                     stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)

@@ -380,10 +380,11 @@ def hw_ex2(part: str = "fwd") -> bool:
     return choice == "approx"
 
 
-def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0):
+def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    # (trace, nregs, hw_ex2)
-    key = _key(key, (BWD_TRACE_BUFFER is not None, False), (whole_nregs(), None), (hw_ex2("bwd_whole"), False))
+    # (trace, nregs, hw_ex2, halo)
+    key = _key(key, (BWD_TRACE_BUFFER is not None, False), (whole_nregs(), None), (hw_ex2("bwd_whole"), False),
+               (bool(halo), False))
     return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
 
 
@@ -392,9 +393,11 @@ def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
     return K == 128 and V == 128 and not l2norm
 
 
-def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0):
+def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0,
+                    split=None):
     """The whole-V fused backward's launch and the GVA sums of its per-value-head dq / dk.  Returns (dq, dk, dv,
-    dg, dbeta) flattened, as ``backward``'s split path has them before its reshape."""
+    dg, dbeta) flattened, as ``backward``'s split path has them before its reshape.  ``split``: ``(tables, walk
+    ends)`` of its walk in segments with a halo (``FwdResult.bwd_split``), or None."""
     B, T, Hqk, Hv, K, V = shape
     NT = B * T
     dev, dt = q.device, q.dtype
@@ -405,9 +408,15 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
     db = torch.empty(NT, Hv, dtype=f32, device=dev)
-    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0)(
-        q, k, v, beta, dof, G, X, hs, vn, meta.cu_seqlens, meta.chunk_offsets, dhtf,
-        dq_h, dk_h, dv, dg, db, dh0, _trace_arg(dev, bwd=True), float(scale), ratio)
+    if split is not None:
+        tables, ends = split
+        walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
+    else:
+        walk_cu, walk_co = meta.cu_seqlens, meta.chunk_offsets
+        halo_args = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
+    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None)(
+        q, k, v, beta, dof, G, X, hs, vn, walk_cu, walk_co, dhtf,
+        dq_h, dk_h, dv, dg, db, dh0, _trace_arg(dev, bwd=True), float(scale), ratio, *halo_args)
     dq = gva_sum(dq_h, ratio, dt)
     del dq_h
     dk = gva_sum(dk_h, ratio, dt)
@@ -445,7 +454,7 @@ class FwdResult:
     v: Optional[torch.Tensor] = None
     beta: Optional[torch.Tensor] = None
     # the backward's split of its gradient walk, decided with the forward (it needs g, which is not saved):
-    # (V-block, segments.SegmentTables, walk ends [NSEG, Hv] int32), or None
+    # (backward variant "ws" / "whole", V-block, segments.SegmentTables, walk ends [NSEG, Hv] int32), or None
     bwd_split: Optional[tuple] = None
 
 
@@ -465,20 +474,42 @@ def seq_lengths(varlen, B: int, T: int) -> list:
     return varlen.seqlens if varlen is not None else [T] * B
 
 
-def bwd_segment_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device):
-    """The split of the backward's gradient walk (``bwd_state_ws`` with a halo, :mod:`.segments`) for this call,
-    or None: only where the split backward runs (not the whole-V kernel, not ``serial``).  A V-block forced by
-    ``FLASHQLA_TILELANG_BV`` replaces the plan's."""
+def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False) -> tuple:
+    """``(variant, plan, why)``: the backward this call runs (:func:`bwd_choice`'s ``whole`` / ``ws`` / ``serial``)
+    and the split of its gradient walk into segments with a halo (:mod:`.segments`), or None.
+
+    Where ``FLASHQLA_TILELANG_BWD_SEGMENTS`` allows a split, both backwards are modelled split and not: the split
+    backward's gradient walk (``bwd_state_ws`` with a halo, its per-pair kernels unchanged) and the whole-V kernel's
+    walk (``bwd_whole`` with a halo, ``WHOLE_STEP_US`` per step, one CTA per (segment, head)); the least modelled
+    time wins (``FLASHQLA_TILELANG_BWD`` set: that backward, split where it pays).  Without a split this is
+    :func:`bwd_choice`.  A V-block forced by ``FLASHQLA_TILELANG_BV`` replaces the split backward's."""
     meta = ChunkMeta.of_lengths(lengths)
-    if bwd_choice(meta, Hv, K, V, l2norm, device)[0] != "ws":
-        return None
+    variant, why = bwd_choice(meta, Hv, K, V, l2norm, device, explain)
+    model = _bwd_model(meta, Hv, device)
+    if variant == "serial" or model is None or segments.mode(backward=True) == "off":
+        return variant, None, why
+    t_whole, t_split, busy = model
     sms = detect(device).sm_count or 132
-    plain_bv = min(fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, V, device), BWD_WS_BVS[-1])
-    plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv, backward=True)
-    if plan is not None and bv_forced():
-        bv = min(fwd_ws_bv(plan.num_segments, Hv, V, device), BWD_WS_BVS[-1])
-        plan = dataclasses.replace(plan, bv=bv, reason=f"{plan.reason}; run at BV {bv} (FLASHQLA_TILELANG_BV)")
-    return plan
+    forced = bwd_variant() != "auto"
+    cands = []
+    if variant == "ws" or not forced:
+        plain_bv = min(fwd_ws_bv(busy, Hv, V, device), BWD_WS_BVS[-1])
+        plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv, backward=True)
+        if plan is not None and bv_forced():
+            bv = min(fwd_ws_bv(plan.num_segments, Hv, V, device), BWD_WS_BVS[-1])
+            plan = dataclasses.replace(plan, bv=bv, reason=f"{plan.reason}; run at BV {bv} (FLASHQLA_TILELANG_BV)")
+        walk_us = meta.num_chunks / busy * SPLIT_STATE_STEP_US
+        # (the split backward's per-pair kernels are the same split or not)
+        cands.append(((plan.est_us if plan else walk_us) + t_split - walk_us, "ws", plan))
+    if bwd_whole_ok(K, V, l2norm) and (variant == "whole" or not forced):
+        plan = segments.segment_plan(lengths, Hv, V, sms, V, backward=True, steps={V: WHOLE_STEP_US}, bvs=(V,))
+        cands.append((plan.est_us if plan else t_whole, "whole", plan))
+    t, variant, plan = min(cands, key=lambda c: c[0])
+    if plan is not None and explain:
+        name = "whole-V fused backward" if variant == "whole" else "split backward"
+        why = (f"{name}, its gradient walk in-kernel CP: {plan.describe()}; modelled {t / 1000:.2f} ms (unsplit: "
+               f"{t_whole / 1000:.2f} ms whole-V, {t_split / 1000:.2f} ms split)")
+    return variant, plan, why
 
 
 def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = None):
@@ -597,10 +628,11 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     if save and dev.type != "meta" and variant != "serial" and segments.mode(backward=True) != "off":
         if lengths is None:
             lengths = seq_lengths(varlen, B, T)
-        bplan = bwd_segment_plan(lengths, Hv, K, V, l2norm, dev)
+        bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev)
         if bplan is not None:
             tables = segments.segment_tables(lengths, bplan.seg_chunks, dev)
-            bwd_split = (bplan.bv, tables, segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
+            bwd_split = (bvariant, bplan.bv, tables,
+                         segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
                      qf, kf, vf, bf, bwd_split)
@@ -623,25 +655,29 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     has_dht = dht is not None
     dhtf = aligned(dht.to(f32)) if has_dht else dummy((1, 1, K, V), f32, dev)
     dh0 = torch.empty(NS, Hv, K, V, dtype=f32, device=dev) if has_h0 else dummy((1, 1, K, V), f32, dev)
+    no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
     if dev.type == "meta" and bwd_variant() == "auto":
-        # (precompile's key enumeration: both paths' kernels)
+        # (precompile's key enumeration: both paths' kernels, the whole-V one also over segments)
         if bwd_whole_ok(K, V, l2norm):
             _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0)
+            bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True)
         variant = "ws"
+    elif bwd_split is not None:
+        variant = bwd_split[0]          # (decided with the forward, with the split)
     else:
         variant = bwd_choice(meta, Hv, K, V, l2norm, dev)[0]
     if variant == "whole":
+        split = bwd_split[2:] if bwd_split is not None and dev.type != "meta" else None
         dq, dk, dv, dg, db = _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
-                                             has_dht, has_h0)
+                                             has_dht, has_h0, split)
         return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
     dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-    no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
     # segments with a halo past each one's end (see .segments; the split was decided with the forward), where the
     # split backward's ws kernel runs
     halo = bwd_split is not None and variant == "ws" and dev.type != "meta"
     if halo:
-        bv, tables, ends = bwd_split
+        _, bv, tables, ends = bwd_split
         walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
     else:
         bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])

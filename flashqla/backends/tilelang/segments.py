@@ -23,12 +23,16 @@ count whose modelled makespan (list scheduling of the CTAs, up to three waves) i
 that beats the walk as it is.
 ``FLASHQLA_TILELANG_SEGMENTS``: ``auto`` (default), ``off``, or a segment length in chunks (forced).
 
-Backward.  The split backward's gradient walk (``chunk_bwd_state_ws`` with ``halo``) is cut the same way and
-walks a halo *past* each segment's end from ``dS = 0`` (its map is the transpose of the forward's, with the same
-bound), or from ``dht`` at the sequence end.  The walk ends come from the same device pass looking forward
-(``walk_starts(reverse=True)``), run with the forward because g is not saved for the backward.  Session 17:
-CPU-tested (lowering, host simulation, float64 exactness), not yet on a GPU, so ``FLASHQLA_TILELANG_BWD_SEGMENTS``
-is ``off`` by default.
+Backward.  The gradient walk is cut the same way and walks a halo *past* each segment's end from ``dS = 0`` (its
+map is the transpose of the forward's, with the same bound), or from ``dht`` at the sequence end: in the split
+backward's state kernel (``chunk_bwd_state_ws`` with ``halo``, session 17) or in the whole-V fused backward
+(``chunk_bwd_whole`` with ``halo``, session 18: one CTA per (segment, head) forms every gradient of its segment's
+chunks; its halo chunks run whole steps and store nothing).  ``ops.bwd_plan`` models both backwards split and not
+and takes the fastest; on one 32k sequence at 16/32 the whole-V kernel split 4 ways is modelled at ~2.1 ms against
+~4.1 ms for the split backward.  The walk ends come from the same device pass looking forward
+(``walk_starts(reverse=True)``), run with the forward because g is not saved for the backward.  CPU-tested
+(lowering with pipelined wgmma, host simulation, float64 exactness of the halo), not yet on a GPU, so
+``FLASHQLA_TILELANG_BWD_SEGMENTS`` is ``off`` by default.
 """
 
 from __future__ import annotations
@@ -168,7 +172,8 @@ _PLANS: dict = {}
 
 
 def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: int,
-                 forced: Optional[str] = None, backward: bool = False) -> Optional[SegmentPlan]:
+                 forced: Optional[str] = None, backward: bool = False, steps: Optional[dict] = None,
+                 bvs: Optional[tuple] = None) -> Optional[SegmentPlan]:
     """The split of sequences of ``lengths`` tokens for ``Hv`` value heads on ``sms`` SMs, or None (no split).
 
     The model: one CTA per (segment, head, V-block), one CTA per SM, CTAs start in launch order on the first
@@ -177,25 +182,27 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
     V-block (128 or 64; split walks are many, where BV 32 loses) and splits when the best beats the walk as it is
     (at ``plain_bv``) by 10% and ``MIN_GAIN_US``.  Plans are cached per (lengths, heads, SMs): a new shape costs
     0.2-1.6 ms of host time here.  ``forced``: :func:`mode`'s value.  ``backward``: the split of the backward's
-    gradient walk (``STEP_BWD_US``, V-blocks 64 and 32, one split for both directions' env switch)."""
+    gradient walk (``STEP_BWD_US``, V-blocks 64 and 32, one split for both directions' env switch).  ``steps`` /
+    ``bvs``: another walk's step times per V-block and its V-blocks, widest first (the whole-V backward: one
+    V-block of V, ``ops.WHOLE_STEP_US``)."""
     forced = mode(backward) if forced is None else forced
     chunks = tuple(-(-int(n) // CHUNK) for n in lengths)
     longest = max(chunks, default=0)
     if forced == "off" or longest <= 1 or Hv <= 0:
         return None
-    key = (chunks, Hv, V, sms, plain_bv, forced, backward)
+    key = (chunks, Hv, V, sms, plain_bv, forced, backward, tuple(sorted(steps.items())) if steps else None, bvs)
     if key in _PLANS:
         return _PLANS[key]
-    steps = STEP_BWD_US if backward else None
-    bvs = (64, 32) if backward else (128, 64)
+    steps = steps or (STEP_BWD_US if backward else None)
+    bvs = bvs or ((64, 32) if backward else (128, 64))
     plain = _estimate(chunks, longest, Hv, V, plain_bv, sms, 0, steps)
     plan = None
     if forced != "auto":
         seg = int(forced)
         nseg = _segments_of(chunks, seg)
         bv = plain_bv_for(Hv * nseg, V, sms)
-        if backward:
-            bv = min(bv, 64)
+        # (the widest of the walk's V-blocks up to that one)
+        bv = next((b for b in bvs if b <= bv), bvs[0])
         est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS, steps) + SPLIT_FIXED_US
         plan = SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks "
                            f"(FLASHQLA_TILELANG_SEGMENTS), {nseg} segments at BV {bv}")
