@@ -22,6 +22,7 @@
 #   bash benchmarks/next_device_run.sh flqfwdgrid FlashQLA's own forward grid, tilelang vs FlashQLA and FLA (#4;
 #                                                 FLQ_FILTER splits it over calls)
 #   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
+#   bash benchmarks/next_device_run.sh cutlassseg carry [".gpu_cute"]: the cutlass forward over segments (#5, #8)
 #   bash benchmarks/next_device_run.sh cutlassaot carry [".gpu_cute"] (benchmarks/make_gpu_cute.sh): the cutlass
 #                                                 on-disk cache on the GPU, and the first call cold / warm (#5)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
@@ -211,6 +212,21 @@ case "$STEP" in
           benchmarks/first_call.py --backend cutlass --heads 8/32
       [ $i = 1 ] && sleep 30    # the libraries are built by detached children of the first process
     done ;;
+  cutlassseg)
+    # carry [".gpu_cute"]: the cutlass forward over segments with a halo (session 18, FLASHQLA_CUTLASS_SEGMENTS, off by
+    # default): its GPU tests, then the A/B against the unsplit walk on FlashQLA's CP rows and one with a walk per
+    # SM, and num_wg 2 at 16/32 4x8192 (#5, #8)
+    TAIL=6 run_step "cutlass segment tests" ${CSEG_TEST_S:-240} $PYT tests/test_backend_cutlass.py -k over_segments
+    case $RUN_RC in 0) ;; *) echo "== cutlassseg: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=40 run_step "cutlass fwd, segments off / auto" ${CSEG_SWEEP_S:-200} python benchmarks/sweep_variants.py \
+        --backend cutlass --mode fwd --out $OUT/sweep_cutlass_seg_fwd.json \
+        --rows ${CSEG_ROWS:-2/8:1x32768,4/16:1x32768,8/32:1x32768,16/32:1x32768,16/32:28672+4096,16/32:4x8192,2/8:1x8192} \
+        "--variants=FLASHQLA_CUTLASS_SEGMENTS=off;FLASHQLA_CUTLASS_SEGMENTS=auto;FLASHQLA_CUTLASS_SEGMENTS=32"
+    # (the default takes one consumer warpgroup below a (sequence, head) pair per SM: two waves of CTAs at 128 pairs)
+    TAIL=20 run_step "cutlass fwd, num_wg 1 / 2" ${CSEG_WG_S:-120} python benchmarks/sweep_variants.py \
+        --backend cutlass --mode fwd --out $OUT/sweep_cutlass_numwg_fwd.json \
+        --rows ${CSEG_WG_ROWS:-16/32:4x8192,8/16:4x8192,16/32:2x8192,8/32:4x4096} \
+        "--variants=FLASHQLA_CUTLASS_NUM_WG=1;FLASHQLA_CUTLASS_NUM_WG=2" ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
@@ -408,7 +424,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlassseg | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -57,6 +57,30 @@ def _spec(dtype=torch.bfloat16, K=128, V=128, capability=(9, 0), g_dtype=torch.f
     return spec
 
 
+def test_forward_segment_split_plan(monkeypatch):
+    # FLASHQLA_CUTLASS_SEGMENTS: off by default (not yet run on a GPU); auto cuts one long sequence at few heads into
+    # about a CTA per SM and leaves a walk per SM alone; a number forces segments of that many chunks
+    from types import SimpleNamespace
+
+    import flashqla.backends.cutlass as cb
+    call = lambda lens, Hv, num_wg=1: cb._segment_split(  # noqa: E731
+        SimpleNamespace(varlen=SimpleNamespace(seqlens=lens), q=torch.empty(1)), 1, sum(lens), Hv, 128, 132, num_wg)
+    monkeypatch.delenv("FLASHQLA_CUTLASS_SEGMENTS", raising=False)
+    assert cb.segments_mode() == "off"
+    monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "auto")
+    plan, tables = call([32768], 8)
+    assert plan.num_segments == tables.num_segments >= 8 and 8 * plan.num_segments * (128 // plan.bv) <= 132
+    assert call([8192] * 16, 32, 2) is None               # 512 walks at V block 128: nothing to gain
+    assert call([64], 8) is None                          # one chunk: nothing to cut
+    monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "16")
+    plan, tables = call([64 * 40 + 3, 70], 4)
+    assert plan.seg_chunks == 16 and tables.num_segments == 3 + 1 and tables.split_seqs == 1
+    assert plan.bv in (64, 128)
+    monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "0")
+    with pytest.raises(ValueError, match="FLASHQLA_CUTLASS_SEGMENTS"):
+        cb.segments_mode()
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(), None),
     (dict(dtype=torch.float16), "bfloat16"),
@@ -100,6 +124,8 @@ KERNELS = [
     ("prep", (128, 128, "float32", True), 24),     # fp32 beta, training variant (also stores T)
     ("fwd", (128, 128, 1, 2, False), 24),          # vn, q-part of o (8 each), Aqk-part of o, state (4 each)
     ("fwd", (128, 128, 2, 2, True), 24),           # two consumer warpgroups, training variant
+    ("fwd", (128, 128, 1, 2, False, True), 24),    # the walk over segments with a halo (FLASHQLA_CUTLASS_SEGMENTS)
+    ("fwd", (128, 128, 2, 2, True, True), 24),
     ("bwd_state", (128, 128, 1, 2), 20),
     ("bwd_state", (128, 128, 2, 2), 20),
     ("bwd_dqk", (128, 128), 48),
@@ -282,6 +308,30 @@ def test_gpu_matches_oracle(case):
     res = run_case(flashqla.chunk_gated_delta_rule, case, "cutlass", torch.bfloat16, "cuda",
                    grads=be.has_backward, exact_fp32=False)
     assert res.ok, f"errors over tolerance {res.failures} (all: {res.errors})"
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+@pytest.mark.parametrize("num_wg", [1, 2])
+@pytest.mark.parametrize("case", GPU_CASES[:6], ids=lambda c: c.name)
+def test_gpu_forward_over_segments(case, num_wg, monkeypatch):
+    # FLASHQLA_CUTLASS_SEGMENTS=2: the recurrence walks segments of 2 chunks, each starting in a halo before it
+    # (or at its sequence start, from h0, where the gates' decay bound allows none: g = 0); the gradients run
+    # through the chunk states the split forward saved.  Against the oracle, and the unsplit forward
+    import flashqla.backends.cutlass as cb
+    monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "2")
+    res = run_case(lambda *a, **kw: flashqla.chunk_gated_delta_rule(*a, **kw, backend_options={"num_wg": num_wg}),
+                   case, "cutlass", torch.bfloat16, "cuda", grads=True, exact_fp32=False)
+    assert res.ok, f"errors over tolerance {res.failures} (all: {res.errors})"
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        o1, h1 = _call(x, case, num_wg=num_wg)
+        monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "off")
+        o0, h0 = _call(x, case, num_wg=num_wg)
+    assert rel_l2(o1.float(), o0.float()) <= 2e-3 and rel_l2(h1, h0) <= 2e-3
+    # the halo variant served the split calls, training and inference
+    assert {("fwd", "sm_90a", 128, 128, num_wg, 2, save, True) for save in (False, True)} <= set(cb._compiled)
 
 
 def _call(x, case, **opts):

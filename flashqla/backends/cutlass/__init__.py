@@ -37,7 +37,14 @@ off.  :func:`compile_count` says how many compilations this process did, :func:`
 came from the disk.
 
 ``backend_options``: ``{"num_wg": 1 | 2}`` forces the recurrence kernels' V block (64 or 128 value
-columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs.
+columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs
+(``FLASHQLA_CUTLASS_NUM_WG=1|2`` forces it for every call: tuning sweeps).
+
+``FLASHQLA_CUTLASS_SEGMENTS=off|auto|<chunks>`` (default ``off``: not yet run on a GPU): the forward recurrence
+over chunk-aligned segments of the long sequences, each walk starting in a halo before its segment (the tilelang
+forward's in-kernel CP, ``backends/tilelang/segments.py``: its tables, halo search and plan, with
+``CUTLASS_STEP_US``).  ``auto`` splits where that model says it pays; a number forces segments of that many
+chunks.  The backward is unchanged: the split forward saves the same chunk states.
 """
 
 from __future__ import annotations
@@ -124,7 +131,7 @@ def _example_args(kind: str, key: tuple):
         return (bf(), bf(), bf(), _ptr("float32", 1 << 12, 4), beta, bf(), bf(), bf(), fp(), bf(), ip(), ip(),
                 i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), cuda.CUstream(0))
     if kind == "fwd":
-        return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), bf(), bf(), ip(), ip(),
+        return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), bf(), bf(), ip(), ip(), ip(), ip(),
                 i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), i32(0), i32(0), cuda.CUstream(0))
     if kind == "bwd_state":
         return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), bf(), ip(), ip(),
@@ -146,8 +153,8 @@ def _make_kernel(kind: str, key: tuple):
         return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save)
     if kind == "fwd":
         from .chunk_fwd_sm90 import ChunkFwdSm90
-        K, V, num_wg, stages, save = key
-        return ChunkFwdSm90(K, V, num_wg=num_wg, stages=stages, save=save)
+        K, V, num_wg, stages, save, *halo = key     # (halo: the walk over segments; absent = off)
+        return ChunkFwdSm90(K, V, num_wg=num_wg, stages=stages, save=save, halo=bool(halo and halo[0]))
     if kind == "bwd_state":
         from .chunk_bwd_state_sm90 import ChunkBwdStateSm90
         K, V, num_wg, stages = key
@@ -423,6 +430,39 @@ def _dense_meta(B: int, T: int, device):
     return m
 
 
+# Modelled chunk step of the forward recurrence per V block (64: one consumer warpgroup, 128: two), microseconds:
+# session 2 run 8 (h200_2026-12-02_run8_qwen35-fwd_fwd.md), 16/32 1x32768 at V block 64 (64 CTAs): 1.438 ms for
+# both kernels, ~2.3 us per step with the prep's ~0.25 ms taken off; the V-block 128 step is a guess (x1.5)
+CUTLASS_STEP_US = {128: 3.5, 64: 2.3}
+
+
+def segments_mode() -> str:
+    """``FLASHQLA_CUTLASS_SEGMENTS``: ``off`` (default), ``auto`` or a segment length in chunks."""
+    raw = os.environ.get("FLASHQLA_CUTLASS_SEGMENTS", "off").strip().lower() or "off"
+    if raw in ("off", "auto"):
+        return raw
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"FLASHQLA_CUTLASS_SEGMENTS must be 'off', 'auto' or a segment length in chunks (>= 1), "
+                         f"got {raw!r}")
+    return str(n)
+
+
+def _segment_split(x, B: int, T: int, Hv: int, V: int, sms: int, num_wg: int):
+    """``(plan, tables)`` of the forward's walk over segments (``segments_mode``), or None: no sequence is cut."""
+    from ..tilelang import segments
+    lengths = x.varlen.seqlens if x.varlen is not None else [T] * B
+    plan = segments.segment_plan(lengths, Hv, V, sms or 132, 64 * num_wg, forced=segments_mode(),
+                                 steps=CUTLASS_STEP_US, bvs=(128, 64))
+    if plan is None:
+        return None
+    tables = segments.segment_tables(lengths, plan.seg_chunks, x.q.device)
+    return (plan, tables) if tables.split_seqs else None
+
+
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """TMA needs 16-byte aligned base addresses; a contiguous view at an odd offset gets copied."""
     return t if t.data_ptr() % 16 == 0 else t.clone()
@@ -510,7 +550,15 @@ class CutlassBackend(Backend):
         h0 = x.initial_state
         num_wg = int(x.options.get("num_wg", 0)) if x.options else 0
         if num_wg not in (1, 2):
+            num_wg = int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
+        forced_wg = num_wg in (1, 2)
+        if not forced_wg:
             num_wg = 2 if N * Hv >= max(spec.device.sm_count, 1) else 1
+        split = None
+        if C > 0 and segments_mode() != "off":
+            split = _segment_split(x, B, T, Hv, V, spec.device.sm_count, num_wg)
+            if split is not None and not forced_wg:
+                num_wg = split[0].bv // 64
         aux = dict(scale=x.scale, B=B, T=T, N=N, C=C, Hqk=Hqk, Hv=Hv, num_wg=num_wg,
                    has_h0=h0 is not None, l2norm=x.use_qk_l2norm, beta_dtype=spec.beta_dtype)
         if C == 0:  # only empty sequences: nothing to compute, the state passes through
@@ -525,7 +573,7 @@ class CutlassBackend(Backend):
 
         save = bool(spec.needs_grad)
         prep = compile_kernel("prep", (K, V, spec.beta_dtype, save))
-        fwd = compile_kernel("fwd", (K, V, num_wg, 2, save))
+        fwd = compile_kernel("fwd", (K, V, num_wg, 2, save) + ((True,) if split is not None else ()))
 
         q, k, v = (_aligned(t) for t in (q, k, v))
         if h0 is not None:
@@ -548,6 +596,20 @@ class CutlassBackend(Backend):
              P("bfloat16", ws_t.data_ptr() if save else dummy, 16),
              P("int32", cu.data_ptr(), 4), P("int32", ci.data_ptr(), 4),
              I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _f32(x.scale), _stream())
+        if split is not None:
+            # the walks over segments: their boundaries, (sequence, first chunk, is-last) and each head's start
+            from ..tilelang import segments
+            plan, tables = split
+            kf = k.reshape(TT, Hqk, K)
+            # (on k after the L2 norm: the search needs no norm of its own)
+            starts = segments.walk_starts(kf, g.reshape(TT, Hv).float().contiguous(),
+                                          beta.reshape(TT, Hv).contiguous(), tables, False)
+            walk_tabs = (tables.cu_seqlens, tables.chunk_offsets, tables.seg_table, starts)
+            walks = tables.num_segments
+        else:
+            walk_tabs = (cu, co, cu, cu)        # (the last two: placeholders, never read)
+            walks = N
+        walk_args = tuple(P("int32", t.data_ptr(), 4) for t in walk_tabs)
         fwd(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16),
             P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
             P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
@@ -556,8 +618,7 @@ class CutlassBackend(Backend):
             P("bfloat16", o.data_ptr(), 16),
             P("bfloat16", ws_s.data_ptr() if save else dummy, 16),
             P("bfloat16", ws_vn.data_ptr() if save else dummy, 16),
-            P("int32", cu.data_ptr(), 4), P("int32", co.data_ptr(), 4),
-            I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _f32(x.scale),
+            *walk_args, I32(TT), I32(C), I32(walks), I32(Hqk), I32(Hv), _f32(x.scale),
             I32(int(h0 is not None)), I32(int(ht is not None)), _stream())
         saved = ()
         if save:

@@ -27,6 +27,13 @@ G 256 B; plus an output staging tile 64 x (Vb+8) bf16.  num_wg=1, 2 stages: ~138
 Global layouts: q, k [T_total, Hqk, K]; o [T_total, Hv, V] (bf16); workspaces (chunk c = global
 chunk index, h = value head): -w [c, h, 64, K], u^T [c, h, V, 64], Aqk [c, h, 64, 64] (bf16),
 G [c, h, 64] (fp32); states h0/ht [N, Hv, K, V] fp32; cu_seqlens, chunk_offsets int32 [N+1].
+
+``halo`` (in-kernel context parallelism, as the tilelang forward's: ``backends/tilelang/segments.py``): the grid's
+first axis runs over chunk-aligned *segments* (``cu_seqlens`` / ``chunk_offsets`` are the segments' boundaries) and
+each (segment, head) walk starts at global chunk ``walk[n, h]``, before its segment, from a zero state (from h0
+when that is its sequence's first chunk).  The halo's chunks (``c < 0`` below, whole chunks of the same sequence)
+run the whole step and store nothing.  ``seg[n] = (sequence, its first chunk, is-last, 0)``: h0 / ht stay per
+sequence and only a sequence's last segment writes ht.  Off, the two pointers are placeholders.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ BT = 64  # chunk size
 
 
 class ChunkFwdSm90:
-    def __init__(self, K: int = 128, V: int = 128, num_wg: int = 1, stages: int = 2, save: bool = False):
+    def __init__(self, K: int = 128, V: int = 128, num_wg: int = 1, stages: int = 2, save: bool = False,
+                 halo: bool = False):
         assert K == 128 and V % (64 * num_wg) == 0
         self.K, self.V = K, V
         self.num_wg = num_wg
@@ -65,6 +73,7 @@ class ChunkFwdSm90:
         # training forward: also store the bf16 state at each chunk start (S = H^T, [K, V] layout) and
         # the bf16 v_new ([64, V]) for the backward kernels, through one more staging tile
         self.save = save
+        self.halo = halo
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -72,7 +81,7 @@ class ChunkFwdSm90:
                  u_ptr: cute.Pointer, a_ptr: cute.Pointer, g_ptr: cute.Pointer,
                  h0_ptr: cute.Pointer, ht_ptr: cute.Pointer, o_ptr: cute.Pointer,
                  s_ptr: cute.Pointer, vn_ptr: cute.Pointer,
-                 cu_ptr: cute.Pointer, co_ptr: cute.Pointer,
+                 cu_ptr: cute.Pointer, co_ptr: cute.Pointer, seg_ptr: cute.Pointer, walk_ptr: cute.Pointer,
                  total_tokens: cutlass.Int32, total_chunks: cutlass.Int32, num_seqs: cutlass.Int32,
                  hqk: cutlass.Int32, hv: cutlass.Int32, scale: cutlass.Float32,
                  use_h0: cutlass.Int32, store_ht: cutlass.Int32, stream: cuda.CUstream):
@@ -95,6 +104,9 @@ class ChunkFwdSm90:
                                                       stride=(wide(hv * V, V), V, self.vblk, 1)))
         mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
         mCo = cute.make_tensor(co_ptr, cute.make_layout((num_seqs + 1,)))
+        # (halo: num_seqs counts segments; the per-sequence states are indexed by seg[n, 0] < num_seqs)
+        mSeg = cute.make_tensor(seg_ptr, cute.make_layout((num_seqs, 4), stride=(4, 1)))
+        mWalk = cute.make_tensor(walk_ptr, cute.make_layout((num_seqs, hv), stride=(hv, 1)))
         mS = cute.make_tensor(s_ptr, cute.make_layout((rows * K, V), stride=(wide(V, V), 1)))
         mVn = cute.make_tensor(vn_ptr, cute.make_layout((rows * BT, V), stride=(wide(V, V), 1)))
 
@@ -131,7 +143,7 @@ class ChunkFwdSm90:
 
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_u, tU, tma_a, tA, tma_g, tG,
-                    mH0, mHt, mO, mS, mVn, mCu, mCo, hv, group, scale, use_h0, store_ht,
+                    mH0, mHt, mO, mS, mVn, mCu, mCo, mSeg, mWalk, hv, group, scale, use_h0, store_ht,
                     l_qk, l_u, l_a, l_g).launch(
             grid=(num_seqs, hv, self.nvb), block=(self.threads, 1, 1), stream=stream)
 
@@ -141,7 +153,7 @@ class ChunkFwdSm90:
                tma_w: cute.CopyAtom, tW: cute.Tensor, tma_u: cute.CopyAtom, tU: cute.Tensor,
                tma_a: cute.CopyAtom, tA: cute.Tensor, tma_g: cute.CopyAtom, tG: cute.Tensor,
                mH0: cute.Tensor, mHt: cute.Tensor, mO: cute.Tensor, mS: cute.Tensor, mVn: cute.Tensor,
-               mCu: cute.Tensor, mCo: cute.Tensor,
+               mCu: cute.Tensor, mCo: cute.Tensor, mSeg: cute.Tensor, mWalk: cute.Tensor,
                hv: cutlass.Int32, group: cutlass.Int32, scale: cutlass.Float32,
                use_h0: cutlass.Int32, store_ht: cutlass.Int32, l_qk: cute.ComposedLayout, l_u: cute.ComposedLayout, l_a: cute.ComposedLayout,
                l_g: cute.Layout):
@@ -185,6 +197,13 @@ class ChunkFwdSm90:
         eos = mCu[seq + 1]
         c0 = mCo[seq]
         nchunks = mCo[seq + 1] - c0
+        # the walk's chunks c = first .. nchunks - 1 of this segment (c < 0: the halo's, before it); the states
+        # h0 / ht of sequence sid
+        first = 0
+        sid = seq
+        if cutlass.const_expr(self.halo):
+            first = mWalk[seq, head] - c0
+            sid = mSeg[seq, 0]
         qk_head = head // group
         v0 = vb * self.vblk
 
@@ -196,7 +215,7 @@ class ChunkFwdSm90:
             for atom in (tma_q, tma_k, tma_w, tma_u, tma_a, tma_g):
                 cpasync.prefetch_descriptor(atom)
             pstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, self.stages)
-            for c in cutlass.range(nchunks, unroll=1):
+            for c in cutlass.range(first, nchunks, unroll=1):
                 tok = bos + c * BT
                 row = (c0 + c) * hv + head
                 pipe.producer_acquire(pstate)
@@ -235,9 +254,16 @@ class ChunkFwdSm90:
             cH = thrh.partition_C(cute.make_identity_tensor((self.vblk, K)))
             acc_h.fill(0.0)
             if use_h0 != 0:
-                for i in cutlass.range_constexpr(cute.size(acc_h)):
-                    vv, kk = cH[i]
-                    acc_h[i] = mH0[seq, head, kk, v0 + vv]
+                if cutlass.const_expr(self.halo):
+                    # h0 only for a walk from its sequence's first chunk (no halo before it)
+                    if mWalk[seq, head] == mSeg[seq, 1]:
+                        for i in cutlass.range_constexpr(cute.size(acc_h)):
+                            vv, kk = cH[i]
+                            acc_h[i] = mH0[sid, head, kk, v0 + vv]
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc_h)):
+                        vv, kk = cH[i]
+                        acc_h[i] = mH0[seq, head, kk, v0 + vv]
             h_op = acc_as_a_operand(acc_h, mma64, bf16)
 
             acc_vn = thr64.make_fragment_C(thr64.partition_shape_C((self.vblk, BT)))
@@ -268,9 +294,13 @@ class ChunkFwdSm90:
                 tSaveSrc = thr_copy.partition_S(sSave)
 
             cstate = pipeline.make_pipeline_state(pipeline.PipelineUserType.Consumer, self.stages)
-            for c in cutlass.range(nchunks, unroll=1):
+            for c in cutlass.range(first, nchunks, unroll=1):
                 tok = bos + c * BT
                 valid = cutlass.min(eos - tok, BT)
+                # stores only for the segment's own chunks (a halo chunk's rows belong to the segment before)
+                own = True
+                if cutlass.const_expr(self.halo):
+                    own = c >= 0
                 pipe.consumer_wait(cstate)
                 s = cstate.index
                 if valid < BT:
@@ -296,22 +326,23 @@ class ChunkFwdSm90:
                 fence_operand(acc_o)
 
                 if cutlass.const_expr(self.save):
-                    # the bf16 state this chunk multiplied with, and the bf16 v_new it will use
-                    row = (c0 + c) * hv + head
-                    for i in cutlass.range_constexpr(cute.size(acc_h)):
-                        tSaveS[i] = bf16(acc_h[i])
-                    for i in cutlass.range_constexpr(cute.size(acc_vn)):
-                        tSaveV[i] = bf16(acc_vn[i])
-                    cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
-                    gS = cute.local_tile(mS, (K, self.vblk), (row, vb))
-                    gVn = cute.local_tile(mVn, (BT, self.vblk), (row, vb))
-                    tSd = thr_copy.partition_D(gS)
-                    tVd = thr_copy.partition_D(gVn)
-                    nS = cute.size(tSd, mode=[1])
-                    for m in cutlass.range_constexpr(nS):
-                        cute.copy(copy_atom, tSaveSrc[None, m, None], tSd[None, m, None])
-                    for m in cutlass.range_constexpr(cute.size(tVd, mode=[1])):
-                        cute.copy(copy_atom, tSaveSrc[None, nS + m, None], tVd[None, m, None])
+                    if own:
+                        # the bf16 state this chunk multiplied with, and the bf16 v_new it will use
+                        row = (c0 + c) * hv + head
+                        for i in cutlass.range_constexpr(cute.size(acc_h)):
+                            tSaveS[i] = bf16(acc_h[i])
+                        for i in cutlass.range_constexpr(cute.size(acc_vn)):
+                            tSaveV[i] = bf16(acc_vn[i])
+                        cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
+                        gS = cute.local_tile(mS, (K, self.vblk), (row, vb))
+                        gVn = cute.local_tile(mVn, (BT, self.vblk), (row, vb))
+                        tSd = thr_copy.partition_D(gS)
+                        tVd = thr_copy.partition_D(gVn)
+                        nS = cute.size(tSd, mode=[1])
+                        for m in cutlass.range_constexpr(nS):
+                            cute.copy(copy_atom, tSaveSrc[None, m, None], tSd[None, m, None])
+                        for m in cutlass.range_constexpr(cute.size(tVd, mode=[1])):
+                            cute.copy(copy_atom, tSaveSrc[None, nS + m, None], tVd[None, m, None])
 
                 g_last = sG[BT - 1, s]
                 for i in cutlass.range_constexpr(cute.size(acc_o)):
@@ -341,17 +372,25 @@ class ChunkFwdSm90:
                 convert_into(h_op, acc_h)
 
                 # output: registers -> staging tile -> rows < valid of o
-                for i in cutlass.range_constexpr(cute.size(acc_o)):
-                    tOs[i] = bf16(acc_o[i])
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
-                gO = cute.domain_offset((tok, 0), mO[None, head, vb, None])
-                tOdst = thr_copy.partition_D(cute.zipped_divide(gO, (BT, self.vblk))[((None, None), (0, 0))])
-                for m in cutlass.range_constexpr(cute.size(tOsrc, mode=[1])):
-                    if cO[0, m, 0][0] < valid:
-                        cute.copy(copy_atom, tOsrc[None, m, None], tOdst[None, m, None])
-                cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
+                if own:
+                    for i in cutlass.range_constexpr(cute.size(acc_o)):
+                        tOs[i] = bf16(acc_o[i])
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
+                    gO = cute.domain_offset((tok, 0), mO[None, head, vb, None])
+                    tOdst = thr_copy.partition_D(cute.zipped_divide(gO, (BT, self.vblk))[((None, None), (0, 0))])
+                    for m in cutlass.range_constexpr(cute.size(tOsrc, mode=[1])):
+                        if cO[0, m, 0][0] < valid:
+                            cute.copy(copy_atom, tOsrc[None, m, None], tOdst[None, m, None])
+                    cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
 
             if store_ht != 0:
-                for i in cutlass.range_constexpr(cute.size(acc_h)):
-                    vv, kk = cH[i]
-                    mHt[seq, head, kk, v0 + vv] = acc_h[i]
+                if cutlass.const_expr(self.halo):
+                    # only a sequence's last segment ends at its end
+                    if mSeg[seq, 2] != 0:
+                        for i in cutlass.range_constexpr(cute.size(acc_h)):
+                            vv, kk = cH[i]
+                            mHt[sid, head, kk, v0 + vv] = acc_h[i]
+                else:
+                    for i in cutlass.range_constexpr(cute.size(acc_h)):
+                        vv, kk = cH[i]
+                        mHt[seq, head, kk, v0 + vv] = acc_h[i]

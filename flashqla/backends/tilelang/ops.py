@@ -408,6 +408,9 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
     db = torch.empty(NT, Hv, dtype=f32, device=dev)
+    if dev.type == "meta":
+        # (precompile's key enumeration: also the walk over segments)
+        bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True)
     if split is not None:
         tables, ends = split
         walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
@@ -660,7 +663,6 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         # (precompile's key enumeration: both paths' kernels, the whole-V one also over segments)
         if bwd_whole_ok(K, V, l2norm):
             _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0)
-            bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True)
         variant = "ws"
     elif bwd_split is not None:
         variant = bwd_split[0]          # (decided with the forward, with the split)

@@ -201,11 +201,11 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
         seg = int(forced)
         nseg = _segments_of(chunks, seg)
         bv = plain_bv_for(Hv * nseg, V, sms)
-        # (the widest of the walk's V-blocks up to that one)
-        bv = next((b for b in bvs if b <= bv), bvs[0])
+        # (the widest of the walk's V-blocks up to that one, else its narrowest)
+        bv = next((b for b in bvs if b <= bv), bvs[-1])
         est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS, steps) + SPLIT_FIXED_US
-        plan = SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks "
-                           f"(FLASHQLA_TILELANG_SEGMENTS), {nseg} segments at BV {bv}")
+        plan = SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks, {nseg} "
+                           f"segments at BV {bv}")
     elif backward or Hv * len(chunks) * V / 128 < 0.7 * sms or plain_bv < 128:
         # (a forward with a walk per SM at whole V-blocks already has nothing to gain)
         best = None
