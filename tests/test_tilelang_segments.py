@@ -109,7 +109,7 @@ def _packed(lengths, Hqk, Hv, K, gate="logsigmoid", seed=0, normalize=True):
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["fwd", "bwd"])
-@pytest.mark.parametrize("gate", ["logsigmoid", "strong", "zero", "mixed", "nan"])
+@pytest.mark.parametrize("gate", ["logsigmoid", "strong", "zero", "mixed", "nan", "edge"])
 @pytest.mark.parametrize("l2norm", [False, True])
 def test_walk_starts_kernel_matches_ref(gate, l2norm, reverse):
     if os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
@@ -124,6 +124,11 @@ def test_walk_starts_kernel_matches_ref(gate, l2norm, reverse):
         g[:, 2] *= 0.01                     # a slow one: a long halo, or none within the search
     if gate == "nan":
         g[1000, 3] = float("nan")           # one poisoned token: no halo across it for that head
+    if gate == "edge":
+        # every chunk adds exactly -150 / 3.5 to the bound (|1 - beta ||k||^2| <= 1 adds nothing): a halo needs 4
+        # chunks, so a segment with 2 or 3 chunks between it and its sequence's edge has none, while the search's
+        # kernel loads 4 chunks per iteration, the 4th one across that edge
+        g.fill_(-150.0 / (3.5 * 64))
     t = sg.segment_tables(lengths, 3, dev)
     k, g, beta = k.to(dev), g.to(dev), beta.to(dev)
     ref = sg.walk_starts_ref(k, g, beta, t, l2norm, max_halo=16, reverse=reverse)
@@ -157,6 +162,49 @@ def test_walk_starts_kernel_matches_ref(gate, l2norm, reverse):
         assert bool(((co[:-1] - ref[:, -1]) <= 1).all())
     if gate == "mixed":
         assert bool((ref[:, 1] == tab[:, 1]).all())
+
+
+_WALK_AOT = r'''
+import os, re, shutil, subprocess, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from flashqla.backends.tilelang import segments as sg
+sig = {"k_ptr": "*bf16", "g_ptr": "*fp32", "b_ptr": "*bf16", "cu_ptr": "*i32", "co_ptr": "*i32", "tab_ptr": "*i32",
+       "out_ptr": "*i32", "threshold": "fp32", "max_halo": "i32", "stride_kt": "i32", "stride_kh": "i32",
+       "stride_gt": "i32", "stride_bt": "i32", "Hv": "i32"}
+for rev in (False, True):
+    for l2 in (False, True):
+        consts = dict(RATIO=4, R_P=4, K=128, L2=l2, C=64, REVERSE=rev, CPI=sg.WALK_SEARCH_CHUNKS)
+        ck = triton.compile(ASTSource(sg._kernel(), dict(sig, **{c: "constexpr" for c in consts}), constexprs=consts),
+                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+        ptx = ck.asm["ptx"]
+        assert "ld.global" in ptx and "st.global" in ptx
+        if shutil.which("ptxas"):
+            with tempfile.TemporaryDirectory() as d:
+                open(os.path.join(d, "k.ptx"), "w").write(ptx)
+                r = subprocess.run(["ptxas", "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                                    os.path.join(d, "k.cubin")], capture_output=True, text=True)
+            assert r.returncode == 0, r.stderr[-500:]
+            spills = [int(x) for x in re.findall(r"(\d+) bytes spill stores", r.stderr)]
+            assert spills and max(spills) == 0, (rev, l2, r.stderr[-500:])
+print("ALL OK")
+'''
+
+
+def test_walk_starts_kernel_compiles_for_sm90_without_spills(tmp_path):
+    """The halo search's kernel (CPI chunks per iteration, k's norms by column blocks) compiles for sm_90 without a
+    GPU and, where ptxas is here, spills nothing (a whole [CPI * 64, 128] k tile spilled ~1.3 KB per thread)."""
+    import subprocess
+    import sys
+    pytest.importorskip("triton")
+    script = tmp_path / "aot_walk.py"
+    script.write_text(_WALK_AOT)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + \
+        env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stderr[-2000:]
 
 
 def _states_at(k, v, g, beta, S0, t0, t1):

@@ -50,6 +50,8 @@ CHUNK = 64
 NEGLIGIBLE_LOG_BOUND = -150.0
 # the halo search looks back at most this many chunks; past it the walk starts at the sequence start
 MAX_HALO_CHUNKS = 64
+# chunks the search's kernel loads per iteration (the benchmarks' gates need 3)
+WALK_SEARCH_CHUNKS = 4
 # halo chunks the plan assumes per segment (the benchmarks' gates need 3)
 PLAN_HALO_CHUNKS = 4
 # the least modelled gain worth a split, microseconds
@@ -362,11 +364,13 @@ def _kernel():
     def walk_start_kernel(k_ptr, g_ptr, b_ptr, cu_ptr, co_ptr, tab_ptr, out_ptr, threshold, max_halo,
                           stride_kt, stride_kh, stride_gt, stride_bt, Hv, RATIO: tl.constexpr,
                           R_P: tl.constexpr, K: tl.constexpr, L2: tl.constexpr, C: tl.constexpr,
-                          REVERSE: tl.constexpr):
-        # one program per (segment, query/key head) and its RATIO value heads: back from the segment start a
-        # chunk at a time, the running bound per head; a head's walk starts at the first chunk count whose sum
-        # is under the threshold, else (none within max_halo, or a NaN) at the sequence's first chunk.  (Looping
-        # over the key heads inside one program serialised a [64, K] load per head and chunk: 30-70 us.)
+                          REVERSE: tl.constexpr, CPI: tl.constexpr):
+        # one program per (segment, query/key head) and its RATIO value heads: back from the segment start, CPI
+        # chunks per iteration, the running bound per head; a head's walk starts at the first chunk count whose
+        # sum is under the threshold, else (none within max_halo, or a NaN) at the sequence's first chunk.  (Looping
+        # over the key heads inside one program serialised a [64, K] load per head and chunk: 30-70 us.  A chunk
+        # per iteration made the usual 3-chunk halo three dependent load rounds: 20 us at 2/8 1x32768, session 17
+        # run 6; CPI = 4 loads them in one.)
         # (REVERSE, the backward's walk: forward from the segment's end; tab is then the backward table, whose
         # second column is the sequence's end chunk and fourth its end token, which masks a partial last chunk)
         e = tl.program_id(0)
@@ -384,20 +388,23 @@ def _kernel():
         r = tl.arange(0, R_P)
         hv = hq * RATIO + r
         hmask = r < RATIO
-        rows = tl.arange(0, C)
-        cols = tl.arange(0, K)
+        rows = tl.arange(0, CPI * C)
+        jrow = rows // C                       # the row's chunk within the iteration
+        jj = tl.arange(0, CPI)[:, None]
+        KB: tl.constexpr = 32 if K > 32 else K
+        cols = tl.arange(0, KB)
         lim = tl.minimum(tl.abs(c0 - cs0), max_halo)
         start = tl.zeros((R_P,), tl.int32) + cs0
         found = r >= RATIO                     # padding heads count as found
         cum = tl.zeros((R_P,), tl.float32)
-        m = 1
+        m = 1                                  # the chunk count of the iteration's first chunk
         while (m <= lim) & (tl.sum(found.to(tl.int32), axis=0) < R_P):
             if REVERSE:
                 tok = bos + (m - 1) * C + rows
-                tmask = tok < seq_eos
+                tmask = (tok < seq_eos) & (m + jrow <= lim)
             else:
-                tok = bos - m * C + rows
-                tmask = tok >= 0
+                tok = bos - (m + jrow) * C + rows % C
+                tmask = (tok >= 0) & (m + jrow <= lim)
             mask2 = tmask[:, None] & hmask[None, :]
             g = tl.load(g_ptr + tok[:, None] * stride_gt + hv[None, :], mask=mask2, other=0.0)
             b = tl.load(b_ptr + tok[:, None] * stride_bt + hv[None, :], mask=mask2, other=0.0)
@@ -406,19 +413,29 @@ def _kernel():
             if L2:
                 bk = b
             else:
-                kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + cols[None, :], mask=tmask[:, None],
-                             other=0.0).to(tl.float32)
-                bk = b * tl.sum(kt * kt, axis=1)[:, None]
+                # ||k||^2 by column blocks (a whole [CPI * C, K] tile in registers spilled)
+                kk = tl.zeros((CPI * C,), tl.float32)
+                for kb in tl.static_range(K // KB):
+                    kt = tl.load(k_ptr + tok[:, None] * stride_kt + hq * stride_kh + kb * KB + cols[None, :],
+                                 mask=tmask[:, None], other=0.0).to(tl.float32)
+                    kk += tl.sum(kt * kt, axis=1)
+                bk = b * kk[:, None]
             f = tl.abs(1.0 - bk) + 0.02 * tl.abs(bk)
-            ell = g + tl.log(tl.maximum(f, 1.0))
-            cum += tl.sum(tl.where(mask2, ell, 0.0), axis=0)
-            hit = (cum <= threshold) & (~found)
+            ell = tl.where(mask2, g + tl.log(tl.maximum(f, 1.0)), 0.0)
+            # per chunk of the iteration its sum, then the running bound after each ([CPI, R_P]; the chunks past
+            # lim add 0 and cannot hit)
+            per_chunk = tl.sum(tl.reshape(ell, (CPI, C, R_P)), axis=1)
+            cumc = cum[None, :] + tl.cumsum(per_chunk, axis=0)
+            hit = (cumc <= threshold) & (m + jj <= lim)        # NaN compares false
+            first = tl.min(tl.where(hit, jj, CPI), axis=0)
+            new = (first < CPI) & (~found)
             if REVERSE:
-                start = tl.where(hit, c0 + m, start)
+                start = tl.where(new, c0 + m + first, start)
             else:
-                start = tl.where(hit, c0 - m, start)
-            found = found | hit
-            m += 1
+                start = tl.where(new, c0 - m - first, start)
+            found = found | new
+            cum = tl.sum(tl.where(jj == CPI - 1, cumc, 0.0), axis=0)
+            m += CPI
         tl.store(out_ptr + e * Hv + hv, start, mask=hmask)
 
     return walk_start_kernel
@@ -445,5 +462,5 @@ def walk_starts(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: int =
         k, g, beta, tables.cu_seqlens, tables.chunk_offsets, tables.seg_table_bwd if reverse else tables.seg_table,
         out, float(threshold), int(max_halo), k.stride(0), k.stride(1), g.stride(0), beta.stride(0), Hv,
         RATIO=ratio, R_P=triton.next_power_of_2(ratio), K=K, L2=bool(l2norm), C=CHUNK, REVERSE=bool(reverse),
-        num_warps=4)
+        CPI=WALK_SEARCH_CHUNKS, num_warps=8)
     return out
