@@ -788,19 +788,25 @@ print("ALL OK")
 '''
 
 
-def test_window_count_kernel_compiles_for_sm90(tmp_path):
-    """The window-count kernel compiles for sm_90 without a GPU: the interpreter runs its Python, this
-    checks the compiler takes it."""
+def run_compile_script(text: str, tmp_path) -> None:
+    """Run ``text`` (a script that compiles Triton kernels for a GPU target and prints ``ALL OK``) in a fresh
+    process without the interpreter, with this checkout on its path."""
     import subprocess
     import sys
     pytest.importorskip("triton")
-    script = tmp_path / "aot_bounds.py"
-    script.write_text(_BOUNDS_AOT)
+    script = tmp_path / "aot_script.py"
+    script.write_text(text)
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + \
         env.get("PYTHONPATH", "")
     r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0 and "ALL OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_window_count_kernel_compiles_for_sm90(tmp_path):
+    """The window-count kernel compiles for sm_90 without a GPU: the interpreter runs its Python, this
+    checks the compiler takes it."""
+    run_compile_script(_BOUNDS_AOT, tmp_path)
 
 
 def test_window_maps_are_below_the_threshold(monkeypatch):

@@ -622,8 +622,10 @@ def test_cute_wide_stride_makes_offsets_64bit(tmp_path, monkeypatch):
 
 # tensors of the cutlass kernels that may stay 32-bit: their offsets are bounded by what supports() admits
 # ((tokens + 64 N) * Hv * 2 < 2^31): per-token gates [tokens, Hv], per-chunk-row vectors [rows * 64],
-# cu_seqlens / chunk offsets [N + 1], chunk indices [chunks, 2]
-_SMALL_SHAPES = ("(total_tokens, hv)", "(rows * BT,)", "(num_seqs + 1,)", "(total_chunks, 2)")
+# cu_seqlens / chunk offsets [N + 1], chunk indices [chunks, 2], the segment tables of the forward's walk over
+# segments [segments, 4] and [segments, Hv] (at most a segment per chunk)
+_SMALL_SHAPES = ("(total_tokens, hv)", "(rows * BT,)", "(num_seqs + 1,)", "(total_chunks, 2)", "(num_seqs, 4)",
+                 "(num_seqs, hv)")
 
 
 def test_cutlass_plain_access_tensors_have_wide_strides():

@@ -195,16 +195,8 @@ print("ALL OK")
 def test_walk_starts_kernel_compiles_for_sm90_without_spills(tmp_path):
     """The halo search's kernel (CPI chunks per iteration, k's norms by column blocks) compiles for sm_90 without a
     GPU and, where ptxas is here, spills nothing (a whole [CPI * 64, 128] k tile spilled ~1.3 KB per thread)."""
-    import subprocess
-    import sys
-    pytest.importorskip("triton")
-    script = tmp_path / "aot_walk.py"
-    script.write_text(_WALK_AOT)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.pathsep + \
-        env.get("PYTHONPATH", "")
-    r = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0 and "ALL OK" in r.stdout, r.stderr[-2000:]
+    from test_cp import run_compile_script
+    run_compile_script(_WALK_AOT, tmp_path)
 
 
 def _states_at(k, v, g, beta, S0, t0, t1):

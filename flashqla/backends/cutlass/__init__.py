@@ -438,17 +438,8 @@ CUTLASS_STEP_US = {128: 3.5, 64: 2.3}
 
 def segments_mode() -> str:
     """``FLASHQLA_CUTLASS_SEGMENTS``: ``off`` (default), ``auto`` or a segment length in chunks."""
-    raw = os.environ.get("FLASHQLA_CUTLASS_SEGMENTS", "off").strip().lower() or "off"
-    if raw in ("off", "auto"):
-        return raw
-    try:
-        n = int(raw)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise ValueError(f"FLASHQLA_CUTLASS_SEGMENTS must be 'off', 'auto' or a segment length in chunks (>= 1), "
-                         f"got {raw!r}")
-    return str(n)
+    from ..tilelang import segments
+    return segments.read_mode("FLASHQLA_CUTLASS_SEGMENTS", "off")
 
 
 def _segment_split(x, B: int, T: int, Hv: int, V: int, sms: int, num_wg: int):

@@ -69,26 +69,28 @@ STEP_US_FEW = {128: 2.6, 64: 1.6, 32: 1.17}
 SPLIT_FIXED_US = 8.0
 
 
+def read_mode(name: str, default: str) -> str:
+    """Environment variable ``name`` (``default`` when unset): ``auto``, ``off`` or a segment length in chunks."""
+    raw = os.environ.get(name, default).strip().lower() or default
+    if raw in ("auto", "off"):
+        return raw
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"{name} must be 'auto', 'off' or a segment length in chunks (>= 1), got {raw!r}")
+    return str(n)
+
+
 def mode(backward: bool = False) -> str:
     """``auto``, ``off`` or a forced segment length in chunks: ``FLASHQLA_TILELANG_SEGMENTS`` (default auto),
     and for the backward's gradient walk ``FLASHQLA_TILELANG_BWD_SEGMENTS`` (default off until its GPU tests have
     run; ``auto`` follows the forward's setting), which ``FLASHQLA_TILELANG_SEGMENTS=off`` also turns off."""
-    def read(name, default):
-        raw = os.environ.get(name, default).strip().lower() or default
-        if raw in ("auto", "off"):
-            return raw
-        try:
-            n = int(raw)
-        except ValueError:
-            n = 0
-        if n < 1:
-            raise ValueError(f"{name} must be 'auto', 'off' or a segment length in chunks (>= 1), got {raw!r}")
-        return str(n)
-
-    fwd = read("FLASHQLA_TILELANG_SEGMENTS", "auto")
+    fwd = read_mode("FLASHQLA_TILELANG_SEGMENTS", "auto")
     if not backward:
         return fwd
-    bwd = read("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
+    bwd = read_mode("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
     if fwd == "off" or bwd == "off":
         return "off"
     return fwd if bwd == "auto" else bwd

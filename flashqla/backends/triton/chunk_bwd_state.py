@@ -75,6 +75,7 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
         sbase = (tl.load(seg_ptr + 4 * n).to(tl.int64) * Hv + h) * K * V
     else:
         steps = nt
+        is_first = True
 
     if TRANSPOSED:
         if HAS_DHT:
@@ -122,14 +123,8 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
 
         if TRANSPOSED:
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
-            if LOCAL_DV:
-                if HALO:
-                    if own:
-                        dvnt = load_t(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
-                    else:
-                        dvnt = _intra_dvn_t(q, k, dot_, gh, gl, valid, scale, IEEE, DT)
-                else:
-                    dvnt = load_t(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
+            if LOCAL_DV and own:
+                dvnt = load_t(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
             else:
                 dvnt = _intra_dvn_t(q, k, dot_, gh, gl, valid, scale, IEEE, DT)
             dvnt = dvnt + mm(dS, tl.trans(k), IEEE, DT) * fac[None, :]
@@ -138,14 +133,8 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
             dS = dS * tl.exp(lh + ll) + mm(dogt, q, IEEE, DT) - mm(dvnt, w, IEEE, DT)
         else:
             fac = tl.where(valid, tl.exp(gdiff(lh, ll, gh, gl)), 0.0)
-            if LOCAL_DV:
-                if HALO:
-                    if own:
-                        dvn = load_cols(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
-                    else:
-                        dvn = _intra_dvn(q, k, do, gh, gl, valid, scale, IEEE, DT)
-                else:
-                    dvn = load_cols(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
+            if LOCAL_DV and own:
+                dvn = load_cols(dvn_ptr, t0, L, h, Hv, V, BT, v0, BV, TT).to(tl.float32)
             else:
                 dvn = _intra_dvn(q, k, do, gh, gl, valid, scale, IEEE, DT)
             # gate factors go on the [64, BV] side of each product (diag(c) X) Y = diag(c) (X Y), etc.
@@ -155,13 +144,7 @@ def chunk_state_bwd_kernel(q_ptr, k_ptr, w_ptr, G_ptr, do_ptr, dht_ptr, dh0_ptr,
             dS = dS * tl.exp(lh + ll) + mm(tl.trans(q), dog, IEEE, DT) - mm(tl.trans(w), dvn, IEEE, DT)
 
     if STORE_DH0:
-        if HALO:
-            if is_first:
-                if TRANSPOSED:
-                    store_state_t(dh0_ptr, dS, sbase, K, V, v0, BV)
-                else:
-                    store_state(dh0_ptr, dS, sbase, K, V, v0, BV)
-        else:
+        if is_first:
             if TRANSPOSED:
                 store_state_t(dh0_ptr, dS, sbase, K, V, v0, BV)
             else:

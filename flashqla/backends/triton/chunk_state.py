@@ -86,6 +86,7 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
         sbase = (tl.load(seg_ptr + 4 * n).to(tl.int64) * Hv + h) * K * V
     else:
         first = 0
+        is_last = True
 
     if TRANSPOSED:
         if HAS_H0:
@@ -185,13 +186,7 @@ def chunk_state_fwd_kernel(q_ptr, k_ptr, w_ptr, u_ptr, G_ptr, h0_ptr, ht_ptr, h_
             S = mma(tl.trans(k), vn * fac[:, None], S * tl.exp(lh + ll), IEEE, DT)
 
     if STORE_HT:
-        if HALO:
-            if is_last:
-                if TRANSPOSED:
-                    store_state_t(ht_ptr, S, sbase, K, V, v0, BV)
-                else:
-                    store_state(ht_ptr, S, sbase, K, V, v0, BV)
-        else:
+        if is_last:
             if TRANSPOSED:
                 store_state_t(ht_ptr, S, sbase, K, V, v0, BV)
             else:
