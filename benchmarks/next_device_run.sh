@@ -299,7 +299,8 @@ case "$STEP" in
     # until these GPU tests have passed with it: the tests force it, both backwards) (#8)
     TAIL=12 run_step "segment GPU tests" ${SEG_TEST_S:-300} $PYT tests/test_tilelang_segments.py
     case $RUN_RC in 0) ;; *) echo "== segments: tests did not pass; the sweep skipped"; continue ;; esac
-    TAIL=80 run_step "inference forward, segments off / auto / forced" ${SEG_SWEEP_S:-240} python \
+    # (SEG_INFER=0: only the training A/B, the inference one was measured in session 17)
+    [ "${SEG_INFER:-1}" = 0 ] || TAIL=80 run_step "inference forward, segments off / auto / forced" ${SEG_SWEEP_S:-240} python \
         benchmarks/sweep_variants.py --backend tilelang --mode fwd --out $OUT/sweep_fwd_segments.json \
         --rows ${SEG_ROWS:-2/8:1x32768,4/16:1x32768,8/24:1x32768,16/32:1x32768,16/64:1x32768,16/32:28672+4096,2/8:4096+28672,16/48:4096+28672,8/32:1x16384,2/8:2x16384,16/32:1x4096,2/8:1x2048,16/32:4x8192} \
         --variants "${SEG_VARIANTS:-FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_SEGMENTS=16;FLASHQLA_TILELANG_SEGMENTS=32;FLASHQLA_TILELANG_SEGMENTS=64;FLASHQLA_TILELANG_SEGMENTS=128}"
@@ -307,7 +308,7 @@ case "$STEP" in
     TAIL=12 run_step "training forward+backward, segments off / auto" ${SEG_TRAIN_S:-200} python \
         benchmarks/sweep_variants.py --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_segments.json \
         --rows ${SEG_TRAIN_ROWS:-2/8:1x32768,16/32:1x32768,4/8:1x8192,2/4:1x32768,16/32:28672+4096} \
-        --variants "FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_BWD_SEGMENTS=auto" ;;
+        --variants "FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_BWD_SEGMENTS=auto;FLASHQLA_TILELANG_BWD_SEGMENTS=auto FLASHQLA_TILELANG_BWD=ws" ;;
   tritonseg)
     # the triton forward walk in segments with a halo (session 17, serial.seg, off by default) and the state-gradient
     # walk's (session 18, serial.bseg): their tests on the GPU, then the A/B against the plain walks, inference and
