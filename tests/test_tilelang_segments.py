@@ -400,6 +400,8 @@ _HOST_SEG_CASES = [
     Case("host_seg_varlen_h0", 1, 2, 128, 128, seqlens=(1, 70, 0, 64 * 6 + 9, 129), gate="strong"),
     Case("host_seg_gva_l2", 2, 4, 128, 128, seqlens=(64 * 5, 3), l2norm=True),
     Case("host_seg_dense_no_state", 1, 2, 128, 128, B=2, T=64 * 4 + 1, h0=False, ht=False, gate="zero"),
+    # GVA without the L2 norm (the whole-V kernel serves it), the benchmarks' gates: halos of ~3 chunks
+    Case("host_seg_gva_logsigmoid", 2, 4, 128, 128, seqlens=(64 * 7 + 9, 1, 130)),
 ]
 
 
