@@ -297,7 +297,7 @@ case "$STEP" in
     # and training forwards; the training A/B also with the backward's split (FLASHQLA_TILELANG_BWD_SEGMENTS=auto:
     # the split backward's state walk or, session 18, the whole-V backward's walk over segments; off by default
     # until these GPU tests have passed with it: the tests force it, both backwards) (#8)
-    TAIL=12 run_step "segment GPU tests" ${SEG_TEST_S:-300} $PYT tests/test_tilelang_segments.py
+    TAIL=12 run_step "segment GPU tests" ${SEG_TEST_S:-360} $PYT tests/test_tilelang_segments.py
     case $RUN_RC in 0) ;; *) echo "== segments: tests did not pass; the sweep skipped"; continue ;; esac
     # (SEG_INFER=0: only the training A/B, the inference one was measured in session 17)
     [ "${SEG_INFER:-1}" = 0 ] || TAIL=80 run_step "inference forward, segments off / auto / forced" ${SEG_SWEEP_S:-240} python \
