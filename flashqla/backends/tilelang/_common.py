@@ -42,6 +42,33 @@ def make_l2_row_factors_ring(C: int, D: int, acc: str = "float32", eps: float = 
     return l2_row_factors
 
 
+def make_start_state(has_src: bool, halo: bool):
+    """A ``T.macro`` ``(src, dst_f, seq, h, v0, from_src)``: a walk's start state ``dst_f [K, BV]``, columns
+    ``v0 ..`` of ``src[seq, h]`` (h0 for the forward's walk, dht for the state gradient's), or zeros: without
+    ``src``, or (``halo``) where the walk starts in a halo, not at its sequence's edge (``from_src`` false; with
+    ``halo`` off, ``seq`` is the grid's sequence and ``from_src`` is not read).  The whole-V backward takes a select
+    instead (an if / else here made ptxas serialise its wgmma: ``chunk_bwd_whole_sm90``)."""
+    import tilelang.language as T
+
+    # (a macro parameter may rename the variable bound to it in the TIR, which is part of the compile cache's key;
+    # with these names the forward's unsplit kernels keep theirs)
+    @T.macro
+    def start_state(src, dst_f, seq, h, v0, from_src):
+        if has_src:
+            if halo:
+                # a halo that reaches the sequence's edge walks from src (no approximation at all)
+                if from_src:
+                    T.copy(src[seq, h, :, v0:v0 + dst_f.shape[1]], dst_f)
+                else:
+                    T.clear(dst_f)
+            else:
+                T.copy(src[seq, h, :, v0:v0 + dst_f.shape[1]], dst_f)
+        else:
+            T.clear(dst_f)
+
+    return start_state
+
+
 def make_store_rows(C: int):
     """A ``T.macro`` ``(out, src_f, bos, eos, h, col0)``: ``out[bos + r, h, col0 + d] = src_f[r, d]`` (cast to
     ``out``'s dtype) for the rows ``r < eos - bos`` of a ``[C, W]`` fragment.  A whole chunk stores without a

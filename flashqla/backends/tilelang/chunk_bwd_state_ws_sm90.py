@@ -60,7 +60,7 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
                        halo: bool = False):
     import tilelang.language as T
 
-    from ._common import make_l2_row_factors_ring, symbolic_sizes
+    from ._common import make_l2_row_factors_ring, make_start_state, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -77,6 +77,7 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
 
     # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
     l2_row_factors = make_l2_row_factors_ring(C, K, acc, L2_EPS)
+    start_state = make_start_state(has_dht, halo)
 
     @T.prim_func
     def gdn_bwd_state_ws(
@@ -138,9 +139,10 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
                 seq = seg_table[n, 0]
                 eos = seg_table[n, 3]
                 nhalo = walk_end[n, h] - (c0 + nchunks)
-                from_dht = walk_end[n, h] == seg_table[n, 1]
+                from_src = walk_end[n, h] == seg_table[n, 1]       # (the walk starts at dht)
                 is_first = seg_table[n, 2] != 0
             else:
+                seq = n
                 eos = cu_seqlens[n + 1]
                 nhalo = 0
             nwalk = nchunks + nhalo if halo else nchunks
@@ -149,17 +151,7 @@ def build_bwd_state_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_dh
                 # ---- gradient chain ----
                 if big:
                     T.set_max_nreg(240, 1)
-                if has_dht:
-                    if halo:
-                        # a halo that reaches the sequence end walks from dht (no approximation at all)
-                        if from_dht:
-                            T.copy(dht[seq, h, :, v0:v0 + BV], dS_f)
-                        else:
-                            T.clear(dS_f)
-                    else:
-                        T.copy(dht[n, h, :, v0:v0 + BV], dS_f)
-                else:
-                    T.clear(dS_f)
+                start_state(dht, dS_f, seq, h, v0, from_src if halo else True)
                 for i in T.serial(nwalk):
                     s = i % R
                     # halo: ci >= nchunks for the halo's chunks, past the segment's end

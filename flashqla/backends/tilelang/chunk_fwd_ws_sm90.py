@@ -136,7 +136,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     sequence; only a sequence's last segment writes ``ht``."""
     import tilelang.language as T
 
-    from ._common import EX2_APPROX_SRC, ex2_approx, make_l2_row_factors_ring, symbolic_sizes
+    from ._common import EX2_APPROX_SRC, ex2_approx, make_l2_row_factors_ring, make_start_state, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -166,6 +166,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
 
     # n_s[s, r] = 1 / sqrt(|x_s[s, r, :]|^2 + eps), x of ring slot s
     l2_row_factors = make_l2_row_factors_ring(C, K, acc, L2_EPS)
+    start_state = make_start_state(has_h0, halo)
     LOG2E = 1.4426950408889634
 
     def ex(x):
@@ -283,7 +284,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 seq = seg_table[n, 0]
                 wf = walk_from[n, h]
                 nhalo = c0 - wf
-                from_h0 = wf == seg_table[n, 1]
+                from_src = wf == seg_table[n, 1]       # (the walk starts at h0)
                 is_last = seg_table[n, 2] != 0
             else:
                 seq = n
@@ -344,17 +345,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         T.set_max_nreg(232 if big else 168, 1)
                     elif big:
                         T.set_max_nreg(240, 1)
-                    if has_h0:
-                        if halo:
-                            # a halo that reaches the sequence start walks from h0 (no approximation at all)
-                            if from_h0:
-                                T.copy(h0[seq, h, :, v0:v0 + BV], S_f)
-                            else:
-                                T.clear(S_f)
-                        else:
-                            T.copy(h0[n, h, :, v0:v0 + BV], S_f)
-                    else:
-                        T.clear(S_f)
+                    start_state(h0, S_f, seq, h, v0, from_src if halo else True)
                     for i in T.serial(nwalk):
                         s = i % R
                         # halo: jc < 0 for the halo's chunks, whose rows lie before the segment's; (i + nhalo) has
