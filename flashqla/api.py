@@ -259,6 +259,17 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
             "(decided on the device), else at its sequence start")
 
 
+def _cutlass_forward_note(q, spec, varlen_meta) -> str:
+    """The cutlass forward's recurrence for this call (one-warpgroup or warp-specialised, its V block, over
+    segments or not) and why."""
+    from .backends.cutlass import fwd_mode, fwd_plan, segments_mode
+    from ._env import env_choice
+    from .cp import _seq_bounds
+    _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
+    num_wg = int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
+    return fwd_plan(lens, spec.Hv, spec.V, spec.device.sm_count, fwd_mode(), num_wg, segments_mode()).describe()
+
+
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
             use_qk_l2norm_in_kernel=False, cu_seqlens=None, backend="auto", *, state_layout="KV",
             varlen_meta=None, needs_grad: Optional[bool] = None, print_it: bool = False) -> Decision:
@@ -291,9 +302,10 @@ def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state
                                       "(the op's default is off)")
         except Exception as exc:  # the plan is advice; never let it break explain()
             d.context_parallel = f"no plan ({type(exc).__name__}: {exc})"
-        if d.chosen == "tilelang":
+        if d.chosen in ("tilelang", "cutlass"):
             try:
-                d.forward = _tilelang_forward_note(q, spec, meta)
+                note = _tilelang_forward_note if d.chosen == "tilelang" else _cutlass_forward_note
+                d.forward = note(q, spec, meta)
             except Exception as exc:  # advice too
                 d.forward = f"no plan ({type(exc).__name__}: {exc})"
         if d.chosen == "tilelang" and spec.needs_grad:

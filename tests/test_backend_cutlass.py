@@ -57,28 +57,62 @@ def _spec(dtype=torch.bfloat16, K=128, V=128, capability=(9, 0), g_dtype=torch.f
     return spec
 
 
-def test_forward_segment_split_plan(monkeypatch):
-    # FLASHQLA_CUTLASS_SEGMENTS: off by default (not yet run on a GPU); auto cuts one long sequence at few heads into
-    # about a CTA per SM and leaves a walk per SM alone; a number forces segments of that many chunks
-    from types import SimpleNamespace
-
+def test_forward_plan(monkeypatch):
+    # the recurrence's variant (FLASHQLA_CUTLASS_FWD / backend_options["fwd"]: serial by default, ws not yet run on a
+    # GPU, auto by the model), its V block, and FLASHQLA_CUTLASS_SEGMENTS: off by default; auto cuts one long
+    # sequence at few heads into about a CTA per SM and leaves a walk per SM alone; a number forces segments
     import flashqla.backends.cutlass as cb
-    call = lambda lens, Hv, num_wg=1: cb._segment_split(  # noqa: E731
-        SimpleNamespace(varlen=SimpleNamespace(seqlens=lens), q=torch.empty(1)), 1, sum(lens), Hv, 128, 132, num_wg)
-    monkeypatch.delenv("FLASHQLA_CUTLASS_SEGMENTS", raising=False)
-    assert cb.segments_mode() == "off"
-    monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "auto")
-    plan, tables = call([32768], 8)
-    assert plan.num_segments == tables.num_segments >= 8 and 8 * plan.num_segments * (128 // plan.bv) <= 132
-    assert call([8192] * 16, 32, 2) is None               # 512 walks at V block 128: nothing to gain
-    assert call([64], 8) is None                          # one chunk: nothing to cut
-    monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "16")
-    plan, tables = call([64 * 40 + 3, 70], 4)
-    assert plan.seg_chunks == 16 and tables.num_segments == 3 + 1 and tables.split_seqs == 1
-    assert plan.bv in (64, 128)
+    plan = lambda lens, Hv, mode="serial", wg=0, seg="off": cb.fwd_plan(lens, Hv, 128, 132, mode, wg, seg)  # noqa: E731
+    for name in ("FLASHQLA_CUTLASS_SEGMENTS", "FLASHQLA_CUTLASS_FWD"):
+        monkeypatch.delenv(name, raising=False)
+    assert cb.segments_mode() == "off" and cb.fwd_mode() == "serial" and cb.fwd_mode({"fwd": "ws"}) == "ws"
+    with pytest.raises(ValueError, match="backend_options"):
+        cb.fwd_mode({"fwd": "fast"})
+    monkeypatch.setenv("FLASHQLA_CUTLASS_FWD", "warp")
+    with pytest.raises(ValueError, match="FLASHQLA_CUTLASS_FWD"):
+        cb.fwd_mode()
+
+    p = plan([8192] * 4, 32)                              # 128 walks < 132 SMs: V block 64
+    assert (p.variant, p.num_wg, p.state_wg, p.split) == ("serial", 1, 1, None) and "chunk_fwd_sm90" in p.why
+    p = plan([8192] * 16, 32)                             # a walk per SM or more: V block 128
+    assert (p.variant, p.num_wg, p.state_wg) == ("serial", 2, 2)
+    assert plan([8192] * 16, 32, wg=1).num_wg == 1
+    p = plan([8192] * 16, 32, "ws")                       # ws has one V block; the backward keeps its own rule
+    assert (p.variant, p.num_wg, p.state_wg) == ("ws", 1, 2) and "chunk_fwd_ws_sm90" in p.why
+    for lens, Hv in (([32768], 8), ([8192] * 16, 32), ([100, 5000, 64], 16)):
+        p = plan(lens, Hv, "auto")
+        chunks = tuple(-(-n // 64) for n in lens)
+        serial_wg = 2 if len(lens) * Hv >= 132 else 1
+        ws_us = cb._walk_us(chunks, Hv, 2, cb.CUTLASS_WS_STEP_US[64], 132)
+        serial_us = cb._walk_us(chunks, Hv, 2 // serial_wg, cb.CUTLASS_STEP_US[64 * serial_wg], 132)
+        assert p.variant == ("ws" if ws_us < serial_us else "serial") and "modelled" in p.why
+
+    p = plan([32768], 8, seg="auto")
+    assert p.split is not None and p.split.num_segments >= 8 and 8 * p.split.num_segments * (128 // p.split.bv) <= 132
+    assert p.num_wg == p.split.bv // 64 and "over segments" in p.why
+    p = plan([32768], 8, "ws", seg="auto")
+    assert p.split is not None and p.split.bv == 64 and p.num_wg == 1
+    assert plan([8192] * 16, 32, seg="auto").split is None   # 512 walks at V block 128: nothing to gain
+    assert plan([64], 8, seg="auto").split is None           # one chunk: nothing to cut
+    p = plan([64 * 40 + 3, 70], 4, seg="16")
+    assert p.split.seg_chunks == 16 and p.split.num_segments == 3 + 1 and p.split.bv in (64, 128)
     monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "0")
     with pytest.raises(ValueError, match="FLASHQLA_CUTLASS_SEGMENTS"):
         cb.segments_mode()
+
+
+def test_explain_note_names_the_recurrence(monkeypatch):
+    # what explain() prints for a cutlass forward: the recurrence the env switches pick for this call
+    from flashqla.api import _cutlass_forward_note
+    for name in ("FLASHQLA_CUTLASS_SEGMENTS", "FLASHQLA_CUTLASS_FWD", "FLASHQLA_CUTLASS_NUM_WG"):
+        monkeypatch.delenv(name, raising=False)
+    spec = _spec()
+    q = torch.zeros(1, 4, 1, 128)
+    assert "chunk_fwd_sm90, 1 consumer warpgroup" in _cutlass_forward_note(q, spec, None)
+    monkeypatch.setenv("FLASHQLA_CUTLASS_FWD", "ws")
+    assert "chunk_fwd_ws_sm90" in _cutlass_forward_note(q, spec, None)
+    monkeypatch.setenv("FLASHQLA_CUTLASS_FWD", "auto")
+    assert "modelled" in _cutlass_forward_note(q, spec, None)
 
 
 @pytest.mark.parametrize("kw,needle", [
@@ -126,6 +160,10 @@ KERNELS = [
     ("fwd", (128, 128, 2, 2, True), 24),           # two consumer warpgroups, training variant
     ("fwd", (128, 128, 1, 2, False, True), 24),    # the walk over segments with a halo (FLASHQLA_CUTLASS_SEGMENTS)
     ("fwd", (128, 128, 2, 2, True, True), 24),
+    ("fwd_ws", (128, 128, False), 24),             # warp-specialised: the chain's vn and state (8 + 4), the output's
+    ("fwd_ws", (128, 128, True), 24),              # q-part and Aqk-part (8 + 4), from the shared handoff buffers
+    ("fwd_ws", (128, 128, False, True), 24),
+    ("fwd_ws", (128, 128, True, True), 24),
     ("bwd_state", (128, 128, 1, 2), 20),
     ("bwd_state", (128, 128, 2, 2), 20),
     ("bwd_dqk", (128, 128), 48),
@@ -143,7 +181,7 @@ def test_kernel_cross_compiles_for_sm90a(kind, key, n_wgmma, tmp_path, monkeypat
     from flashqla.backends.cutlass import smem_bytes
     assert 0 < smem_bytes(kind, key) <= 227 * 1024, f"{kind}: {smem_bytes(kind, key)} B of shared memory"
 
-    if kind in ("fwd", "bwd_state") and key[2] == 2:
+    if (kind in ("fwd", "bwd_state") and key[2] == 2) or kind == "fwd_ws":
         assert "setmaxnreg" in ptx
     import shutil
     if shutil.which("cc") or shutil.which("gcc"):
@@ -313,7 +351,7 @@ def test_gpu_matches_oracle(case):
 @pytest.mark.gpu
 @needs_dsl
 @needs_sm90
-@pytest.mark.parametrize("num_wg", [1, 2])
+@pytest.mark.parametrize("num_wg", [1, 2, "ws"])
 @pytest.mark.parametrize("case", GPU_CASES[:6], ids=lambda c: c.name)
 def test_gpu_forward_over_segments(case, num_wg, monkeypatch):
     # FLASHQLA_CUTLASS_SEGMENTS=2: the recurrence walks segments of 2 chunks, each starting in a halo before it
@@ -321,17 +359,20 @@ def test_gpu_forward_over_segments(case, num_wg, monkeypatch):
     # through the chunk states the split forward saved.  Against the oracle, and the unsplit forward
     import flashqla.backends.cutlass as cb
     monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "2")
-    res = run_case(lambda *a, **kw: flashqla.chunk_gated_delta_rule(*a, **kw, backend_options={"num_wg": num_wg}),
+    opts = {"fwd": "ws"} if num_wg == "ws" else {"num_wg": num_wg}
+    res = run_case(lambda *a, **kw: flashqla.chunk_gated_delta_rule(*a, **kw, backend_options=opts),
                    case, "cutlass", torch.bfloat16, "cuda", grads=True, exact_fp32=False)
     assert res.ok, f"errors over tolerance {res.failures} (all: {res.errors})"
     x = make_inputs(case, torch.bfloat16, "cuda")
     with torch.no_grad():
-        o1, h1 = _call(x, case, num_wg=num_wg)
+        o1, h1 = _call(x, case, **opts)
         monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "off")
-        o0, h0 = _call(x, case, num_wg=num_wg)
+        o0, h0 = _call(x, case, **opts)
     assert rel_l2(o1.float(), o0.float()) <= 2e-3 and rel_l2(h1, h0) <= 2e-3
     # the halo variant served the split calls, training and inference
-    assert {("fwd", "sm_90a", 128, 128, num_wg, 2, save, True) for save in (False, True)} <= set(cb._compiled)
+    want = ({("fwd_ws", "sm_90a", 128, 128, save, True) for save in (False, True)} if num_wg == "ws" else
+            {("fwd", "sm_90a", 128, 128, num_wg, 2, save, True) for save in (False, True)})
+    assert want <= set(cb._compiled)
 
 
 def _call(x, case, **opts):
@@ -339,6 +380,26 @@ def _call(x, case, **opts):
         x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.scale, initial_state=x["initial_state"],
         output_final_state=True, use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"],
         backend="cutlass", backend_options=opts or None)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_ws_forward_matches_oracle_and_serial(case):
+    # the warp-specialised recurrence (backend_options fwd=ws): the shared suite's cases, gradients through the
+    # chunk states and v_new it saves; and o / ht against the one-warpgroup recurrence (same bf16 rounding points)
+    import flashqla.backends.cutlass as cb
+    ws = {"fwd": "ws"}
+    res = run_case(lambda *a, **kw: flashqla.chunk_gated_delta_rule(*a, **kw, backend_options=ws),
+                   case, "cutlass", torch.bfloat16, "cuda", grads=True, exact_fp32=False)
+    assert res.ok, f"errors over tolerance {res.failures} (all: {res.errors})"
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        o1, h1 = _call(x, case, fwd="ws")
+        o0, h0 = _call(x, case, fwd="serial", num_wg=1)
+    assert rel_l2(o1.float(), o0.float()) <= 1e-3 and rel_l2(h1, h0) <= 1e-3
+    assert {("fwd_ws", "sm_90a", 128, 128, save) for save in (False, True)} <= set(cb._compiled)
 
 
 @pytest.mark.gpu
@@ -450,8 +511,8 @@ def test_gpu_nonfinite_input_stays_in_its_sequence():
 @pytest.mark.gpu
 @needs_dsl
 @needs_sm90
-@pytest.mark.parametrize("num_wg", [1, 2])
-def test_gpu_kernels_match_emulation_one_by_one(num_wg):
+@pytest.mark.parametrize("opts", [{"num_wg": 1}, {"num_wg": 2}, {"fwd": "ws"}], ids=lambda o: str(o))
+def test_gpu_kernels_match_emulation_one_by_one(opts):
     """Each kernel's workspace against the emulation: localises a failure to one kernel."""
     import flashqla.backends.cutlass as cb
     from flashqla.backends.cutlass import emulation
@@ -463,7 +524,7 @@ def test_gpu_kernels_match_emulation_one_by_one(num_wg):
                              False, x["cu_seqlens"], needs_grad=True)
     inp = FwdInputs(q=x["q"], k=x["k"], v=x["v"], g=x["g"], beta=x["beta"], scale=scale,
                     initial_state=x["initial_state"], cu_seqlens=meta.cu_seqlens, varlen=meta,
-                    output_final_state=True, use_qk_l2norm=False, options={"num_wg": num_wg})
+                    output_final_state=True, use_qk_l2norm=False, options=opts)
     be = _backend()
     o, ht, saved, aux = be.forward(spec, inp)
     cb.debug_capture = cap = {}

@@ -7,7 +7,9 @@ Forward = two kernels per call:
    the causal decayed ``Aqk = scale q k^T``.  TMA loads + warpgroup MMA.
 2. :mod:`.chunk_fwd_sm90` -- per (sequence, value head, V block): the serial recurrence over chunks, the
    state in registers (transposed, as the A operand of wgmma), a TMA producer warp feeding a two-stage
-   mbarrier pipeline.
+   mbarrier pipeline.  Or :mod:`.chunk_fwd_ws_sm90` (``FLASHQLA_CUTLASS_FWD=ws``): the same walk
+   warp-specialised, the state's own chain in one warpgroup and the output in another, each with its own TMA
+   ring; the output's products and stores leave the serial path.
 
 With gradients needed the same kernels also store the bf16 ``T``, the bf16 state at every chunk start
 and the bf16 ``v_new``; the backward is three more kernels:
@@ -40,6 +42,10 @@ came from the disk.
 columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs
 (``FLASHQLA_CUTLASS_NUM_WG=1|2`` forces it for every call: tuning sweeps).
 
+``FLASHQLA_CUTLASS_FWD=serial|ws|auto`` (or ``backend_options={"fwd": ...}``): the forward's recurrence, default
+``serial`` (``chunk_fwd_sm90``) until the warp-specialised ``ws`` has run on a GPU; ``auto`` takes the least
+modelled time (``CUTLASS_STEP_US`` / ``CUTLASS_WS_STEP_US``).  :func:`fwd_plan` is the choice; ``explain()`` prints it.
+
 ``FLASHQLA_CUTLASS_SEGMENTS=off|auto|<chunks>`` (default ``off``: not yet run on a GPU): the forward recurrence
 over chunk-aligned segments of the long sequences, each walk starting in a halo before its segment (the tilelang
 forward's in-kernel CP, ``backends/tilelang/segments.py``: its tables, halo search and plan, with
@@ -56,7 +62,9 @@ import json
 import logging
 import os
 import threading
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -130,7 +138,7 @@ def _example_args(kind: str, key: tuple):
         beta = _ptr(key[2], 1 << 12, 4 if key[2] == "float32" else 2)
         return (bf(), bf(), bf(), _ptr("float32", 1 << 12, 4), beta, bf(), bf(), bf(), fp(), bf(), ip(), ip(),
                 i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), cuda.CUstream(0))
-    if kind == "fwd":
+    if kind in ("fwd", "fwd_ws"):
         return (bf(), bf(), bf(), bf(), bf(), fp(), fp(), fp(), bf(), bf(), bf(), ip(), ip(), ip(), ip(),
                 i32(128), i32(2), i32(1), i32(1), i32(1), f32(0.1), i32(0), i32(0), cuda.CUstream(0))
     if kind == "bwd_state":
@@ -155,6 +163,10 @@ def _make_kernel(kind: str, key: tuple):
         from .chunk_fwd_sm90 import ChunkFwdSm90
         K, V, num_wg, stages, save, *halo = key     # (halo: the walk over segments; absent = off)
         return ChunkFwdSm90(K, V, num_wg=num_wg, stages=stages, save=save, halo=bool(halo and halo[0]))
+    if kind == "fwd_ws":
+        from .chunk_fwd_ws_sm90 import ChunkFwdWsSm90
+        K, V, save, *halo = key
+        return ChunkFwdWsSm90(K, V, save=save, halo=bool(halo and halo[0]))
     if kind == "bwd_state":
         from .chunk_bwd_state_sm90 import ChunkBwdStateSm90
         K, V, num_wg, stages = key
@@ -434,6 +446,22 @@ def _dense_meta(B: int, T: int, device):
 # session 2 run 8 (h200_2026-12-02_run8_qwen35-fwd_fwd.md), 16/32 1x32768 at V block 64 (64 CTAs): 1.438 ms for
 # both kernels, ~2.3 us per step with the prep's ~0.25 ms taken off; the V-block 128 step is a guess (x1.5)
 CUTLASS_STEP_US = {128: 3.5, 64: 2.3}
+# The warp-specialised recurrence (chunk_fwd_ws_sm90, V block 64): a guess until measured, from the tilelang
+# forward, whose warp-specialised walk took ~0.7 of its one-warpgroup step when it landed (session 6)
+CUTLASS_WS_STEP_US = {64: 1.6}
+
+FWD_VARIANTS = ("serial", "ws", "auto")
+
+
+def fwd_mode(options=None) -> str:
+    """The forward recurrence: ``backend_options["fwd"]``, else ``FLASHQLA_CUTLASS_FWD``: ``serial`` (default:
+    ``chunk_fwd_sm90``), ``ws`` (``chunk_fwd_ws_sm90``, not yet run on a GPU) or ``auto`` (the model below)."""
+    mode = (options or {}).get("fwd")
+    if mode is not None:
+        if mode not in FWD_VARIANTS:
+            raise ValueError(f"backend_options['fwd'] must be one of {FWD_VARIANTS}, got {mode!r}")
+        return mode
+    return env_choice("FLASHQLA_CUTLASS_FWD", FWD_VARIANTS, "serial")
 
 
 def segments_mode() -> str:
@@ -442,16 +470,71 @@ def segments_mode() -> str:
     return segments.read_mode("FLASHQLA_CUTLASS_SEGMENTS", "off")
 
 
-def _segment_split(x, B: int, T: int, Hv: int, V: int, sms: int, num_wg: int):
-    """``(plan, tables)`` of the forward's walk over segments (``segments_mode``), or None: no sequence is cut."""
+@dataclass
+class FwdPlan:
+    variant: str            # "serial" (chunk_fwd_sm90) or "ws" (chunk_fwd_ws_sm90)
+    num_wg: int             # V block / 64 (ws: 1)
+    state_wg: int           # the backward's state-gradient kernel's V block / 64 (the one-warpgroup rule)
+    split: Optional[object]  # segments.SegmentPlan of the walk over segments, or None
+    why: str
+
+    def describe(self) -> str:
+        return self.why
+
+
+_FWD_PLANS: dict = {}
+
+
+def _walk_us(chunks: tuple, Hv: int, nvb: int, step: float, sms: int) -> float:
+    """Modelled time of one recurrence launch: a CTA per (sequence, head, V block), each SM one at a time."""
     from ..tilelang import segments
-    lengths = x.varlen.seqlens if x.varlen is not None else [T] * B
-    plan = segments.segment_plan(lengths, Hv, V, sms or 132, 64 * num_wg, forced=segments_mode(),
-                                 steps=CUTLASS_STEP_US, bvs=(128, 64))
-    if plan is None:
-        return None
-    tables = segments.segment_tables(lengths, plan.seg_chunks, x.q.device)
-    return (plan, tables) if tables.split_seqs else None
+    return segments._makespan([c * step for c in chunks for _ in range(Hv * nvb)], sms)
+
+
+def fwd_plan(lengths, Hv: int, V: int, sms: int, mode: str = "serial", num_wg: int = 0,
+             seg_mode: str = "off") -> FwdPlan:
+    """Which recurrence runs a forward over sequences of ``lengths`` tokens, at which V block, over segments or
+    not.  ``num_wg`` 1 / 2 forces the serial kernel's V block (0: 2 when there are at least as many walks as SMs);
+    ``seg_mode``: :func:`segments_mode`'s value.  ``auto`` takes the variant of least modelled time."""
+    from ..tilelang import segments
+    sms = max(int(sms or 132), 1)
+    chunks = tuple(-(-int(n) // BT) for n in lengths)
+    key = (chunks, Hv, V, sms, mode, num_wg, seg_mode)
+    plan = _FWD_PLANS.get(key)
+    if plan is not None:
+        return plan
+    walks = len(chunks) * Hv
+    forced_wg = num_wg in (1, 2)
+    serial_wg = num_wg if forced_wg else (2 if walks >= sms else 1)
+    variant, why = mode, f"FLASHQLA_CUTLASS_FWD / backend_options: {mode}"
+    if mode == "auto":
+        serial_us = _walk_us(chunks, Hv, V // (64 * serial_wg), CUTLASS_STEP_US[64 * serial_wg], sms)
+        ws_us = _walk_us(chunks, Hv, V // 64, CUTLASS_WS_STEP_US[64], sms)
+        variant = "ws" if ws_us < serial_us else "serial"
+        why = (f"modelled {ws_us:.0f} us warp-specialised (V block 64) against {serial_us:.0f} us one-warpgroup "
+               f"(V block {64 * serial_wg})")
+    split = None
+    if seg_mode != "off":
+        if variant == "ws":
+            split = segments.segment_plan(lengths, Hv, V, sms, 64, forced=seg_mode, steps=CUTLASS_WS_STEP_US,
+                                          bvs=(64,))
+        else:
+            split = segments.segment_plan(lengths, Hv, V, sms, 64 * serial_wg, forced=seg_mode,
+                                          steps=CUTLASS_STEP_US, bvs=(128, 64) if not forced_wg
+                                          else (64 * serial_wg,))
+        if split is not None and variant == "serial" and not forced_wg:
+            serial_wg = split.bv // 64
+    wg = 1 if variant == "ws" else serial_wg
+    name = "warp-specialised recurrence (chunk_fwd_ws_sm90)" if variant == "ws" else \
+        f"one-warpgroup recurrence (chunk_fwd_sm90, {wg} consumer warpgroup{'s' if wg > 1 else ''})"
+    text = f"{name}: {why}"
+    if split is not None:
+        text += f"; over segments: {split.describe()}"
+    plan = FwdPlan(variant, wg, serial_wg, split, text)
+    if len(_FWD_PLANS) > 256:
+        _FWD_PLANS.clear()
+    _FWD_PLANS[key] = plan
+    return plan
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -542,15 +625,18 @@ class CutlassBackend(Backend):
         num_wg = int(x.options.get("num_wg", 0)) if x.options else 0
         if num_wg not in (1, 2):
             num_wg = int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
-        forced_wg = num_wg in (1, 2)
-        if not forced_wg:
-            num_wg = 2 if N * Hv >= max(spec.device.sm_count, 1) else 1
+        lengths = x.varlen.seqlens if x.varlen is not None else [T] * B
+        plan = fwd_plan(lengths, Hv, V, spec.device.sm_count, fwd_mode(x.options), num_wg,
+                        segments_mode() if C > 0 else "off")
+        num_wg = plan.num_wg
+        state_wg = plan.state_wg
         split = None
-        if C > 0 and segments_mode() != "off":
-            split = _segment_split(x, B, T, Hv, V, spec.device.sm_count, num_wg)
-            if split is not None and not forced_wg:
-                num_wg = split[0].bv // 64
-        aux = dict(scale=x.scale, B=B, T=T, N=N, C=C, Hqk=Hqk, Hv=Hv, num_wg=num_wg,
+        if plan.split is not None:
+            from ..tilelang import segments
+            tables = segments.segment_tables(lengths, plan.split.seg_chunks, x.q.device)
+            if tables.split_seqs:
+                split = (plan.split, tables)
+        aux = dict(scale=x.scale, B=B, T=T, N=N, C=C, Hqk=Hqk, Hv=Hv, num_wg=state_wg,
                    has_h0=h0 is not None, l2norm=x.use_qk_l2norm, beta_dtype=spec.beta_dtype)
         if C == 0:  # only empty sequences: nothing to compute, the state passes through
             o.zero_()
@@ -564,7 +650,11 @@ class CutlassBackend(Backend):
 
         save = bool(spec.needs_grad)
         prep = compile_kernel("prep", (K, V, spec.beta_dtype, save))
-        fwd = compile_kernel("fwd", (K, V, num_wg, 2, save) + ((True,) if split is not None else ()))
+        halo = (True,) if split is not None else ()
+        if plan.variant == "ws":
+            fwd = compile_kernel("fwd_ws", (K, V, save) + halo)
+        else:
+            fwd = compile_kernel("fwd", (K, V, num_wg, 2, save) + halo)
 
         q, k, v = (_aligned(t) for t in (q, k, v))
         if h0 is not None:

@@ -127,6 +127,13 @@ def wide(stride, divby: int):
 # Plain Python: they run while a kernel is traced and emit exactly the ops their callers used to
 # write out inline, in the same order.
 
+def sw128_index(idx):
+    """Element index, in a 1024-byte aligned 16-bit tile with the 128-byte swizzle (``K_SW128`` atoms), of
+    un-swizzled element ``idx``: the 16-byte chunk bits (4-6 of the byte offset) XOR the row bits (7-9).  For
+    the scalar reads of such a tile, which the DSL does not lower through a swizzled tensor."""
+    return idx ^ ((idx >> 3) & 0x38)
+
+
 def chunk_coords(mCi: cute.Tensor, mCu: cute.Tensor, chunk, head, hv, group, BT: int):
     """Where chunk ``chunk`` of the chunk-major grid lies: ``(tok, valid, qk_head, row)`` -- its first
     token, how many of its ``BT`` rows lie inside the sequence, the query/key head of value head
