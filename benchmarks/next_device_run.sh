@@ -23,6 +23,12 @@
 #                                                 FLQ_FILTER splits it over calls)
 #   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
 #   bash benchmarks/next_device_run.sh cutlassseg carry [".gpu_cute"]: the cutlass forward over segments (#5, #8)
+#   bash benchmarks/next_device_run.sh cutlassws  carry [".gpu_cute"]: the warp-specialised cutlass forward (session 19,
+#                                                 FLASHQLA_CUTLASS_FWD=ws): GPU tests, then serial / ws A/B (#5)
+#   bash benchmarks/next_device_run.sh cutlassgrid  FlashQLA's forward grid, cutlass (and tilelang) against FlashQLA
+#                                                 and FLA (#5's acceptance).  Needs both bundles: a call carrying
+#                                                 .gpu that only runs `source .gpu/setup.sh`, then within 30 s this
+#                                                 one carrying .gpu_cute (CGRID_FWD=ws|serial, CGRID_FILTER)
 #   bash benchmarks/next_device_run.sh cutlassaot carry [".gpu_cute"] (benchmarks/make_gpu_cute.sh): the cutlass
 #                                                 on-disk cache on the GPU, and the first call cold / warm (#5)
 #   bash benchmarks/next_device_run.sh tchain     tilelang forward with the register-only state chain vs now (#4)
@@ -227,6 +233,25 @@ case "$STEP" in
         --backend cutlass --mode fwd --out $OUT/sweep_cutlass_numwg_fwd.json \
         --rows ${CSEG_WG_ROWS:-16/32:4x8192,8/16:4x8192,16/32:2x8192,8/32:4x4096} \
         "--variants=FLASHQLA_CUTLASS_NUM_WG=1;FLASHQLA_CUTLASS_NUM_WG=2" ;;
+  cutlassws)
+    # carry [".gpu_cute"]: the warp-specialised cutlass forward recurrence (session 19, chunk_fwd_ws_sm90, off by
+    # default): its GPU tests (oracle, agreement with the one-warpgroup walk, each kernel against the emulation, over
+    # segments), then serial / ws / ws over segments where the model splits (#5)
+    TAIL=8 run_step "cutlass ws tests" ${CWS_TEST_S:-300} $PYT tests/test_backend_cutlass.py \
+        -k "ws_forward or one_by_one or over_segments"
+    case $RUN_RC in 0) ;; *) echo "== cutlassws: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=40 run_step "cutlass fwd, serial / ws" ${CWS_SWEEP_S:-240} python benchmarks/sweep_variants.py \
+        --backend cutlass --mode ${CWS_MODE:-fwd} --out $OUT/sweep_cutlass_ws_${CWS_MODE:-fwd}.json \
+        --rows ${CWS_ROWS:-16/32:1x32768,16/32:4x8192,16/32:8x1024,8/32:1x8192,2/8:1x32768,32/32:8x4096} \
+        "--variants=FLASHQLA_CUTLASS_FWD=serial;FLASHQLA_CUTLASS_FWD=ws;FLASHQLA_CUTLASS_FWD=ws FLASHQLA_CUTLASS_SEGMENTS=auto" ;;
+  cutlassgrid)
+    # #5's acceptance: FlashQLA's forward grid with the cutlass backend against FlashQLA and FLA (tilelang too).
+    # FlashQLA needs tilelang: run a call carrying .gpu (`source .gpu/setup.sh`) first, this one within 30 s after
+    # it, carrying .gpu_cute.  CGRID_FWD picks the recurrence (FLASHQLA_CUTLASS_FWD), CGRID_FILTER a part of the grid
+    TAIL=40 run_step "flashqla-fwd preset, cutlass ${CGRID_FILTER:-all}" \
+        ${CGRID_S:-420} env FLASHQLA_CUTLASS_FWD=${CGRID_FWD:-serial} python -m flashqla bench --preset flashqla-fwd --no-progress \
+        --backends ${CGRID_BACKENDS:-cutlass,tilelang} --baselines flashqla,fla \
+        ${CGRID_FILTER:+--filter "$CGRID_FILTER"} --out $OUT/cutlass_flqfwd ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
@@ -425,7 +450,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlassseg | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlassseg | cutlassws | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
