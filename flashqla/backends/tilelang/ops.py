@@ -281,11 +281,12 @@ def bwd_variant() -> str:
 
 
 # Costs behind bwd_whole_pays, measured on the H200 (132 SMs; the two paths' kernel times): the whole backward's
-# chunk step (one CTA walks one (value head, sequence); session 16 run 2, 15.0-15.8 us on the rows with 64-128
-# walks, after its wgmma stopped being serialised; session 15: 17.5), the split backward's state-gradient step
+# chunk step (one CTA walks one (value head, sequence); session 17 run 5 with ex2.approx, its default since then:
+# 1.683 ms / 128 chunks at 16/32 4x8192 and 0.855 ms / 64 chunks at 4/16 8x4096, 13.2-13.4 us, each a walk per
+# SM; session 16 run 2 with exp2f: 15.0-15.8 us; session 15: 17.5), the split backward's state-gradient step
 # (its serial part) and its per-(chunk, value head) cost of the dqk and wy kernels at full occupancy (session 15
 # run 6), in microseconds.
-WHOLE_STEP_US = 15.6
+WHOLE_STEP_US = 13.3
 SPLIT_STATE_STEP_US = 3.2
 SPLIT_PAIR_US = 0.153
 
