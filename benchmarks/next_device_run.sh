@@ -236,14 +236,15 @@ case "$STEP" in
   cutlassws)
     # carry [".gpu_cute"]: the warp-specialised cutlass forward recurrence (session 19, chunk_fwd_ws_sm90, off by
     # default): its GPU tests (oracle, agreement with the one-warpgroup walk, each kernel against the emulation, over
-    # segments), then serial / ws / ws over segments where the model splits (#5)
+    # segments; the fused inference form), then serial / ws / fused / fused over segments where the model splits (#5;
+    # CWS_MODE=fwd measures inference forwards, where fused applies; fwdbwd the training ones, where it is ws)
     TAIL=8 run_step "cutlass ws tests" ${CWS_TEST_S:-300} $PYT tests/test_backend_cutlass.py \
-        -k "ws_forward or one_by_one or over_segments"
+        -k "ws_forward or fused_forward or one_by_one or over_segments"
     case $RUN_RC in 0) ;; *) echo "== cutlassws: tests did not pass; the sweep skipped"; continue ;; esac
     TAIL=40 run_step "cutlass fwd, serial / ws" ${CWS_SWEEP_S:-240} python benchmarks/sweep_variants.py \
         --backend cutlass --mode ${CWS_MODE:-fwd} --out $OUT/sweep_cutlass_ws_${CWS_MODE:-fwd}.json \
         --rows ${CWS_ROWS:-16/32:1x32768,16/32:4x8192,16/32:8x1024,8/32:1x8192,2/8:1x32768,32/32:8x4096} \
-        "--variants=FLASHQLA_CUTLASS_FWD=serial;FLASHQLA_CUTLASS_FWD=ws;FLASHQLA_CUTLASS_FWD=ws FLASHQLA_CUTLASS_SEGMENTS=auto" ;;
+        "--variants=FLASHQLA_CUTLASS_FWD=serial;FLASHQLA_CUTLASS_FWD=ws;FLASHQLA_CUTLASS_FWD=fused;FLASHQLA_CUTLASS_FWD=fused FLASHQLA_CUTLASS_SEGMENTS=auto" ;;
   cutlassgrid)
     # #5's acceptance: FlashQLA's forward grid with the cutlass backend against FlashQLA and FLA (tilelang too).
     # FlashQLA needs tilelang: run a call carrying .gpu (`source .gpu/setup.sh`) first, this one within 30 s after

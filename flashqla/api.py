@@ -267,7 +267,8 @@ def _cutlass_forward_note(q, spec, varlen_meta) -> str:
     from .cp import _seq_bounds
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
     num_wg = int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
-    return fwd_plan(lens, spec.Hv, spec.V, spec.device.sm_count, fwd_mode(), num_wg, segments_mode()).describe()
+    return fwd_plan(lens, spec.Hv, spec.V, spec.device.sm_count, fwd_mode(), num_wg, segments_mode(),
+                    training=bool(spec.needs_grad)).describe()
 
 
 def explain(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,

@@ -79,13 +79,19 @@ def test_forward_plan(monkeypatch):
     assert plan([8192] * 16, 32, wg=1).num_wg == 1
     p = plan([8192] * 16, 32, "ws")                       # ws has one V block; the backward keeps its own rule
     assert (p.variant, p.num_wg, p.state_wg) == ("ws", 1, 2) and "chunk_fwd_ws_sm90" in p.why
+    assert plan([8192] * 4, 32, "fused").variant == "fused"   # inference forwards only
+    p = cb.fwd_plan([8192] * 4, 32, 128, 132, "fused", training=True)
+    assert p.variant == "ws" and "inference only" in p.why
+    assert cb.fwd_plan([32768], 8, 128, 132, "auto", training=False).variant in ("fused", "serial")
+    assert cb.fwd_plan([32768], 8, 128, 132, "auto", training=True).variant in ("ws", "serial")
     for lens, Hv in (([32768], 8), ([8192] * 16, 32), ([100, 5000, 64], 16)):
-        p = plan(lens, Hv, "auto")
-        chunks = tuple(-(-n // 64) for n in lens)
-        serial_wg = 2 if len(lens) * Hv >= 132 else 1
-        ws_us = cb._walk_us(chunks, Hv, 2, cb.CUTLASS_WS_STEP_US[64], 132)
-        serial_us = cb._walk_us(chunks, Hv, 2 // serial_wg, cb.CUTLASS_STEP_US[64 * serial_wg], 132)
-        assert p.variant == ("ws" if ws_us < serial_us else "serial") and "modelled" in p.why
+        for training, name, steps in ((True, "ws", cb.CUTLASS_WS_STEP_US), (False, "fused", cb.CUTLASS_FUSED_STEP_US)):
+            p = cb.fwd_plan(lens, Hv, 128, 132, "auto", training=training)
+            chunks = tuple(-(-n // 64) for n in lens)
+            serial_wg = 2 if len(lens) * Hv >= 132 else 1
+            ws_us = cb._walk_us(chunks, Hv, 2, steps[64], 132)
+            serial_us = cb._walk_us(chunks, Hv, 2 // serial_wg, cb.CUTLASS_STEP_US[64 * serial_wg], 132)
+            assert p.variant == (name if ws_us < serial_us else "serial") and "modelled" in p.why
 
     p = plan([32768], 8, seg="auto")
     assert p.split is not None and p.split.num_segments >= 8 and 8 * p.split.num_segments * (128 // p.split.bv) <= 132
@@ -156,6 +162,7 @@ def _check_ptx(fn, kind, key):
 KERNELS = [
     ("prep", (128, 128, "bfloat16", False), 24),   # k k^T, q k^T (8 k-blocks each), -w and u (4 each)
     ("prep", (128, 128, "float32", True), 24),     # fp32 beta, training variant (also stores T)
+    ("prep", (128, 128, "bfloat16", False, True), 16),  # fused inference forward: T diag(beta), no -w / u
     ("fwd", (128, 128, 1, 2, False), 24),          # vn, q-part of o (8 each), Aqk-part of o, state (4 each)
     ("fwd", (128, 128, 2, 2, True), 24),           # two consumer warpgroups, training variant
     ("fwd", (128, 128, 1, 2, False, True), 24),    # the walk over segments with a halo (FLASHQLA_CUTLASS_SEGMENTS)
@@ -164,6 +171,8 @@ KERNELS = [
     ("fwd_ws", (128, 128, True), 24),              # q-part and Aqk-part (8 + 4), from the shared handoff buffers
     ("fwd_ws", (128, 128, False, True), 24),
     ("fwd_ws", (128, 128, True, True), 24),
+    ("fwd_ws", (128, 128, False, False, True), 28),  # fused: + H k^T (8) and (v - ..) Tb^T (4) - the vn of -w (8)
+    ("fwd_ws", (128, 128, False, True, True), 28),
     ("bwd_state", (128, 128, 1, 2), 20),
     ("bwd_state", (128, 128, 2, 2), 20),
     ("bwd_dqk", (128, 128), 48),
@@ -275,13 +284,16 @@ EMU_CASES = [
 ]
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["split", "fused"])
 @pytest.mark.parametrize("case", EMU_CASES, ids=lambda c: c.name)
-def test_emulation_of_kernel_steps_matches_oracle(case):
+def test_emulation_of_kernel_steps_matches_oracle(case, fused):
+    # fused: the fused inference forward's algebra and rounding points (Tb = T diag(beta) from the prep, v_new
+    # formed in the recurrence from v and the bf16 bracket v - (Hb k^T) Gamma)
     from flashqla.backends.cutlass import emulation
     x = make_inputs(case, torch.bfloat16)
     scale = case.scale if case.scale is not None else case.K ** -0.5
     o, ht = emulation.forward(x["q"], x["k"], x["v"], x["g"], x["beta"], scale, x["initial_state"],
-                              x["cu_seqlens"])
+                              x["cu_seqlens"], fused=fused)
     ref = oracle(case, x, grads=False)
     assert rel_l2(o, ref["o"]) <= BF16_TOL["o"]
     assert rel_l2(ht, ref["ht"]) <= BF16_TOL["ht"]
@@ -400,6 +412,28 @@ def test_gpu_ws_forward_matches_oracle_and_serial(case):
         o0, h0 = _call(x, case, fwd="serial", num_wg=1)
     assert rel_l2(o1.float(), o0.float()) <= 1e-3 and rel_l2(h1, h0) <= 1e-3
     assert {("fwd_ws", "sm_90a", 128, 128, save) for save in (False, True)} <= set(cb._compiled)
+
+
+@pytest.mark.gpu
+@needs_dsl
+@needs_sm90
+@pytest.mark.parametrize("segments", ["off", "2"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.name)
+def test_gpu_fused_forward_matches_oracle_and_serial(case, segments, monkeypatch):
+    # the fused inference forward (fwd=fused: the prep's T diag(beta), v_new formed in the recurrence), alone and
+    # over 2-chunk segments: o / ht against the oracle and against the one-warpgroup walk
+    import flashqla.backends.cutlass as cb
+    monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", segments)
+    x = make_inputs(case, torch.bfloat16, "cuda")
+    with torch.no_grad():
+        o1, h1 = _call(x, case, fwd="fused")
+        monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "off")
+        o0, h0 = _call(x, case, fwd="serial", num_wg=1)
+    ref = oracle(case, x, grads=False)
+    assert rel_l2(o1, ref["o"]) <= BF16_TOL["o"] and rel_l2(h1, ref["ht"]) <= BF16_TOL["ht"]
+    assert rel_l2(o1.float(), o0.float()) <= 1e-2 and rel_l2(h1, h0) <= 1e-2
+    assert ("fwd_ws", "sm_90a", 128, 128, False, segments != "off", True) in cb._compiled
+    assert ("prep", "sm_90a", 128, 128, str(x["beta"].dtype).split(".")[-1], False, True) in cb._compiled
 
 
 @pytest.mark.gpu

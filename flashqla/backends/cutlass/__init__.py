@@ -42,9 +42,11 @@ came from the disk.
 columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs
 (``FLASHQLA_CUTLASS_NUM_WG=1|2`` forces it for every call: tuning sweeps).
 
-``FLASHQLA_CUTLASS_FWD=serial|ws|auto`` (or ``backend_options={"fwd": ...}``): the forward's recurrence, default
-``serial`` (``chunk_fwd_sm90``) until the warp-specialised ``ws`` has run on a GPU; ``auto`` takes the least
-modelled time (``CUTLASS_STEP_US`` / ``CUTLASS_WS_STEP_US``).  :func:`fwd_plan` is the choice; ``explain()`` prints it.
+``FLASHQLA_CUTLASS_FWD=serial|ws|fused|auto`` (or ``backend_options={"fwd": ...}``): the forward's recurrence,
+default ``serial`` (``chunk_fwd_sm90``) until the warp-specialised ``ws`` has run on a GPU; ``fused`` is its fused
+inference form (the prep stores ``T diag(beta)`` instead of -w and u, the recurrence forms v_new from v; training
+forwards take ``ws``); ``auto`` takes the least modelled time (``CUTLASS_STEP_US`` / ``CUTLASS_WS_STEP_US`` /
+``CUTLASS_FUSED_STEP_US``).  :func:`fwd_plan` is the choice; ``explain()`` prints it.
 
 ``FLASHQLA_CUTLASS_SEGMENTS=off|auto|<chunks>`` (default ``off``: not yet run on a GPU): the forward recurrence
 over chunk-aligned segments of the long sequences, each walk starting in a halo before its segment (the tilelang
@@ -157,16 +159,17 @@ def _example_args(kind: str, key: tuple):
 def _make_kernel(kind: str, key: tuple):
     if kind == "prep":
         from .chunk_prep_sm90 import ChunkPrepSm90
-        K, V, beta, save = key
-        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save)
+        K, V, beta, save, *tb = key                 # (tb: the fused inference forward's variant; absent = off)
+        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save, tb=bool(tb and tb[0]))
     if kind == "fwd":
         from .chunk_fwd_sm90 import ChunkFwdSm90
         K, V, num_wg, stages, save, *halo = key     # (halo: the walk over segments; absent = off)
         return ChunkFwdSm90(K, V, num_wg=num_wg, stages=stages, save=save, halo=bool(halo and halo[0]))
     if kind == "fwd_ws":
         from .chunk_fwd_ws_sm90 import ChunkFwdWsSm90
-        K, V, save, *halo = key
-        return ChunkFwdWsSm90(K, V, save=save, halo=bool(halo and halo[0]))
+        K, V, save, *flags = key                    # (flags: halo, fused; absent = off)
+        return ChunkFwdWsSm90(K, V, save=save, halo=bool(flags and flags[0]),
+                              fused=bool(len(flags) > 1 and flags[1]))
     if kind == "bwd_state":
         from .chunk_bwd_state_sm90 import ChunkBwdStateSm90
         K, V, num_wg, stages = key
@@ -449,13 +452,17 @@ CUTLASS_STEP_US = {128: 3.5, 64: 2.3}
 # The warp-specialised recurrence (chunk_fwd_ws_sm90, V block 64): a guess until measured, from the tilelang
 # forward, whose warp-specialised walk took ~0.7 of its one-warpgroup step when it landed (session 6)
 CUTLASS_WS_STEP_US = {64: 1.6}
+# Its fused inference form (one more 64 x 64 x 64 wgmma on the chain, 24 KiB less through HBM per chunk and head):
+# a guess as well
+CUTLASS_FUSED_STEP_US = {64: 1.7}
 
-FWD_VARIANTS = ("serial", "ws", "auto")
+FWD_VARIANTS = ("serial", "ws", "fused", "auto")
 
 
 def fwd_mode(options=None) -> str:
     """The forward recurrence: ``backend_options["fwd"]``, else ``FLASHQLA_CUTLASS_FWD``: ``serial`` (default:
-    ``chunk_fwd_sm90``), ``ws`` (``chunk_fwd_ws_sm90``, not yet run on a GPU) or ``auto`` (the model below)."""
+    ``chunk_fwd_sm90``), ``ws`` (``chunk_fwd_ws_sm90``, not yet run on a GPU), ``fused`` (its fused form for
+    inference forwards, ``ws`` for training ones) or ``auto`` (the model of :func:`fwd_plan`)."""
     mode = (options or {}).get("fwd")
     if mode is not None:
         if mode not in FWD_VARIANTS:
@@ -472,7 +479,7 @@ def segments_mode() -> str:
 
 @dataclass
 class FwdPlan:
-    variant: str            # "serial" (chunk_fwd_sm90) or "ws" (chunk_fwd_ws_sm90)
+    variant: str            # "serial" (chunk_fwd_sm90), "ws" (chunk_fwd_ws_sm90) or "fused" (its fused form)
     num_wg: int             # V block / 64 (ws: 1)
     state_wg: int           # the backward's state-gradient kernel's V block / 64 (the one-warpgroup rule)
     split: Optional[object]  # segments.SegmentPlan of the walk over segments, or None
@@ -492,31 +499,36 @@ def _walk_us(chunks: tuple, Hv: int, nvb: int, step: float, sms: int) -> float:
 
 
 def fwd_plan(lengths, Hv: int, V: int, sms: int, mode: str = "serial", num_wg: int = 0,
-             seg_mode: str = "off") -> FwdPlan:
+             seg_mode: str = "off", training: bool = False) -> FwdPlan:
     """Which recurrence runs a forward over sequences of ``lengths`` tokens, at which V block, over segments or
     not.  ``num_wg`` 1 / 2 forces the serial kernel's V block (0: 2 when there are at least as many walks as SMs);
-    ``seg_mode``: :func:`segments_mode`'s value.  ``auto`` takes the variant of least modelled time."""
+    ``seg_mode``: :func:`segments_mode`'s value; ``training``: the forward saves for a backward (the fused form
+    serves inference only).  ``auto`` takes the variant of least modelled time."""
     from ..tilelang import segments
     sms = max(int(sms or 132), 1)
     chunks = tuple(-(-int(n) // BT) for n in lengths)
-    key = (chunks, Hv, V, sms, mode, num_wg, seg_mode)
+    key = (chunks, Hv, V, sms, mode, num_wg, seg_mode, training)
     plan = _FWD_PLANS.get(key)
     if plan is not None:
         return plan
     walks = len(chunks) * Hv
     forced_wg = num_wg in (1, 2)
     serial_wg = num_wg if forced_wg else (2 if walks >= sms else 1)
+    ws_name, ws_steps = ("ws", CUTLASS_WS_STEP_US) if training else ("fused", CUTLASS_FUSED_STEP_US)
     variant, why = mode, f"FLASHQLA_CUTLASS_FWD / backend_options: {mode}"
+    if mode == "fused" and training:
+        variant, why = "ws", "FLASHQLA_CUTLASS_FWD / backend_options: fused, which serves inference only"
     if mode == "auto":
         serial_us = _walk_us(chunks, Hv, V // (64 * serial_wg), CUTLASS_STEP_US[64 * serial_wg], sms)
-        ws_us = _walk_us(chunks, Hv, V // 64, CUTLASS_WS_STEP_US[64], sms)
-        variant = "ws" if ws_us < serial_us else "serial"
-        why = (f"modelled {ws_us:.0f} us warp-specialised (V block 64) against {serial_us:.0f} us one-warpgroup "
-               f"(V block {64 * serial_wg})")
+        ws_us = _walk_us(chunks, Hv, V // 64, ws_steps[64], sms)
+        variant = ws_name if ws_us < serial_us else "serial"
+        why = (f"modelled {ws_us:.0f} us warp-specialised{' fused' if ws_name == 'fused' else ''} (V block 64) "
+               f"against {serial_us:.0f} us one-warpgroup (V block {64 * serial_wg})")
     split = None
     if seg_mode != "off":
-        if variant == "ws":
-            split = segments.segment_plan(lengths, Hv, V, sms, 64, forced=seg_mode, steps=CUTLASS_WS_STEP_US,
+        if variant in ("ws", "fused"):
+            split = segments.segment_plan(lengths, Hv, V, sms, 64, forced=seg_mode,
+                                          steps=CUTLASS_WS_STEP_US if variant == "ws" else CUTLASS_FUSED_STEP_US,
                                           bvs=(64,))
         else:
             split = segments.segment_plan(lengths, Hv, V, sms, 64 * serial_wg, forced=seg_mode,
@@ -524,9 +536,10 @@ def fwd_plan(lengths, Hv: int, V: int, sms: int, mode: str = "serial", num_wg: i
                                           else (64 * serial_wg,))
         if split is not None and variant == "serial" and not forced_wg:
             serial_wg = split.bv // 64
-    wg = 1 if variant == "ws" else serial_wg
-    name = "warp-specialised recurrence (chunk_fwd_ws_sm90)" if variant == "ws" else \
-        f"one-warpgroup recurrence (chunk_fwd_sm90, {wg} consumer warpgroup{'s' if wg > 1 else ''})"
+    wg = serial_wg if variant == "serial" else 1
+    name = {"ws": "warp-specialised recurrence (chunk_fwd_ws_sm90)",
+            "fused": "fused warp-specialised recurrence (chunk_fwd_ws_sm90 on T diag(beta) and v)"}.get(
+        variant, f"one-warpgroup recurrence (chunk_fwd_sm90, {wg} consumer warpgroup{'s' if wg > 1 else ''})")
     text = f"{name}: {why}"
     if split is not None:
         text += f"; over segments: {split.describe()}"
@@ -627,7 +640,7 @@ class CutlassBackend(Backend):
             num_wg = int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
         lengths = x.varlen.seqlens if x.varlen is not None else [T] * B
         plan = fwd_plan(lengths, Hv, V, spec.device.sm_count, fwd_mode(x.options), num_wg,
-                        segments_mode() if C > 0 else "off")
+                        segments_mode() if C > 0 else "off", training=bool(spec.needs_grad))
         num_wg = plan.num_wg
         state_wg = plan.state_wg
         split = None
@@ -649,22 +662,25 @@ class CutlassBackend(Backend):
             return o, ht, saved, aux
 
         save = bool(spec.needs_grad)
-        prep = compile_kernel("prep", (K, V, spec.beta_dtype, save))
-        halo = (True,) if split is not None else ()
-        if plan.variant == "ws":
-            fwd = compile_kernel("fwd_ws", (K, V, save) + halo)
+        fused = plan.variant == "fused"       # (fwd_plan gives it to inference forwards only)
+        prep = compile_kernel("prep", (K, V, spec.beta_dtype, save) + ((True,) if fused else ()))
+        if fused:
+            fwd = compile_kernel("fwd_ws", (K, V, False, split is not None, True))
+        elif plan.variant == "ws":
+            fwd = compile_kernel("fwd_ws", (K, V, save) + ((True,) if split is not None else ()))
         else:
-            fwd = compile_kernel("fwd", (K, V, num_wg, 2, save) + halo)
+            fwd = compile_kernel("fwd", (K, V, num_wg, 2, save) + ((True,) if split is not None else ()))
 
         q, k, v = (_aligned(t) for t in (q, k, v))
         if h0 is not None:
             h0 = _aligned(h0)
         bf, f32 = torch.bfloat16, torch.float32
-        ws_w = torch.empty(C, Hv, BT, K, dtype=bf, device=dev)
-        ws_u = torch.empty(C, Hv, V, BT, dtype=bf, device=dev)
+        # (fused: no -w / u; the t workspace holds T diag(beta), which the recurrence reads with v)
+        ws_w = torch.empty(C, Hv, BT, K, dtype=bf, device=dev) if not fused else None
+        ws_u = torch.empty(C, Hv, V, BT, dtype=bf, device=dev) if not fused else None
         ws_a = torch.empty(C, Hv, BT, BT, dtype=bf, device=dev)
         ws_g = torch.empty(C, Hv, BT, dtype=f32, device=dev)
-        ws_t = torch.empty(C, Hv, BT, BT, dtype=bf, device=dev) if save else None
+        ws_t = torch.empty(C, Hv, BT, BT, dtype=bf, device=dev) if save or fused else None
         ws_s = torch.empty(C, Hv, K, V, dtype=bf, device=dev) if save else None
         ws_vn = torch.empty(C, Hv, BT, V, dtype=bf, device=dev) if save else None
         TT = B * T
@@ -672,15 +688,16 @@ class CutlassBackend(Backend):
         P, I32 = _ptr, _i32
         prep(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16), P("bfloat16", v.data_ptr(), 16),
              P("float32", g.data_ptr(), 4), _beta_ptr(beta, spec.beta_dtype),
-             P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
+             P("bfloat16", ws_w.data_ptr() if not fused else dummy, 16),
+             P("bfloat16", ws_u.data_ptr() if not fused else dummy, 16),
              P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
-             P("bfloat16", ws_t.data_ptr() if save else dummy, 16),
+             P("bfloat16", ws_t.data_ptr() if ws_t is not None else dummy, 16),
              P("int32", cu.data_ptr(), 4), P("int32", ci.data_ptr(), 4),
              I32(TT), I32(C), I32(N), I32(Hqk), I32(Hv), _f32(x.scale), _stream())
         if split is not None:
             # the walks over segments: their boundaries, (sequence, first chunk, is-last) and each head's start
             from ..tilelang import segments
-            plan, tables = split
+            _, tables = split
             kf = k.reshape(TT, Hqk, K)
             # (on k after the L2 norm: the search needs no norm of its own)
             starts = segments.walk_starts(kf, g.reshape(TT, Hv).float().contiguous(),
@@ -692,7 +709,9 @@ class CutlassBackend(Backend):
             walks = N
         walk_args = tuple(P("int32", t.data_ptr(), 4) for t in walk_tabs)
         fwd(P("bfloat16", q.data_ptr(), 16), P("bfloat16", k.data_ptr(), 16),
-            P("bfloat16", ws_w.data_ptr(), 16), P("bfloat16", ws_u.data_ptr(), 16),
+            # (fused: T diag(beta) and the input v in the places of -w and u^T)
+            P("bfloat16", (ws_t if fused else ws_w).data_ptr(), 16),
+            P("bfloat16", (v if fused else ws_u).data_ptr(), 16),
             P("bfloat16", ws_a.data_ptr(), 16), P("float32", ws_g.data_ptr(), 16),
             P("float32", h0.data_ptr() if h0 is not None else dummy, 16),
             P("float32", ht.data_ptr() if ht is not None else dummy, 16),

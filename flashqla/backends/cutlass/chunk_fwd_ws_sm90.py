@@ -33,6 +33,19 @@ Synchronisation: ``PipelineTmaAsync`` for each ring (full: TMA bytes; empty: one
 before it publishes (warpgroup 1 reads them with wgmma); warpgroup 1 releases a buffer only after its last wgmma
 on it has completed (``wait_group 0``).
 
+``fused`` (inference only): the prep stores ``Tb = T diag(beta)`` (64 x 64 per chunk and head) instead of ``-w`` and
+``u^T``, and the chain forms v_new from v itself::
+
+        Y^T   = H k^T                            wgmma, A = H (registers), B = k (shared, K-major)
+        X^T   = v^T - Y^T diag(Gamma)            v^T by a transposing ldmatrix; bf16, the A operand of
+        vn^T  = X^T Tb^T                         wgmma, B = Tb (shared, K-major)
+
+(``vn = T beta v - T beta Gamma k S = u - w S``.)  One more (64 x 64 x 64) wgmma on the chain, and per (chunk, head)
+8 KiB of Tb through HBM instead of the 32 KiB of -w and u^T (which each V block read again).  Rows of k and v past
+the sequence end are zeroed in shared memory, so v_new's columns there are exactly 0.  The chain's ring holds k,
+v (64 x Vb), Tb and G (~32 KiB a slot).  The kernel's arguments stay those of the split form: ``w_ptr`` brings Tb
+and ``u_ptr`` the input v ([T, Hv, V]).
+
 Registers: ``setmaxnreg`` 232 for the chain (H 64 fp32 + its bf16 copy 32 + vn 32 + the u tile and the decayed
 vn 16 each), 216 for the output, 40 for the producers (128 x (232 + 216 + 40) < 65536).
 Shared memory (bf16 unless noted): chain ring 2 x (k 16 KiB + -w 16 KiB + u^T 8 KiB + G 256 B fp32), output ring
@@ -61,8 +74,8 @@ CHAIN_BAR, OUT_BAR = 1, 2
 
 
 class ChunkFwdWsSm90:
-    def __init__(self, K: int = 128, V: int = 128, save: bool = False, halo: bool = False):
-        assert K == 128 and V % 64 == 0
+    def __init__(self, K: int = 128, V: int = 128, save: bool = False, halo: bool = False, fused: bool = False):
+        assert K == 128 and V % 64 == 0 and not (save and fused)
         self.K, self.V = K, V
         self.vblk = 64
         self.nvb = V // self.vblk
@@ -74,6 +87,7 @@ class ChunkFwdWsSm90:
         self.o_pitch = self.vblk + 8  # padded row pitch of the output staging tile (bank spread)
         self.save = save
         self.halo = halo
+        self.fused = fused
 
     # ------------------------------------------------------------------ host side
     @cute.jit
@@ -90,8 +104,12 @@ class ChunkFwdWsSm90:
         mQ = cute.make_tensor(q_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K)))
         mK = cute.make_tensor(k_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K)))
         rows = total_chunks * hv
-        mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, K), stride=(K, 1)))
-        mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(BT, 1)))
+        if cutlass.const_expr(self.fused):
+            mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))      # Tb
+            mU = cute.make_tensor(u_ptr, cute.make_layout((total_tokens, V, hv), stride=(hv * V, 1, V)))  # v
+        else:
+            mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, K), stride=(K, 1)))
+            mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(BT, 1)))
         mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
         mG = cute.make_tensor(g_ptr, cute.make_layout((rows * BT,), stride=(1,)))
         state_strides = (wide(hv * K * V, K * V), K * V, V, 1)
@@ -118,12 +136,20 @@ class ChunkFwdWsSm90:
         g2s = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, cute.slice_(l_qk, (None, None, 0)), (BT, K))
         tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, cute.slice_(l_qk, (None, None, 0)), (BT, K))
-        tma_w, tW = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(l_qk, (None, None, 0)), (BT, K))
-        tma_u, tU = cpasync.make_tiled_tma_atom(g2s, mU, cute.slice_(l_u, (None, None, 0)), (vblk, BT))
+        if cutlass.const_expr(self.fused):
+            # Tb tiles like Aqk's; v tiles (64 tokens, Vb) of the input, token-major
+            l_w = l_a
+            l_u = cute.tile_to_shape(atom128, (BT, vblk, st), order=(0, 1, 2))
+            tma_w, tW = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(l_a, (None, None, 0)), (BT, BT))
+            tma_u, tU = cpasync.make_tiled_tma_atom(g2s, mU, cute.slice_(l_u, (None, None, 0)), (BT, vblk))
+        else:
+            l_w = l_qk
+            tma_w, tW = cpasync.make_tiled_tma_atom(g2s, mW, cute.slice_(l_qk, (None, None, 0)), (BT, K))
+            tma_u, tU = cpasync.make_tiled_tma_atom(g2s, mU, cute.slice_(l_u, (None, None, 0)), (vblk, BT))
         tma_a, tA = cpasync.make_tiled_tma_atom(g2s, mA, cute.slice_(l_a, (None, None, 0)), (BT, BT))
         tma_g, tG = cpasync.make_tiled_tma_atom(g2s, mG, cute.slice_(l_g, (None, 0)), (BT,))
 
-        self.tx_chain = (2 * BT * K + vblk * BT) * 2 + BT * 4
+        self.tx_chain = (BT * K + cute.cosize(l_w) // st + vblk * BT) * 2 + BT * 4
         self.tx_out = (BT * K + BT * BT) * 2 + BT * 4
 
         @cute.struct
@@ -132,7 +158,7 @@ class ChunkFwdWsSm90:
             mbar_out: cute.struct.MemRange[cutlass.Int64, st * 2]
             mbar_hand: cute.struct.MemRange[cutlass.Int64, nb * 2]
             sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_qk)], 1024]
-            sW: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_qk)], 1024]
+            sW: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_w)], 1024]
             sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_qk)], 1024]
             sSb: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_sb)], 1024]
             sU: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_u)], 1024]
@@ -148,7 +174,7 @@ class ChunkFwdWsSm90:
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_u, tU, tma_a, tA, tma_g, tG,
                     mH0, mHt, mO, mS, mVn, mCu, mCo, mSeg, mWalk, hv, group, scale, use_h0, store_ht,
-                    l_qk, l_u, l_a, l_g, l_sb, l_vn).launch(
+                    l_qk, l_w, l_u, l_a, l_g, l_sb, l_vn).launch(
             grid=(num_seqs, hv, self.nvb), block=(self.threads, 1, 1), stream=stream)
 
     # ------------------------------------------------------------------ device side
@@ -160,7 +186,7 @@ class ChunkFwdWsSm90:
                mCu: cute.Tensor, mCo: cute.Tensor, mSeg: cute.Tensor, mWalk: cute.Tensor,
                hv: cutlass.Int32, group: cutlass.Int32, scale: cutlass.Float32,
                use_h0: cutlass.Int32, store_ht: cutlass.Int32, l_qk: cute.ComposedLayout,
-               l_u: cute.ComposedLayout, l_a: cute.ComposedLayout, l_g: cute.Layout,
+               l_w: cute.ComposedLayout, l_u: cute.ComposedLayout, l_a: cute.ComposedLayout, l_g: cute.Layout,
                l_sb: cute.ComposedLayout, l_vn: cute.ComposedLayout):
         K = self.K
         vblk = self.vblk
@@ -179,8 +205,10 @@ class ChunkFwdWsSm90:
         # Un-swizzled alias: a token row fills whole 128-byte lines, so zeroing a row through it zeroes that row
         sK_raw = cute.make_tensor(storage.sK.data_ptr(), l_qk.outer)
         sK_mn = storage.sK.get_tensor(cute.select(l_qk, mode=[1, 0, 2]).outer, swizzle=l_qk.inner)
-        sW = storage.sW.get_tensor(l_qk.outer, swizzle=l_qk.inner)
-        sU = storage.sU.get_tensor(l_u.outer, swizzle=l_u.inner)
+        sW = storage.sW.get_tensor(l_w.outer, swizzle=l_w.inner)      # -w, or Tb (fused)
+        sU = storage.sU.get_tensor(l_u.outer, swizzle=l_u.inner)      # u^T (v, token), or v (token, v) (fused)
+        sU_raw = cute.make_tensor(storage.sU.data_ptr(), l_u.outer)
+        sU_mn = storage.sU.get_tensor(cute.select(l_u, mode=[1, 0, 2]).outer, swizzle=l_u.inner)
         sA = storage.sA.get_tensor(l_a.outer, swizzle=l_a.inner)
         sGc = storage.sGc.get_tensor(l_g)
         sGo = storage.sGo.get_tensor(l_g)
@@ -236,9 +264,13 @@ class ChunkFwdWsSm90:
                     bar = ring_chain.producer_get_barrier(pstate)
                     s = pstate.index
                     tma_load(tma_k, sK[None, None, s], token_tile(tK, qk_head, tok, 0, BT, K), bar)
-                    tma_load(tma_w, sW[None, None, s], cute.local_tile(tW, (BT, K), (row, 0)), bar)
-                    tma_load(tma_u, sU[None, None, s],
-                             cute.local_tile(tU, (vblk, BT), (row * self.nvb + vb, 0)), bar)
+                    if cutlass.const_expr(self.fused):
+                        tma_load(tma_w, sW[None, None, s], cute.local_tile(tW, (BT, BT), (row, 0)), bar)
+                        tma_load(tma_u, sU[None, None, s], token_tile(tU, head, tok, v0, BT, vblk), bar)
+                    else:
+                        tma_load(tma_w, sW[None, None, s], cute.local_tile(tW, (BT, K), (row, 0)), bar)
+                        tma_load(tma_u, sU[None, None, s],
+                                 cute.local_tile(tU, (vblk, BT), (row * self.nvb + vb, 0)), bar)
                     tma_load(tma_g, sGc[None, s], cute.local_tile(tG, (BT,), (row,)), bar, rank=1)
                     ring_chain.producer_commit(pstate)
                     pstate.advance()
@@ -292,10 +324,18 @@ class ChunkFwdWsSm90:
 
             acc_vn = thr64.make_fragment_C(thr64.partition_shape_C((vblk, BT)))
             cVN = thr64.partition_C(cute.make_identity_tensor((vblk, BT)))
-            ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16)
+            # u^T (v, token) is token-contiguous: ldmatrix straight into the C layout; the fused form's v tile
+            # (token, v) is v-contiguous: the transposing ldmatrix over its (v, token) view
+            ldsm = cute.make_copy_atom(
+                cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=self.fused, num_matrices=4), bf16)
             u_copy = cute.make_tiled_copy_C(ldsm, mma64)
             u_thr = u_copy.get_slice(tidx)
-            tUs = u_thr.partition_S(sU)
+            if cutlass.const_expr(self.fused):
+                tUs = u_thr.partition_S(sU_mn)
+                tKk = thr64.make_fragment_B(thr64.partition_B(sK))     # k as the K-major B of H k^T
+                acc_y = thr64.make_fragment_C(thr64.partition_shape_C((vblk, BT)))
+            else:
+                tUs = u_thr.partition_S(sU)
             u_reg = cute.make_rmem_tensor(acc_vn.shape, bf16)
             u_reg_cv = u_thr.retile(u_reg)
             stsm = cute.make_copy_atom(cute.nvgpu.warp.StMatrix8x8x16bOp(transpose=False, num_matrices=4), bf16)
@@ -317,31 +357,61 @@ class ChunkFwdWsSm90:
                 ring_chain.consumer_wait(cstate)
                 s = cstate.index
                 if valid < BT:
-                    # rows past the sequence end belong to the next sequence: zero them in k (NaN stays home)
+                    # rows past the sequence end belong to the next sequence: zero them in k, and in v for the
+                    # fused form (NaN stays home; v_new's columns there come out exactly 0)
                     for idx in cutlass.range((BT - valid) * K // nthr + 1, unroll=1):
                         e = idx * nthr + tidx
                         r = valid + e // K
                         if r < BT:
                             sK_raw[r, e % K, s] = bf16(0.0)
+                    if cutlass.const_expr(self.fused):
+                        for idx in cutlass.range((BT - valid) * vblk // nthr + 1, unroll=1):
+                            e = idx * nthr + tidx
+                            r = valid + e // vblk
+                            if r < BT:
+                                sU_raw[r, e % vblk, s] = bf16(0.0)
                     cute.arch.fence_view_async_shared()
                     cute.arch.barrier(barrier_id=CHAIN_BAR, number_of_threads=nthr)
 
-                cute.copy(u_copy, tUs[None, None, None, s], u_reg_cv)
-                acc_vn.store(u_reg.load().to(f32))
-                fence_operand(acc_vn)
-                fence_operand(h_op)
-                warpgroup.fence()
-                wg_gemm(mma64, acc_vn, h_op, tWs[None, None, None, s], False)
-                warpgroup.commit_group()
                 own = True
                 if cutlass.const_expr(self.halo):
                     own = c >= 0
-                if own:
-                    # while the tensor cores work: Sb for the output (a halo chunk publishes nothing)
-                    hand.producer_acquire(hstate)
-                    cute.copy(sb_copy, h_bf_cv, tSbd[None, None, None, hstate.index])
-                warpgroup.wait_group(0)
-                fence_operand(acc_vn)
+                if cutlass.const_expr(self.fused):
+                    fence_operand(h_op)
+                    warpgroup.fence()
+                    wg_gemm(mma64, acc_y, h_op, tKk[None, None, None, s], True)
+                    warpgroup.commit_group()
+                    cute.copy(u_copy, tUs[None, None, None, s], u_reg_cv)     # v^T, while H k^T runs
+                    if own:
+                        # Sb for the output (a halo chunk publishes nothing)
+                        hand.producer_acquire(hstate)
+                        cute.copy(sb_copy, h_bf_cv, tSbd[None, None, None, hstate.index])
+                    warpgroup.wait_group(0)
+                    fence_operand(acc_y)
+                    for i in cutlass.range_constexpr(cute.size(acc_y)):
+                        gn = sGc[cVN[i][1], s]
+                        acc_y[i] = u_reg[i].to(f32) - acc_y[i] * cute.math.exp(gn, fastmath=True)
+                    x_op = acc_as_a_operand(acc_y, mma64, bf16)
+                    fence_operand(x_op)
+                    warpgroup.fence()
+                    wg_gemm(mma64, acc_vn, x_op, tWs[None, None, None, s], True)
+                    warpgroup.commit_group()
+                    warpgroup.wait_group(0)
+                    fence_operand(acc_vn)
+                else:
+                    cute.copy(u_copy, tUs[None, None, None, s], u_reg_cv)
+                    acc_vn.store(u_reg.load().to(f32))
+                    fence_operand(acc_vn)
+                    fence_operand(h_op)
+                    warpgroup.fence()
+                    wg_gemm(mma64, acc_vn, h_op, tWs[None, None, None, s], False)
+                    warpgroup.commit_group()
+                    if own:
+                        # while the tensor cores work: Sb for the output (a halo chunk publishes nothing)
+                        hand.producer_acquire(hstate)
+                        cute.copy(sb_copy, h_bf_cv, tSbd[None, None, None, hstate.index])
+                    warpgroup.wait_group(0)
+                    fence_operand(acc_vn)
                 if own:
                     vn_bf.store(acc_vn.load().to(bf16))
                     cute.copy(vn_copy, vn_bf_cv, tVnd[None, None, None, hstate.index])

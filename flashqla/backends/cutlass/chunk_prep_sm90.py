@@ -21,6 +21,10 @@ Inverse: the four 16x16 diagonal blocks are inverted by forward substitution, on
 then the off-diagonal blocks by block distance d = 1, 2, 3: ``P = A[i, j:i] T[j:i, j]`` and
 ``T[i, j] = -T[i, i] P`` (two barrier-separated phases each).
 
+``tb`` (the fused inference forward, :mod:`.chunk_fwd_ws_sm90` with ``fused``): no ``-w`` / ``u`` and no v tile;
+instead ``Tb = T diag(beta)`` (bf16 [c, h, 64, 64], row-major, into the ``t`` workspace), from which the recurrence
+forms ``v_new`` itself -- 8 KiB per (chunk, head) written and read instead of -w and u^T's 32 KiB.
+
 Shared memory (~84 KiB, two CTAs per SM): q, k, v tiles 3 x 16 KiB; A and T fp32 64 x 68 each plus the
 3 x 16 x 16 fp32 P scratch, re-used at the end as the bf16 staging tiles of -w (64 x 136) and u^T
 (128 x 72) for 128-bit global stores.
@@ -46,11 +50,12 @@ U_PITCH = 72        # bf16 row pitch of the u^T staging tile
 
 
 class ChunkPrepSm90:
-    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False, save: bool = False):
-        assert K == 128 and V == 128
+    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False, save: bool = False, tb: bool = False):
+        assert K == 128 and V == 128 and not (save and tb)
         self.K, self.V = K, V
         self.beta_fp32 = beta_fp32
         self.save = save   # training forward: also store T = (I + A)^-1 as bf16 [c, h, 64, 64]
+        self.tb = tb       # fused inference forward: store T diag(beta) there instead of -w and u
         self.threads = 128
         self.scratch_f32 = 2 * BT * PITCH + 3 * 256
         assert self.scratch_f32 * 4 >= (BT * W_PITCH + V * U_PITCH) * 2
@@ -85,7 +90,7 @@ class ChunkPrepSm90:
         tma_q, tQ = cpasync.make_tiled_tma_atom(g2s, mQ, l_t, (BT, K))
         tma_k, tK = cpasync.make_tiled_tma_atom(g2s, mK, l_t, (BT, K))
         tma_v, tV = cpasync.make_tiled_tma_atom(g2s, mV, l_t, (BT, V))
-        self.tx_bytes = 3 * BT * K * 2
+        self.tx_bytes = (2 if self.tb else 3) * BT * K * 2
 
         @cute.struct
         class SharedStorage:
@@ -155,9 +160,10 @@ class ChunkPrepSm90:
             cpasync.prefetch_descriptor(tma_v)
             with cute.arch.elect_one():
                 cute.arch.mbarrier_arrive_and_expect_tx(mbar, self.tx_bytes)
-            for atom, tt, s_t, hh in ((tma_q, tQ, sQ, qk_head), (tma_k, tK, sK, qk_head), (tma_v, tV, sV, head)):
-                gt = token_tile(tt, hh, tok, 0, BT, K)
-                tma_load(atom, s_t, gt, mbar)
+            for atom, tt, s_t, hh in ((tma_q, tQ, sQ, qk_head), (tma_k, tK, sK, qk_head)):
+                tma_load(atom, s_t, token_tile(tt, hh, tok, 0, BT, K), mbar)
+            if cutlass.const_expr(not self.tb):
+                tma_load(tma_v, sV, token_tile(tV, head, tok, 0, BT, K), mbar)
 
         # gates: rows past the sequence end count as g = beta = 0
         if tidx < BT:
@@ -178,7 +184,10 @@ class ChunkPrepSm90:
             mGc[row * BT + tidx] = acc
 
         cute.arch.mbarrier_wait(mbar, 0)
-        zero_rows_past_end(((sQ_raw, K), (sK_raw, K), (sV_raw, V)), valid, tidx, nthr, BT, K)
+        if cutlass.const_expr(self.tb):
+            zero_rows_past_end(((sQ_raw, K), (sK_raw, K)), valid, tidx, nthr, BT, K)
+        else:
+            zero_rows_past_end(((sQ_raw, K), (sK_raw, K), (sV_raw, V)), valid, tidx, nthr, BT, K)
         cute.arch.sync_threads()   # also publishes sG / sB
 
         # ---------------------------------------------------------------- k k^T and q k^T
@@ -264,8 +273,9 @@ class ChunkPrepSm90:
             cute.arch.sync_threads()
 
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
-        if cutlass.const_expr(self.save):
-            # T (bf16, row-major [i][j]) for the backward: 8 consecutive entries per 128-bit store
+        if cutlass.const_expr(self.save or self.tb):
+            # T (bf16, row-major [i][j]) for the backward, or T diag(beta) for the fused forward: 8 consecutive
+            # entries per 128-bit store
             cp_t = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 8, 8), stride=(8, 1)),
                                            cute.make_layout((1, 8)))
             thr_t = cp_t.get_slice(tidx)
@@ -274,9 +284,22 @@ class ChunkPrepSm90:
             rT = cute.make_rmem_tensor(gT.shape, bf16)
             for i in cutlass.range_constexpr(cute.size(rT)):
                 r, cc = cT[i]
-                rT[i] = bf16(sT[r, cc])
+                if cutlass.const_expr(self.tb):
+                    rT[i] = bf16(sT[r, cc] * sB[cc])
+                else:
+                    rT[i] = bf16(sT[r, cc])
             cute.copy(cp_t, rT, gT)
+        if cutlass.const_expr(not self.tb):
+            self._store_w_u(tidx, sT, sB, sG, sK_mn, sV_mn, sWst, sUst, sUst_c, mW, mU, row, copy_atom)
 
+    @cute.jit
+    def _store_w_u(self, tidx, sT: cute.Tensor, sB: cute.Tensor, sG: cute.Tensor, sK_mn: cute.Tensor,
+                   sV_mn: cute.Tensor, sWst: cute.Tensor, sUst: cute.Tensor, sUst_c: cute.Tensor,
+                   mW: cute.Tensor, mU: cute.Tensor, row, copy_atom: cute.CopyAtom):
+        K, V = self.K, self.V
+        bf16 = cutlass.BFloat16
+        f32 = cutlass.Float32
+        nthr = self.threads
         # ---------------------------------------------------------------- -w = -(T beta Gamma) k, u = (T beta) v
         mma_rs = sm90_utils.make_trivial_tiled_mma(
             bf16, bf16, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, f32, (1, 1, 1), (64, K),

@@ -6,7 +6,9 @@ and the places where they round to bf16 give the oracle's answer within the bf16
 never called by the backend itself.
 
 :func:`prep_chunks` is ``chunk_prep_sm90`` for a batch of (chunk, head) pairs, :func:`invert_unit_lower`
-its blocked forward substitution, :func:`recurrence_step` one chunk of ``chunk_fwd_sm90``.
+its blocked forward substitution, :func:`recurrence_step` one chunk of ``chunk_fwd_sm90``; :func:`prep_chunks_tb`
+and :func:`recurrence_step_fused` the fused inference forward's (``chunk_prep_sm90`` with ``tb``,
+``chunk_fwd_ws_sm90`` with ``fused``).
 """
 
 from __future__ import annotations
@@ -70,6 +72,43 @@ def prep_chunks(q, k, v, g, beta, valid, scale: float):
     return w_neg, u_t, aqk, G
 
 
+def prep_chunks_tb(q, k, g, beta, valid, scale: float):
+    """The ``tb`` prep: (Tb = T diag(beta) [n, 64, 64], Aqk [n, 64, 64]) bf16-rounded fp32 and G [n, 64] fp32."""
+    rowmask = torch.arange(BT)[None, :] < valid[:, None]
+    zero = torch.zeros((), dtype=f32)
+    q = q.to(f32)
+    k = torch.where(rowmask[..., None], k.to(f32), zero)
+    g = torch.where(rowmask, g.to(f32), zero)
+    beta = torch.where(rowmask, beta.to(f32), zero)
+    G = torch.cumsum(g, -1)
+    idx = torch.arange(BT)
+    diff = G[:, :, None] - G[:, None, :]
+    strict = (idx[None, :] < idx[:, None])[None]
+    incl = (idx[None, :] <= idx[:, None])[None] & rowmask[:, :, None]
+    A = torch.where(strict, beta[:, :, None] * (k @ k.transpose(1, 2)) * torch.exp(torch.where(strict, diff, 0.0)), zero)
+    aqk = _bf(torch.where(incl, scale * (q @ k.transpose(1, 2)) * torch.exp(torch.where(incl, diff, 0.0)), zero))
+    return _bf(invert_unit_lower(A) * beta[:, None, :]), aqk, G
+
+
+def recurrence_step_fused(H, tb, aqk, G, q, k, v, valid, scale: float):
+    """One chunk of the fused recurrence: ``v_new^T = (v^T - (Hb k^T) diag(Gamma)) Tb^T`` with the bracket rounded
+    to bf16 (the A operand of its wgmma), k and v rows past the end zeroed; the rest as :func:`recurrence_step`."""
+    rowmask = torch.arange(BT)[None, :] < valid[:, None]
+    zero = torch.zeros((), dtype=f32)
+    k, v = (torch.where(rowmask[..., None], x.to(f32), zero) for x in (k, v))
+    q = q.to(f32)
+    Hb = _bf(H)
+    x = _bf(v.transpose(1, 2) - (Hb @ k.transpose(1, 2)) * torch.exp(G)[:, None, :])     # [n, V, 64]
+    vn = x @ tb.transpose(1, 2)
+    o = (Hb @ q.transpose(1, 2)) * (scale * torch.exp(G))[:, None, :]
+    g_last = G[:, -1]
+    vn_b = _bf(vn)
+    vnd_b = _bf(vn * torch.exp(g_last[:, None] - G)[:, None, :])
+    o = o + vn_b @ aqk.transpose(1, 2)
+    H = H * torch.exp(g_last)[:, None, None] + vnd_b @ k
+    return _bf(o), H
+
+
 def recurrence_step(H, w_neg, u_t, aqk, G, q, k, valid, scale: float):
     """One chunk of the recurrence kernel for a batch of heads.  H [n, V, K] fp32 (the transposed state);
     q, k the raw TMA tiles [n, 64, K]; returns (o^T [n, V, 64] bf16-rounded, new H)."""
@@ -87,9 +126,9 @@ def recurrence_step(H, w_neg, u_t, aqk, G, q, k, valid, scale: float):
     return _bf(o), H
 
 
-def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens):
+def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, fused: bool = False):
     """Whole op on packed inputs (B = 1): q, k [1, T, Hqk, K]; v [1, T, Hv, V]; g, beta [1, T, Hv].
-    Returns (o [1, T, Hv, V] bf16, ht [N, Hv, K, V] fp32)."""
+    Returns (o [1, T, Hv, V] bf16, ht [N, Hv, K, V] fp32).  ``fused``: the fused inference forward's steps."""
     _, Ttot, Hqk, K = q.shape
     Hv, V = v.shape[2], v.shape[3]
     ratio = Hv // Hqk
@@ -116,8 +155,12 @@ def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens):
             valid = torch.full((Hv,), nv)
             qt, kt, vt = tiles(q, c0, heads_qk), tiles(k, c0, heads_qk), tiles(v, c0, torch.arange(Hv))
             gt, bt = tiles(g[..., None], c0, torch.arange(Hv))[..., 0], tiles(beta[..., None], c0, torch.arange(Hv))[..., 0]
-            w_neg, u_t, aqk, G = prep_chunks(qt, kt, vt, gt, bt, valid, scale)
-            o_t, H = recurrence_step(H, w_neg, u_t, aqk, G, qt, kt, valid, scale)
+            if fused:
+                tb, aqk, G = prep_chunks_tb(qt, kt, gt, bt, valid, scale)
+                o_t, H = recurrence_step_fused(H, tb, aqk, G, qt, kt, vt, valid, scale)
+            else:
+                w_neg, u_t, aqk, G = prep_chunks(qt, kt, vt, gt, bt, valid, scale)
+                o_t, H = recurrence_step(H, w_neg, u_t, aqk, G, qt, kt, valid, scale)
             o[c0:c0 + nv] = o_t.transpose(1, 2)[:, :nv].transpose(0, 1)
         ht[n] = H.transpose(1, 2)
     return o[None].to(bf16), ht
