@@ -57,6 +57,8 @@
 #                                                 then the A/B against exp2f, whole backward and inference forward
 #   bash benchmarks/next_device_run.sh segments   in-kernel CP of the tilelang forward (segments with a halo): GPU tests,
 #                                                 then the A/B against the unsplit walk, inference and training (#8)
+#   bash benchmarks/next_device_run.sh trainfused the fused training forward ahead of the whole-V backward (session 19,
+#                                                 FLASHQLA_TILELANG_TRAIN_FUSED): GPU tests, then the fwd+bwd A/B (#4)
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
@@ -335,6 +337,17 @@ case "$STEP" in
         benchmarks/sweep_variants.py --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_segments.json \
         --rows ${SEG_TRAIN_ROWS:-2/8:1x32768,16/32:1x32768,4/8:1x8192,2/4:1x32768,16/32:28672+4096} \
         --variants "FLASHQLA_TILELANG_SEGMENTS=off;-;FLASHQLA_TILELANG_BWD_SEGMENTS=auto;FLASHQLA_TILELANG_BWD_SEGMENTS=auto FLASHQLA_TILELANG_BWD=ws" ;;
+  trainfused)
+    # the fused training forward ahead of the whole-V backward (session 19, FLASHQLA_TILELANG_TRAIN_FUSED, off by
+    # default): its GPU tests (oracle in bf16 / fp16, determinism), then the fwd+bwd A/B on rows where the whole-V
+    # backward runs (unsplit, and over segments with FLASHQLA_TILELANG_BWD_SEGMENTS=auto) (#4)
+    TAIL=8 run_step "fused training forward GPU tests" ${TF_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py \
+        -k "fused_training or whole_backward"
+    case $RUN_RC in 0) ;; *) echo "== trainfused: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=30 run_step "fwd+bwd, training forward unfused / fused" ${TF_SWEEP_S:-240} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_train_fused.json \
+        --rows ${TF_ROWS:-16/32:4x8192,16/32:8x4096,32/32:8x4096,4/16:8x4096,16/32:1x32768,2/4:1x32768} \
+        "--variants=FLASHQLA_TILELANG_TRAIN_FUSED=0;FLASHQLA_TILELANG_TRAIN_FUSED=1;FLASHQLA_TILELANG_BWD_SEGMENTS=auto;FLASHQLA_TILELANG_TRAIN_FUSED=1 FLASHQLA_TILELANG_BWD_SEGMENTS=auto" ;;
   tritonseg)
     # the triton forward walk in segments with a halo (session 17, serial.seg, off by default) and the state-gradient
     # walk's (session 18, serial.bseg): their tests on the GPU, then the A/B against the plain walks, inference and
@@ -451,7 +464,7 @@ case "$STEP" in
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines flashqla --out $OUT/bwd ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | cutlassaot | cutlassseg | cutlassws | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | cutlassaot | cutlassseg | cutlassws | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -253,10 +253,24 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
     plan = fwd_segment_plan(lens, spec.Hv, spec.V, q.device)
     if plan is None:
-        return ("state walk per (sequence, head): no segment split (enough walks, or too short to pay for a halo; "
+        note = ("state walk per (sequence, head): no segment split (enough walks, or too short to pay for a halo; "
                 "FLASHQLA_TILELANG_SEGMENTS)")
-    return (f"in-kernel CP: {plan.describe()}; each walk starts in a halo where the gates' decay bound allows "
-            "(decided on the device), else at its sequence start")
+    else:
+        note = (f"in-kernel CP: {plan.describe()}; each walk starts in a halo where the gates' decay bound allows "
+                "(decided on the device), else at its sequence start")
+    if getattr(spec, "needs_grad", False):
+        from .backends.tilelang.ops import bwd_plan, bwd_whole_ok, fwd_variant, train_fused
+        if fwd_variant() != "fused":
+            form = f"the {fwd_variant()} form (FLASHQLA_TILELANG_FWD)"
+        elif not train_fused():
+            form = "unfused (w, u and X for either backward; FLASHQLA_TILELANG_TRAIN_FUSED=1 fuses it ahead of a whole-V one)"
+        elif bwd_whole_ok(spec.K, spec.V, spec.use_qk_l2norm) and \
+                bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)[0] == "whole":
+            form = "fused (Tb and X; the whole-V backward reads no w or u)"
+        else:
+            form = "unfused (the split backward reads w)"
+        note += f"; training forward: {form}"
+    return note
 
 
 def _cutlass_forward_note(q, spec, varlen_meta) -> str:

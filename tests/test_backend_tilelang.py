@@ -452,6 +452,12 @@ def _fwd_variants():
     for dt, bv, l2, h0, ht in [("bfloat16", 32, False, True, True), ("bfloat16", 64, True, False, True),
                                ("bfloat16", 128, False, False, False), ("float16", 128, True, True, True)]:
         out.append(("fwd_ws", (dt, 128, 128, bv, l2, h0, ht, False, 0, 0, True, True, False, False, True)))
+    # the fused training forward (FLASHQLA_TILELANG_TRAIN_FUSED): stage 1 writes Tb and X, the fused recurrence saves
+    # the chunk states and v_new (default options: fastexp, psplit, ostage)
+    out.append(("intra", ("bfloat16", "bfloat16", 128, 128, False, True, True)))
+    out.append(("intra", ("float16", "float32", 128, 128, False, True, True)))
+    for dt, bv, h0, ht in [("bfloat16", 128, True, True), ("bfloat16", 64, False, True), ("float16", 32, True, False)]:
+        out.append(("fwd_ws", (dt, 128, 128, bv, False, h0, ht, True, 0, 0, True, True, False, False, True, True)))
     return out
 
 
@@ -957,6 +963,17 @@ def _sim_intra_tb(key, q, k, g, beta, cu, cidx, Tb_out, P_out, G_out, ratio):
                                0.).to(P_out.dtype)
 
 
+def _sim_intra_tbx(key, k, g, beta, cu, cidx, Tb_out, X_out, G_out, ratio):
+    # build_intra(tb_only=True, save_x=True), the fused training forward's stage 1: Tb, X and G
+    dt, _, K, V, l2norm, save_x, tb_only = key[:7]
+    assert tb_only and save_x
+    for c in range(cidx.shape[0]):
+        _, _, bc, _, G, X = _sim_chunk_inverse(k, g, beta, cu, cidx[c], ratio, l2norm)
+        Tb_out[c] = (X * bc[:, None, :]).to(Tb_out.dtype)
+        X_out[c] = X.to(X_out.dtype)
+        G_out[c] = G
+
+
 def _sim_fwd(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale, ratio, scores=None):
     dt, K, V, BV, l2norm, has_h0, store_ht, save = key[:8]   # (the ws kernel adds its ring layout)
     # the ws kernel's 15th key entry: fused (w holds Tb, u holds the packed v rows)
@@ -1253,6 +1270,7 @@ def _sim_fwd_halo(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale,
 
 
 _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
+               "fwd_intra_tbx_sm90": _sim_intra_tbx,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state_ws,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy,
@@ -1343,18 +1361,24 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "whole-bwd"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "whole-bwd", "train-fused"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
     # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "whole-bwd" is the
-    # whole-V fused backward, which calls with the L2 norm do not take)
+    # whole-V fused backward, which calls with the L2 norm do not take; "train-fused": FLASHQLA_TILELANG_TRAIN_FUSED,
+    # the fused training forward ahead of the whole-V backward -- which the backward then runs whatever
+    # FLASHQLA_TILELANG_BWD says by then)
     bwd = None
+    train_fused = variant == "train-fused"
+    if train_fused:
+        monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
+        variant = "whole-bwd"
     if variant == "ws-noopts":
         monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "none")
         variant = "ws"
     if variant == "whole-bwd":
         variant, bwd = "ws", variant.split("-")[0]
-    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", variant)
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", "fused" if train_fused else variant)
     if variant == "fused":
         variant = "ws"
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", bwd or variant)
@@ -1364,9 +1388,13 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
     from flashqla.testing import poisoned_outputs
     with poisoned_outputs("cpu"):
         o, ht, saved, aux = be.forward(spec, x)
+        if train_fused:
+            monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
         grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
     sfx = "_ws" if variant == "ws" else ""
-    if bwd == "whole" and not case.l2norm:
+    if train_fused and not case.l2norm:
+        assert simulated_kernels == ["fwd_intra_tbx_sm90", "fwd_recurrent_ws_sm90", "bwd_whole_sm90"]
+    elif bwd == "whole" and not case.l2norm:
         assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", f"bwd_{bwd}_sm90"]
     else:
         assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",

@@ -502,6 +502,18 @@ def test_explain_notes(monkeypatch):
     assert "gradient walk" not in _tilelang_backward_note(q, spec, None)          # off by default
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
     assert "its gradient walk in-kernel CP: split: " in _tilelang_backward_note(q, spec, None)
+    # a training call's note says which form its forward takes (FLASHQLA_TILELANG_TRAIN_FUSED, ahead of whole-V)
+    train = SimpleNamespace(Hv=32, K=128, V=128, use_qk_l2norm=False, needs_grad=True)
+    q4 = torch.empty(4, 8192, 8, 128)
+    monkeypatch.delenv("FLASHQLA_TILELANG_FWD", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_TRAIN_FUSED", raising=False)
+    assert "training forward: unfused (w, u and X" in _tilelang_forward_note(q4, train, None)
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
+    assert "training forward: fused (Tb and X" in _tilelang_forward_note(q4, train, None)   # 128 walks: whole-V
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
+    assert "training forward: unfused (the split backward" in _tilelang_forward_note(q4, train, None)
+    assert "training forward" not in _tilelang_forward_note(q4, SimpleNamespace(Hv=32, K=128, V=128), None)
     d = flashqla.explain(*(torch.randn(1, 64, 2, 128) for _ in range(3)), torch.zeros(1, 64, 2),
                          torch.ones(1, 64, 2))
     d.forward = "in-kernel CP: why"

@@ -101,7 +101,7 @@ class TileLangBackend(Backend):
         Hv, V = x.v.shape[2], x.v.shape[3]
         saved = (res.q, res.k, res.v, res.beta, res.w, res.G, res.X, res.h, res.v_new)
         aux = dict(meta=res.meta, shape=(B, T, Hqk, Hv, K, V), scale=x.scale, l2norm=x.use_qk_l2norm,
-                   has_h0=x.initial_state is not None, bwd_split=res.bwd_split)
+                   has_h0=x.initial_state is not None, bwd_split=res.bwd_split, bwd_fixed=res.bwd_fixed)
         return res.o, res.ht, saved, aux
 
     def backward(self, spec, saved, aux, do, dht):
@@ -109,7 +109,8 @@ class TileLangBackend(Backend):
 
         q, k, v, beta, w, G, X, hs, vn = saved
         return ops.backward(q, k, v, beta, w, G, X, hs, vn, aux["meta"], aux["shape"], aux["scale"],
-                            aux["l2norm"], aux["has_h0"], do, dht, aux.get("bwd_split"))
+                            aux["l2norm"], aux["has_h0"], do, dht, aux.get("bwd_split"),
+                            aux.get("bwd_fixed"))
 
 
 register_backend(TileLangBackend())

@@ -43,7 +43,9 @@ in different banks.  A ``__syncthreads`` separates the phases (every phase write
 reads in the same phase).
 
 ``tb_only`` (the fused inference forward): no v tile, no w / u; step 6 becomes ``Tb = X diag(beta)`` in the
-input dtype, ``[NC, Hv, 64, 64]``, and G.  The fused recurrence forms v_new from v, k and Tb itself.
+input dtype, ``[NC, Hv, 64, 64]``, and G.  The fused recurrence forms v_new from v, k and Tb itself.  With
+``save_x`` as well (the fused training forward, whose backward is the whole-V kernel: it reads X, never w or u)
+the CTA also writes X.
 
 Outputs, chunk-major so that stage 2 reads whole tiles with TMA and the padded tail rows of a last
 chunk are well defined (zero in w and u, ``G = G_last`` in G): ``w [NC, Hv, 64, K]``, ``u [NC, Hv, 64,
@@ -73,7 +75,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
     ``(q, k, g, beta, cu_seqlens, chunk_indices, Tb_out, P_out, G_out, ratio)`` (q and P_out placeholders
-    unless ``scores``); ``V`` and ``save_x`` are unused.
+    unless ``scores``); ``V`` is unused.  With ``save_x`` (no ``scores``): also ``X`` in the input dtype, signature
+    ``(k, g, beta, cu_seqlens, chunk_indices, Tb_out, X_out, G_out, ratio)``.
 
     ``head_major`` (experimental, ``FLASHQLA_TILELANG_INTRA_ORDER=head``): the grid is ``(Hv, NC)``, so CTAs
     launched together share their chunk and walk the value heads: the ``ratio`` heads of a query/key head
@@ -394,7 +397,51 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                     P_s[r, j] = T.if_then_else(j <= r, kk_f[r, j] * ex(gr_f[r] - gc_f[j]), 0.0)
                 T.copy(P_s, P_out[c, h, :, :])
 
+    @T.prim_func
+    def gdn_fwd_intra_tbx(
+        k: T.Tensor((NT, Hqk, K), dtype),
+        g: T.Tensor((NT, Hv), acc),
+        beta: T.Tensor((NT, Hv), beta_dtype),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_indices: T.Tensor((NC, 2), "int32"),
+        Tb_out: T.Tensor((NC, Hv, C, C), dtype),
+        X_out: T.Tensor((NC, Hv, C, C), dtype),
+        G_out: T.Tensor((NC, Hv, C), acc),
+        ratio: T.int32,
+    ):
+        with T.Kernel(*grid(), threads=threads) as bx:
+            if hw_ex2:
+                T.import_source(EX2_APPROX_SRC)
+            c, h = order(bx)
+            k_s = T.alloc_shared((C, K), dtype)
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            n_s = T.alloc_shared((C,), acc)
+            cw_s = T.alloc_shared((C,), acc)
+            A_s = T.alloc_shared((C, PAD), acc)
+            X_s = T.alloc_shared((C, PAD), acc)
+            Tb_s = T.alloc_shared((C, C), dtype)
+            Xb_s = T.alloc_shared((C, C), dtype)
+            kk_f = T.alloc_fragment((C, C), acc)
+            bar = T.alloc_barrier(threads)
+
+            seq = chunk_indices[c, 0]
+            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
+            eos = cu_seqlens[seq + 1]
+            hq = h // ratio
+            prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
+            # Tb for the fused recurrence (as gdn_fwd_intra_tb), X for the whole-V backward (as gdn_fwd_intra)
+            for r, j in T.Parallel(C, C):
+                Tb_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
+                Xb_s[r, j] = T.cast(X_s[r, j], dtype)
+            T.copy(Tb_s, Tb_out[c, h, :, :])
+            T.copy(Xb_s, X_out[c, h, :, :])
+            T.copy(g_s, G_out[c, h, :])
+
     if tb_only:
+        if save_x:
+            assert not scores, "save_x with tb_only: no scores"
+            return gdn_fwd_intra_tbx
         return gdn_fwd_intra_tb
     assert not scores, "scores: with tb_only only"
     return gdn_fwd_intra

@@ -124,13 +124,15 @@ def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
                                                            (intra_head_major(), False)))
 
 
-def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False):
+def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False):
     """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
-    ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option."""
-    key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), False, True)
+    ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option; with ``save_x`` (the
+    fused training forward) also X, for the whole-V backward."""
+    key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), bool(save_x), True)
     # (scores, head_major, threads, hw_ex2)
     key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False))
-    return get_kernel("fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90", build_intra, key)
+    name = "fwd_intra_tbx_sm90" if save_x else "fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90"
+    return get_kernel(name, build_intra, key)
 
 
 def fwd_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV=FWD_BV):
@@ -235,6 +237,15 @@ def fwd_variant() -> str:
     16/32 4x8192, 1.751 against 1.937 at 16/32 1x32768, faster on all six rows measured.
     ``FLASHQLA_TILELANG_FWD`` overrides."""
     return env_choice("FLASHQLA_TILELANG_FWD", ("fused", "ws", "serial"), "fused")
+
+
+def train_fused() -> bool:
+    """``FLASHQLA_TILELANG_TRAIN_FUSED=1``: a training forward whose backward is the whole-V kernel (which reads X,
+    never w or u) runs the fused form too -- stage 1 writes Tb and X (``build_intra(tb_only, save_x)``), the fused
+    recurrence saves the chunk states and v_new -- instead of stage 1's w, u and X and the unfused walk.  Off (``0``)
+    by default until its GPU tests run; the backward then follows the forward (whole-V, whatever
+    ``FLASHQLA_TILELANG_BWD`` says by then)."""
+    return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1"), "0") == "1"
 
 
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
@@ -460,6 +471,8 @@ class FwdResult:
     # the backward's split of its gradient walk, decided with the forward (it needs g, which is not saved):
     # (backward variant "ws" / "whole", V-block, segments.SegmentTables, walk ends [NSEG, Hv] int32), or None
     bwd_split: Optional[tuple] = None
+    # the backward the forward's saves fix ("whole": a fused training forward saved Tb in w and no u), or None
+    bwd_fixed: Optional[str] = None
 
 
 def bv_forced() -> bool:
@@ -551,7 +564,13 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     bf = beta.reshape(NT, Hv).contiguous()
 
     variant = fwd_variant()
-    fused = variant == "fused" and not save
+    # the backward this call will run, when the forward's form depends on it (train_fused): the whole-V backward
+    # reads X and not w / u, so the training forward can take the fused form as well
+    bwd_fixed = None
+    if save and variant == "fused" and train_fused() and dev.type != "meta" and bwd_whole_ok(K, V, l2norm):
+        if bwd_plan(seq_lengths(varlen, B, T), Hv, K, V, l2norm, dev)[0] == "whole":
+            bwd_fixed = "whole"
+    fused = variant == "fused" and (not save or bwd_fixed == "whole")
     walk_seqs = meta.busy_seqs or NS
     # in-kernel CP: the recurrence walks segments with a halo (see .segments); its grid and V-block follow
     # the segments, stage 1 is unchanged
@@ -569,7 +588,14 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
-    if fused:
+    if fused and save:
+        # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores
+        w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        u = vf
+        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
+            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio)
+    elif fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
@@ -628,6 +654,18 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores, split is not None)(
             *fwd_args, _trace_arg(dev), scores, *halo_args)
 
+    if dev.type == "meta" and save and variant == "fused" and train_fused() and bwd_whole_ok(K, V, l2norm):
+        # (precompile's key enumeration: the fused training forward's kernels, which the call path decides on the
+        # device from the backward's plan)
+        Tb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        Xm = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
+            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb, Xm, G, ratio)
+        for b in _meta_bvs(NS, Hv, V, dev):
+            for halo in (False, True):
+                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo)(
+                    qf, kf, Tb, vf, *fwd_args[4:], _trace_arg(dev), scores, *no_halo)
+
     bwd_split = None
     if save and dev.type != "meta" and variant != "serial" and segments.mode(backward=True) != "off":
         if lengths is None:
@@ -639,11 +677,11 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                          segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
-                     qf, kf, vf, bf, bwd_split)
+                     qf, kf, vf, bf, bwd_split, bwd_fixed)
 
 
 def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: float, l2norm: bool,
-             has_h0: bool, do, dht, bwd_split: Optional[tuple] = None):
+             has_h0: bool, do, dht, bwd_split: Optional[tuple] = None, bwd_fixed: Optional[str] = None):
     """Gradients from the forward's saved tensors (flattened q/k/v/beta, chunk-major w, G, X, chunk
     states hs and v_new).  Returns (dq, dk, dv, dg, dbeta, dh0 or None) in the input shapes: dq, dk and dv
     in the inputs' dtype, dbeta in beta's, dg and dh0 in fp32.  The kernels accumulate in fp32 and round
@@ -667,6 +705,8 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         variant = "ws"
     elif bwd_split is not None:
         variant = bwd_split[0]          # (decided with the forward, with the split)
+    elif bwd_fixed is not None:
+        variant = bwd_fixed             # (the forward's saves serve this backward only)
     else:
         variant = bwd_choice(meta, Hv, K, V, l2norm, dev)[0]
     if variant == "whole":
