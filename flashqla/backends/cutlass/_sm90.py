@@ -134,6 +134,71 @@ def sw128_index(idx):
     return idx ^ ((idx >> 3) & 0x38)
 
 
+def fwd_global_tensors(q_ptr, k_ptr, a_ptr, g_ptr, h0_ptr, ht_ptr, o_ptr, s_ptr, vn_ptr, cu_ptr, co_ptr, seg_ptr,
+                       walk_ptr, total_tokens, total_chunks, num_seqs, hqk, hv, K: int, V: int, vblk: int,
+                       BT: int) -> dict:
+    """The global tensors both forward recurrences (``chunk_fwd_sm90``, ``chunk_fwd_ws_sm90``) read and write, by
+    name: q, k ``(token, K, qk head)`` (TMA), Aqk and G (chunk-major rows), the states h0 / ht, o
+    ``(token, head, V block, v)``, the cu_seqlens / chunk offsets / segment / walk tables and the training saves S and
+    v_new (64-bit row strides where offsets pass 2^31 elements)."""
+    rows = total_chunks * hv
+    state_strides = (wide(hv * K * V, K * V), K * V, V, 1)
+    return dict(
+        mQ=cute.make_tensor(q_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K))),
+        mK=cute.make_tensor(k_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K))),
+        mA=cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1))),
+        mG=cute.make_tensor(g_ptr, cute.make_layout((rows * BT,), stride=(1,))),
+        mH0=cute.make_tensor(h0_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides)),
+        mHt=cute.make_tensor(ht_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides)),
+        # (token, head, v block, v): the static strides of the last two modes let the compiler prove the
+        # 16-byte alignment of each output row segment (vectorised stores)
+        mO=cute.make_tensor(o_ptr, cute.make_layout((total_tokens, hv, V // vblk, vblk),
+                                                    stride=(wide(hv * V, V), V, vblk, 1))),
+        mCu=cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,))),
+        mCo=cute.make_tensor(co_ptr, cute.make_layout((num_seqs + 1,))),
+        # (halo: num_seqs counts segments; the per-sequence states are indexed by seg[n, 0] < num_seqs)
+        mSeg=cute.make_tensor(seg_ptr, cute.make_layout((num_seqs, 4), stride=(4, 1))),
+        mWalk=cute.make_tensor(walk_ptr, cute.make_layout((num_seqs, hv), stride=(hv, 1))),
+        mS=cute.make_tensor(s_ptr, cute.make_layout((rows * K, V), stride=(wide(V, V), 1))),
+        mVn=cute.make_tensor(vn_ptr, cute.make_layout((rows * BT, V), stride=(wide(V, V), 1))),
+    )
+
+
+@cute.jit
+def load_walk_start(acc_h: cute.Tensor, cH: cute.Tensor, mH0: cute.Tensor, mWalk: cute.Tensor, mSeg: cute.Tensor,
+                    seq, sid, head, v0, use_h0, halo: cutlass.Constexpr):
+    """A forward walk's start state in the transposed accumulator ``acc_h`` (v, k) (zeroed by the caller): h0 of
+    sequence ``sid``, when given and -- over segments -- when the walk starts at its sequence's first chunk."""
+    if use_h0 != 0:
+        if cutlass.const_expr(halo):
+            # h0 only for a walk from its sequence's first chunk (no halo before it)
+            if mWalk[seq, head] == mSeg[seq, 1]:
+                for i in cutlass.range_constexpr(cute.size(acc_h)):
+                    vv, kk = cH[i]
+                    acc_h[i] = mH0[sid, head, kk, v0 + vv]
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                vv, kk = cH[i]
+                acc_h[i] = mH0[seq, head, kk, v0 + vv]
+
+
+@cute.jit
+def store_walk_end(acc_h: cute.Tensor, cH: cute.Tensor, mHt: cute.Tensor, mSeg: cute.Tensor, seq, sid, head, v0,
+                   store_ht, halo: cutlass.Constexpr):
+    """The final state ht from the transposed accumulator; over segments only a sequence's last segment has it."""
+    if store_ht != 0:
+        if cutlass.const_expr(halo):
+            # only a sequence's last segment ends at its end
+            if mSeg[seq, 2] != 0:
+                for i in cutlass.range_constexpr(cute.size(acc_h)):
+                    vv, kk = cH[i]
+                    mHt[sid, head, kk, v0 + vv] = acc_h[i]
+        else:
+            for i in cutlass.range_constexpr(cute.size(acc_h)):
+                vv, kk = cH[i]
+                mHt[seq, head, kk, v0 + vv] = acc_h[i]
+
+
 def chunk_coords(mCi: cute.Tensor, mCu: cute.Tensor, chunk, head, hv, group, BT: int):
     """Where chunk ``chunk`` of the chunk-major grid lies: ``(tok, valid, qk_head, row)`` -- its first
     token, how many of its ``BT`` rows lie inside the sequence, the query/key head of value head

@@ -64,8 +64,8 @@ import cutlass.utils as utils
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
-from ._sm90 import (NUM_THREADS_PER_WG, acc_as_a_operand, convert_into, fence_operand, sw128_index, tma_load,
-                    token_tile, wg_gemm, wide)
+from ._sm90 import (NUM_THREADS_PER_WG, acc_as_a_operand, convert_into, fence_operand, fwd_global_tensors,
+                    load_walk_start, store_walk_end, sw128_index, tma_load, token_tile, wg_gemm)
 
 BT = 64  # chunk size
 
@@ -101,8 +101,11 @@ class ChunkFwdWsSm90:
                  use_h0: cutlass.Int32, store_ht: cutlass.Int32, stream: cuda.CUstream):
         K, V, st, nb, vblk = self.K, self.V, self.stages, self.nbuf, self.vblk
         bf16 = cutlass.BFloat16
-        mQ = cute.make_tensor(q_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K)))
-        mK = cute.make_tensor(k_ptr, cute.make_layout((total_tokens, K, hqk), stride=(hqk * K, 1, K)))
+        t = fwd_global_tensors(q_ptr, k_ptr, a_ptr, g_ptr, h0_ptr, ht_ptr, o_ptr, s_ptr, vn_ptr, cu_ptr, co_ptr,
+                               seg_ptr, walk_ptr, total_tokens, total_chunks, num_seqs, hqk, hv, K, V, vblk, BT)
+        mQ, mK, mA, mG = t["mQ"], t["mK"], t["mA"], t["mG"]
+        mH0, mHt, mO, mS, mVn = t["mH0"], t["mHt"], t["mO"], t["mS"], t["mVn"]
+        mCu, mCo, mSeg, mWalk = t["mCu"], t["mCo"], t["mSeg"], t["mWalk"]
         rows = total_chunks * hv
         if cutlass.const_expr(self.fused):
             mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))      # Tb
@@ -110,19 +113,6 @@ class ChunkFwdWsSm90:
         else:
             mW = cute.make_tensor(w_ptr, cute.make_layout((rows * BT, K), stride=(K, 1)))
             mU = cute.make_tensor(u_ptr, cute.make_layout((rows * V, BT), stride=(BT, 1)))
-        mA = cute.make_tensor(a_ptr, cute.make_layout((rows * BT, BT), stride=(BT, 1)))
-        mG = cute.make_tensor(g_ptr, cute.make_layout((rows * BT,), stride=(1,)))
-        state_strides = (wide(hv * K * V, K * V), K * V, V, 1)
-        mH0 = cute.make_tensor(h0_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides))
-        mHt = cute.make_tensor(ht_ptr, cute.make_layout((num_seqs, hv, K, V), stride=state_strides))
-        mO = cute.make_tensor(o_ptr, cute.make_layout((total_tokens, hv, self.nvb, vblk),
-                                                      stride=(wide(hv * V, V), V, vblk, 1)))
-        mCu = cute.make_tensor(cu_ptr, cute.make_layout((num_seqs + 1,)))
-        mCo = cute.make_tensor(co_ptr, cute.make_layout((num_seqs + 1,)))
-        mSeg = cute.make_tensor(seg_ptr, cute.make_layout((num_seqs, 4), stride=(4, 1)))
-        mWalk = cute.make_tensor(walk_ptr, cute.make_layout((num_seqs, hv), stride=(hv, 1)))
-        mS = cute.make_tensor(s_ptr, cute.make_layout((rows * K, V), stride=(wide(V, V), 1)))
-        mVn = cute.make_tensor(vn_ptr, cute.make_layout((rows * BT, V), stride=(wide(V, V), 1)))
 
         atom128 = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW128, bf16)
         l_qk = cute.tile_to_shape(atom128, (BT, K, st), order=(0, 1, 2))
@@ -307,17 +297,7 @@ class ChunkFwdWsSm90:
             acc_h = thrh.make_fragment_C(thrh.partition_shape_C((vblk, K)))
             cH = thrh.partition_C(cute.make_identity_tensor((vblk, K)))
             acc_h.fill(0.0)
-            if use_h0 != 0:
-                if cutlass.const_expr(self.halo):
-                    # h0 only for a walk from its sequence's first chunk (no halo before it)
-                    if mWalk[seq, head] == mSeg[seq, 1]:
-                        for i in cutlass.range_constexpr(cute.size(acc_h)):
-                            vv, kk = cH[i]
-                            acc_h[i] = mH0[sid, head, kk, v0 + vv]
-                else:
-                    for i in cutlass.range_constexpr(cute.size(acc_h)):
-                        vv, kk = cH[i]
-                        acc_h[i] = mH0[seq, head, kk, v0 + vv]
+            load_walk_start(acc_h, cH, mH0, mWalk, mSeg, seq, sid, head, v0, use_h0, self.halo)
             h_op = acc_as_a_operand(acc_h, mma64, bf16)
             # the bf16 state in the accumulator's (v, k) order: what stmatrix stores as Sb
             h_bf = cute.make_tensor(h_op.iterator, acc_h.layout)
@@ -438,17 +418,7 @@ class ChunkFwdWsSm90:
                 cstate.advance()
                 convert_into(h_op, acc_h)
 
-            if store_ht != 0:
-                if cutlass.const_expr(self.halo):
-                    # only a sequence's last segment ends at its end
-                    if mSeg[seq, 2] != 0:
-                        for i in cutlass.range_constexpr(cute.size(acc_h)):
-                            vv, kk = cH[i]
-                            mHt[sid, head, kk, v0 + vv] = acc_h[i]
-                else:
-                    for i in cutlass.range_constexpr(cute.size(acc_h)):
-                        vv, kk = cH[i]
-                        mHt[seq, head, kk, v0 + vv] = acc_h[i]
+            store_walk_end(acc_h, cH, mHt, mSeg, seq, sid, head, v0, store_ht, self.halo)
         else:
             # ---------------------------------------------------------------- the output
             cute.arch.warpgroup_reg_alloc(self.regs_out)
