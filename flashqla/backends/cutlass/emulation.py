@@ -44,16 +44,12 @@ def invert_unit_lower(A: torch.Tensor) -> torch.Tensor:
     return T
 
 
-def prep_chunks(q, k, v, g, beta, valid, scale: float):
-    """Batched (chunk, head) prep: q, k [n, 64, K], v [n, 64, V] (bf16 values; rows >= valid hold whatever
-    the TMA tile held), g, beta [n, 64] (only rows < valid are read), valid [n].
-
-    Returns (-w [n, 64, K], u^T [n, V, 64], Aqk [n, 64, 64]) bf16-rounded fp32 and G [n, 64] fp32.
-    """
+def _prep_common(q, k, g, beta, valid, scale: float):
+    """What both preps form: the masked k and beta, G, the strictly lower A and the causal Aqk (bf16-rounded)."""
     rowmask = torch.arange(BT)[None, :] < valid[:, None]            # [n, 64]
     zero = torch.zeros((), dtype=f32)
     q = q.to(f32)  # q rows past the end are not zeroed by the kernel: Aqk's mask removes them
-    k, v = (torch.where(rowmask[..., None], x.to(f32), zero) for x in (k, v))
+    k = torch.where(rowmask[..., None], k.to(f32), zero)
     g = torch.where(rowmask, g.to(f32), zero)
     beta = torch.where(rowmask, beta.to(f32), zero)
     G = torch.cumsum(g, -1)
@@ -63,6 +59,17 @@ def prep_chunks(q, k, v, g, beta, valid, scale: float):
     incl = (idx[None, :] <= idx[:, None])[None] & rowmask[:, :, None]
     A = torch.where(strict, beta[:, :, None] * (k @ k.transpose(1, 2)) * torch.exp(torch.where(strict, diff, 0.0)), zero)
     aqk = _bf(torch.where(incl, scale * (q @ k.transpose(1, 2)) * torch.exp(torch.where(incl, diff, 0.0)), zero))
+    return k, beta, G, A, aqk
+
+
+def prep_chunks(q, k, v, g, beta, valid, scale: float):
+    """Batched (chunk, head) prep: q, k [n, 64, K], v [n, 64, V] (bf16 values; rows >= valid hold whatever
+    the TMA tile held), g, beta [n, 64] (only rows < valid are read), valid [n].
+
+    Returns (-w [n, 64, K], u^T [n, V, 64], Aqk [n, 64, 64]) bf16-rounded fp32 and G [n, 64] fp32.
+    """
+    k, beta, G, A, aqk = _prep_common(q, k, g, beta, valid, scale)
+    v = torch.where((torch.arange(BT)[None, :] < valid[:, None])[..., None], v.to(f32), torch.zeros((), dtype=f32))
     T = invert_unit_lower(A)
     tb = T * beta[:, None, :]
     a_tb = _bf(tb)
@@ -74,19 +81,7 @@ def prep_chunks(q, k, v, g, beta, valid, scale: float):
 
 def prep_chunks_tb(q, k, g, beta, valid, scale: float):
     """The ``tb`` prep: (Tb = T diag(beta) [n, 64, 64], Aqk [n, 64, 64]) bf16-rounded fp32 and G [n, 64] fp32."""
-    rowmask = torch.arange(BT)[None, :] < valid[:, None]
-    zero = torch.zeros((), dtype=f32)
-    q = q.to(f32)
-    k = torch.where(rowmask[..., None], k.to(f32), zero)
-    g = torch.where(rowmask, g.to(f32), zero)
-    beta = torch.where(rowmask, beta.to(f32), zero)
-    G = torch.cumsum(g, -1)
-    idx = torch.arange(BT)
-    diff = G[:, :, None] - G[:, None, :]
-    strict = (idx[None, :] < idx[:, None])[None]
-    incl = (idx[None, :] <= idx[:, None])[None] & rowmask[:, :, None]
-    A = torch.where(strict, beta[:, :, None] * (k @ k.transpose(1, 2)) * torch.exp(torch.where(strict, diff, 0.0)), zero)
-    aqk = _bf(torch.where(incl, scale * (q @ k.transpose(1, 2)) * torch.exp(torch.where(incl, diff, 0.0)), zero))
+    _, beta, G, A, aqk = _prep_common(q, k, g, beta, valid, scale)
     return _bf(invert_unit_lower(A) * beta[:, None, :]), aqk, G
 
 
