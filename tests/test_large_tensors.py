@@ -630,26 +630,39 @@ _SMALL_SHAPES = ("(total_tokens, hv)", "(rows * BT,)", "(num_seqs + 1,)", "(tota
 
 def test_cutlass_plain_access_tensors_have_wide_strides():
     """Source check of every cutlass kernel: a global tensor that is not only a TMA source and is not one
-    of the small ones above is built with a ``wide(...)`` (Int64) stride."""
+    of the small ones above is built with a ``wide(...)`` (Int64) stride.  The forward kernels' shared tensors are
+    built in ``_sm90.fwd_global_tensors`` (``name=cute.make_tensor(...)``); how the kernels use them decides."""
     kdir = ROOT / "flashqla" / "backends" / "cutlass"
-    checked = 0
-    for path in sorted(kdir.glob("chunk_*_sm90.py")):
-        src = path.read_text()
-        assigns = dict(re.findall(r"^\s+(\w+) = (.+)$", src, flags=re.M))
-        tma = set(re.findall(r"make_tiled_tma_atom\(\w+, (\w+),", src))
+    kernels = {path: path.read_text() for path in sorted(kdir.glob("chunk_*_sm90.py"))}
+    helper = kdir / "_sm90.py"
+    sites = []       # (file, its source, name, layout, the sources that use the tensor)
+    for path, src in kernels.items():
         for m in re.finditer(r"^\s+(\w+) = cute\.make_tensor\(\w+_ptr, cute\.make_layout\(", src, flags=re.M):
-            name, layout = m.group(1), _inside(src, m.end() - 1, "(", ")")
-            layout = " ".join(layout.split())
-            if name in tma and not re.search(rf"\b{name}\[", src) and f"local_tile({name}," not in src \
-                    and f"domain_offset((tok, 0), {name}" not in src:
-                continue    # read by TMA only
-            if layout.startswith(_SMALL_SHAPES):
-                continue
-            stride = layout.split("stride=", 1)[1] if "stride=" in layout else ""
-            names = re.findall(r"\b([a-z_]\w*)\b", stride)
-            ok = "wide(" in stride or any("wide(" in assigns.get(n, "") for n in names)
-            assert ok, f"{path.name}: {name} = make_tensor(..., {layout.strip()[:100]}) has no 64-bit stride"
-            checked += 1
+            sites.append((path, src, m.group(1), _inside(src, m.end() - 1, "(", ")"), [src]))
+    hsrc = helper.read_text()
+    users = [src for src in kernels.values() if "fwd_global_tensors(" in src]
+    assert len(users) >= 2, "the forward kernels build their shared tensors in _sm90.fwd_global_tensors"
+    for m in re.finditer(r"^\s+(\w+)=cute\.make_tensor\(\w+_ptr, cute\.make_layout\(", hsrc, flags=re.M):
+        sites.append((helper, hsrc, m.group(1), _inside(hsrc, m.end() - 1, "(", ")"), users))
+    checked = 0
+    for path, src, name, layout, used_in in sites:
+        layout = " ".join(layout.split())
+
+        def tma_only(u):
+            tma = set(re.findall(r"make_tiled_tma_atom\(\w+, (\w+),", u))
+            return name in tma and not re.search(rf"\b{name}\[", u) and f"local_tile({name}," not in u \
+                and f"domain_offset((tok, 0), {name}" not in u
+
+        if all(tma_only(u) for u in used_in):
+            continue    # read by TMA only
+        if layout.startswith(_SMALL_SHAPES):
+            continue
+        assigns = dict(re.findall(r"^\s+(\w+) = (.+)$", src, flags=re.M))
+        stride = layout.split("stride=", 1)[1] if "stride=" in layout else ""
+        names = re.findall(r"\b([a-z_]\w*)\b", stride)
+        ok = "wide(" in stride or any("wide(" in assigns.get(n, "") for n in names)
+        assert ok, f"{path.name}: {name} = make_tensor(..., {layout.strip()[:100]}) has no 64-bit stride"
+        checked += 1
     assert checked >= 15, checked
 
 
