@@ -13,10 +13,10 @@ chunk walked backwards::
 the [K, V] layout) and the bf16 ``dvn`` ([64, V]): the per-chunk gradient kernels read them.  After
 the first chunk it writes ``dh0`` (fp32).
 
-Grid ``(num_seqs, Hv, V / Vb)``, ``Vb = 64 * num_wg``; ``num_wg`` consumer warpgroups plus a producer
-warp (warpgroup when num_wg = 2) that TMA-loads q, k, -w (64 x 128), dO (64 x Vb), Aqk (64 x 64) and
-G into a two-stage mbarrier pipeline.  Rows past the sequence end (another sequence's tokens) are
-zeroed in shared memory for q, k and dO before use.
+Grid ``(num_seqs * V / Vb, Hv)`` (the V blocks of a sequence adjacent), ``Vb = 64 * num_wg``; ``num_wg``
+consumer warpgroups plus a producer warp (warpgroup when num_wg = 2) that TMA-loads q, k, -w (64 x 128), dO (64
+x Vb), Aqk (64 x 64) and G into a two-stage mbarrier pipeline. Rows past the sequence end (another sequence's
+tokens) are zeroed in shared memory for q, k and dO before use.
 
 Layouts: q, k [T, Hqk, K]; do [T, Hv, V] (bf16); -w [c, h, 64, K], Aqk [c, h, 64, 64] (bf16),
 G [c, h, 64] (fp32); dht / dh0 [N, Hv, K, V] fp32; outputs dS' [c, h, K, V] and dvn [c, h, 64, V] (bf16).
@@ -111,7 +111,7 @@ class ChunkBwdStateSm90:
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_do, tDO, tma_a, tA, tma_g, tG,
                     mDht, mDh0, mDh, mDvn, mCu, mCo, hv, group, scale, use_dht, store_dh0,
                     l_qk, l_do, l_a, l_g).launch(
-            grid=(num_seqs, hv, self.nvb), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_seqs * self.nvb, hv, 1), block=(self.threads, 1, 1), stream=stream)
 
     @cute.kernel
     def kernel(self, tma_q: cute.CopyAtom, tQ: cute.Tensor, tma_k: cute.CopyAtom, tK: cute.Tensor,
@@ -128,7 +128,11 @@ class ChunkBwdStateSm90:
         f32 = cutlass.Float32
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        seq, head, vb = cute.arch.block_idx()
+        # the V blocks of a (sequence, head) are neighbours in launch order: they run together and read the
+        # K-wide tiles (q, k, w, ...) through L2 once, where V-block-major order ran them a wave apart
+        bx, head, _ = cute.arch.block_idx()
+        seq = bx // self.nvb
+        vb = bx % self.nvb
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)

@@ -15,9 +15,9 @@ the inputs; rows past the end of a sequence (the next sequence's tokens) are har
 reach output rows that are never stored) and are zeroed in shared memory for k, so that a NaN in one
 sequence can never reach another.
 
-Grid: ``(num_seqs, Hv, V / Vb)`` with ``Vb = 64 * num_wg``.  Block: ``num_wg`` consumer warpgroups
-(threads ``0 .. 128*num_wg-1``; warpgroup ``i`` owns value rows ``64i .. 64i+63`` of the state) plus
-one producer warp (TMA).  A ``stages``-deep ``PipelineTmaAsync`` (full/empty mbarriers) feeds the
+Grid: ``(num_seqs * V / Vb, Hv)`` with ``Vb = 64 * num_wg``, the V blocks of a sequence adjacent.  Block:
+``num_wg`` consumer warpgroups (threads ``0 .. 128*num_wg-1``; warpgroup ``i`` owns value rows ``64i .. 64i+63``
+of the state) plus one producer warp (TMA).  A ``stages``-deep ``PipelineTmaAsync`` (full/empty mbarriers) feeds the
 per-chunk tiles.
 
 Registers (consumer thread, num_wg=1): H 64 fp32 + H bf16 32 + vn 32 + o 32 + two vn operands 16 + 16.
@@ -131,7 +131,7 @@ class ChunkFwdSm90:
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_u, tU, tma_a, tA, tma_g, tG,
                     mH0, mHt, mO, mS, mVn, mCu, mCo, mSeg, mWalk, hv, group, scale, use_h0, store_ht,
                     l_qk, l_u, l_a, l_g).launch(
-            grid=(num_seqs, hv, self.nvb), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_seqs * self.nvb, hv, 1), block=(self.threads, 1, 1), stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -148,7 +148,11 @@ class ChunkFwdSm90:
         f32 = cutlass.Float32
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        seq, head, vb = cute.arch.block_idx()
+        # the V blocks of a (sequence, head) are neighbours in launch order: they run together and read the
+        # K-wide tiles (q, k, w, ...) through L2 once, where V-block-major order ran them a wave apart
+        bx, head, _ = cute.arch.block_idx()
+        seq = bx // self.nvb
+        vb = bx % self.nvb
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)

@@ -50,7 +50,7 @@ Registers: ``setmaxnreg`` 232 for the chain (H 64 fp32 + its bf16 copy 32 + vn 3
 vn 16 each), 216 for the output, 40 for the producers (128 x (232 + 216 + 40) < 65536).
 Shared memory (bf16 unless noted): chain ring 2 x (k 16 KiB + -w 16 KiB + u^T 8 KiB + G 256 B fp32), output ring
 2 x (q 16 KiB + Aqk 8 KiB + G 256 B), handoff 2 x (Sb 16 KiB + vn 8 KiB), output staging 64 x 72: ~187 KiB, one
-CTA per SM.  Grid ``(num_seqs, Hv, V / 64)``, 384 threads.
+CTA per SM.  Grid ``(num_seqs * V / 64, Hv)`` (the V blocks of a sequence adjacent), 384 threads.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class ChunkFwdWsSm90:
         self.kernel(tma_q, tQ, tma_k, tK, tma_w, tW, tma_u, tU, tma_a, tA, tma_g, tG,
                     mH0, mHt, mO, mS, mVn, mCu, mCo, mSeg, mWalk, hv, group, scale, use_h0, store_ht,
                     l_qk, l_w, l_u, l_a, l_g, l_sb, l_vn).launch(
-            grid=(num_seqs, hv, self.nvb), block=(self.threads, 1, 1), stream=stream)
+            grid=(num_seqs * self.nvb, hv, 1), block=(self.threads, 1, 1), stream=stream)
 
     # ------------------------------------------------------------------ device side
     @cute.kernel
@@ -186,7 +186,11 @@ class ChunkFwdWsSm90:
         tidx, _, _ = cute.arch.thread_idx()
         warp_idx = cute.arch.make_warp_uniform(cute.arch.warp_idx())
         role = warp_idx // 4
-        seq, head, vb = cute.arch.block_idx()
+        # the V blocks of a (sequence, head) are neighbours in launch order: they run together and read the
+        # K-wide tiles (q, k, w, ...) through L2 once, where V-block-major order ran them a wave apart
+        bx, head, _ = cute.arch.block_idx()
+        seq = bx // self.nvb
+        vb = bx % self.nvb
 
         smem = utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
