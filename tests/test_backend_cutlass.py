@@ -107,6 +107,63 @@ def test_forward_plan(monkeypatch):
         cb.segments_mode()
 
 
+def _ws_forward_protocol(halo: int, own: int) -> dict:
+    """The barrier ops of chunk_fwd_ws_sm90's four roles over a walk of ``halo`` + ``own`` chunks, as the kernel issues
+    them: per role a list of ("wait" | "arrive", (barrier, index), parity, completions the wait is for).  Rings and
+    handoff have two slots; a producer's PipelineState starts at phase 1 (its first wait on an empty slot passes), a
+    consumer's at 0.  Arrival counts are folded to one per role (each role's threads or warps arrive together)."""
+    def wait(name, j, producer):
+        # use u of a slot: a producer needs its u-th release (none for u = 0), a consumer its (u+1)-th fill
+        u = j // 2
+        return ("wait", (name, j % 2), (u + (1 if producer else 0)) % 2, u if producer else u + 1)
+
+    chain_loader, chain, out_loader, output = [], [], [], []
+    for j in range(halo + own):
+        chain_loader += [wait("chain_empty", j, True), ("arrive", ("chain_full", j % 2), None, None)]
+        chain.append(wait("chain_full", j, False))
+        if j >= halo:                       # own chunks publish Sb and v_new; halo chunks publish nothing
+            k = j - halo
+            chain += [wait("hand_empty", k, True), ("arrive", ("hand_full", k % 2), None, None)]
+        chain.append(("arrive", ("chain_empty", j % 2), None, None))
+    for k in range(own):
+        out_loader += [wait("out_empty", k, True), ("arrive", ("out_full", k % 2), None, None)]
+        output += [wait("out_full", k, False), wait("hand_full", k, False),
+                   ("arrive", ("out_empty", k % 2), None, None), ("arrive", ("hand_empty", k % 2), None, None)]
+    return {"chain_loader": chain_loader, "chain": chain, "out_loader": out_loader, "output": output}
+
+
+@pytest.mark.parametrize("halo,own", [(0, 0), (0, 1), (0, 2), (0, 7), (1, 0), (3, 1), (3, 6), (5, 9)])
+def test_ws_forward_barrier_protocol(halo, own):
+    """chunk_fwd_ws_sm90's synchronisation, stepped in random interleavings: no deadlock, every slot's phases
+    complete in order, no waiter finds a barrier two phases past the one it waits for (a parity alias), and no
+    slot is refilled before its readers released it."""
+    import random
+    roles = _ws_forward_protocol(halo, own)
+    for seed in range(40):
+        rng = random.Random(seed)
+        done, pc = {}, dict.fromkeys(roles, 0)
+        while True:
+            runnable = [r for r, ops in roles.items() if pc[r] < len(ops) and (
+                ops[pc[r]][0] == "arrive" or done.get(ops[pc[r]][1], 0) % 2 != ops[pc[r]][2])]
+            if not runnable:
+                assert all(pc[r] == len(ops) for r, ops in roles.items()), \
+                    f"deadlock (halo {halo}, own {own}, seed {seed}): {[(r, roles[r][pc[r]]) for r in roles if pc[r] < len(roles[r])]}"
+                break
+            r = rng.choice(runnable)
+            op, b, parity, want = roles[r][pc[r]]
+            if op == "arrive":
+                done[b] = done.get(b, 0) + 1
+            else:
+                # a parity wait passes on any completion count of the other parity: it must be exactly the one it
+                # is for (two more would be an alias: a fill or a release taken for the next one)
+                assert done.get(b, 0) == want, (r, b, done.get(b, 0), want, seed)
+            pc[r] += 1
+        # every slot of a ring / the handoff: fills and releases alternate, as many of each
+        for name in ("chain", "out", "hand"):
+            for slot in (0, 1):
+                assert done.get((f"{name}_full", slot), 0) == done.get((f"{name}_empty", slot), 0)
+
+
 def test_explain_note_names_the_recurrence(monkeypatch):
     # what explain() prints for a cutlass forward: the recurrence the env switches pick for this call
     from flashqla.api import _cutlass_forward_note
