@@ -94,7 +94,11 @@ def recurrence_step_fused(H, tb, aqk, G, q, k, v, valid, scale: float):
     q = q.to(f32)
     Hb = _bf(H)
     x = _bf(v.transpose(1, 2) - (Hb @ k.transpose(1, 2)) * torch.exp(G)[:, None, :])     # [n, V, 64]
-    vn = x @ tb.transpose(1, 2)
+    return _output_and_update(H, Hb, x @ tb.transpose(1, 2), aqk, G, q, k, scale)
+
+
+def _output_and_update(H, Hb, vn, aqk, G, q, k, scale: float):
+    """The rest of a chunk step once v_new^T ``vn`` is formed (both recurrences): o^T (bf16-rounded) and the new H."""
     o = (Hb @ q.transpose(1, 2)) * (scale * torch.exp(G))[:, None, :]
     g_last = G[:, -1]
     vn_b = _bf(vn)
@@ -112,13 +116,7 @@ def recurrence_step(H, w_neg, u_t, aqk, G, q, k, valid, scale: float):
     q = q.to(f32)
     Hb = _bf(H)
     vn = u_t + Hb @ w_neg.transpose(1, 2)                            # [n, V, 64]
-    o = (Hb @ q.transpose(1, 2)) * (scale * torch.exp(G))[:, None, :]
-    g_last = G[:, -1]
-    vn_b = _bf(vn)
-    vnd_b = _bf(vn * torch.exp(g_last[:, None] - G)[:, None, :])
-    o = o + vn_b @ aqk.transpose(1, 2)
-    H = H * torch.exp(g_last)[:, None, None] + vnd_b @ k
-    return _bf(o), H
+    return _output_and_update(H, Hb, vn, aqk, G, q, k, scale)
 
 
 def forward(q, k, v, g, beta, scale, initial_state, cu_seqlens, fused: bool = False):
