@@ -300,6 +300,11 @@ def bwd_variant() -> str:
 WHOLE_STEP_US = 13.3
 SPLIT_STATE_STEP_US = 3.2
 SPLIT_PAIR_US = 0.153
+# What the whole-V backward also saves the forward under FLASHQLA_TILELANG_TRAIN_FUSED (the fused training forward
+# runs only ahead of it), per (chunk, value head) at full occupancy: stage 1 took 0.487 ms / 16384 pairs with w, u
+# and X (session 17 run 5, 16/32 4x8192) against 0.225 ms / 16384 in the Tb-only form (session 15), 0.016 us; the
+# fused training form also writes X (8 KB a pair): 0.014.  Not yet measured as such.
+TRAIN_FUSED_PAIR_CREDIT_US = 0.014
 
 
 def bwd_costs(num_chunks: int, busy_seqs: float, Hv: int, device) -> tuple:
@@ -323,12 +328,23 @@ def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
     return model is not None and model[0] < model[1]
 
 
+def _train_fused_credit(num_chunks: int, Hv: int, device) -> float:
+    """Microseconds the fused training forward saves ahead of a whole-V backward (``TRAIN_FUSED_PAIR_CREDIT_US``), or
+    0 where it does not run (``FLASHQLA_TILELANG_TRAIN_FUSED`` off, or a forward variant other than fused)."""
+    if not train_fused() or fwd_variant() != "fused":
+        return 0.0
+    sms = detect(device).sm_count or 132
+    return num_chunks * Hv * TRAIN_FUSED_PAIR_CREDIT_US * 132 / sms
+
+
 def _bwd_model(meta: "ChunkMeta", Hv: int, device) -> Optional[tuple]:
-    """``(t_whole, t_split, busy_seqs)`` of :func:`bwd_costs` for this call, or None when it has no chunks."""
+    """``(t_whole, t_split, busy_seqs)`` of :func:`bwd_costs` for this call, or None when it has no chunks; the
+    whole-V time net of what it saves the forward (:func:`_train_fused_credit`)."""
     busy = meta.busy_seqs or meta.num_seqs
     if meta.num_chunks == 0 or busy <= 0:
         return None
-    return (*bwd_costs(meta.num_chunks, busy, Hv, device), busy)
+    t_whole, t_split = bwd_costs(meta.num_chunks, busy, Hv, device)
+    return t_whole - _train_fused_credit(meta.num_chunks, Hv, device), t_split, busy
 
 
 def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False) -> tuple:
@@ -355,7 +371,9 @@ def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device,
     return ("whole" if whole else "ws",
             f"{'whole-V fused backward' if whole else 'split backward'}: {Hv * meta.num_seqs} (value head, sequence) "
             f"walks on {sms} SMs, the longest {round(meta.num_chunks / busy)} chunks; "
-            f"modelled {t_whole / 1000:.2f} ms whole-V against {t_split / 1000:.2f} ms split")
+            f"modelled {t_whole / 1000:.2f} ms whole-V against {t_split / 1000:.2f} ms split"
+            + (" (whole-V net of the fused training forward's saving)"
+               if _train_fused_credit(meta.num_chunks, Hv, device) else ""))
 
 
 def whole_nregs() -> Optional[tuple]:
@@ -520,7 +538,9 @@ def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bo
         cands.append(((plan.est_us if plan else walk_us) + t_split - walk_us, "ws", plan))
     if bwd_whole_ok(K, V, l2norm) and (variant == "whole" or not forced):
         plan = segments.segment_plan(lengths, Hv, V, sms, V, backward=True, steps={V: WHOLE_STEP_US}, bvs=(V,))
-        cands.append((plan.est_us if plan else t_whole, "whole", plan))
+        # (t_whole is already net of the fused training forward's saving; the split plan's estimate is not)
+        credit = _train_fused_credit(meta.num_chunks, Hv, device)
+        cands.append((plan.est_us - credit if plan else t_whole, "whole", plan))
     t, variant, plan = min(cands, key=lambda c: c[0])
     if plan is not None and explain:
         name = "whole-V fused backward" if variant == "whole" else "split backward"
