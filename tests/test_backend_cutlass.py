@@ -487,7 +487,9 @@ def test_gpu_fused_forward_matches_oracle_and_serial(case, segments, monkeypatch
         monkeypatch.setenv("FLASHQLA_CUTLASS_SEGMENTS", "off")
         o0, h0 = _call(x, case, fwd="serial", num_wg=1)
     ref = oracle(case, x, grads=False)
-    assert rel_l2(o1, ref["o"]) <= BF16_TOL["o"] and rel_l2(h1, ref["ht"]) <= BF16_TOL["ht"]
+    assert rel_l2(o1, ref["o"]) <= BF16_TOL["o"]
+    if ref.get("ht") is not None:           # (the oracle leaves ht out where the case has none)
+        assert rel_l2(h1, ref["ht"]) <= BF16_TOL["ht"]
     assert rel_l2(o1.float(), o0.float()) <= 1e-2 and rel_l2(h1, h0) <= 1e-2
     # (the walk over segments runs where a sequence is cut: at least three chunks here)
     cut = segments != "off" and max(case.seqlens or (case.T,)) > 2 * 64
