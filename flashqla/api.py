@@ -263,7 +263,9 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
         if fwd_variant() != "fused":
             form = f"the {fwd_variant()} form (FLASHQLA_TILELANG_FWD)"
         elif not train_fused():
-            form = "unfused (w, u and X for either backward; FLASHQLA_TILELANG_TRAIN_FUSED=1 fuses it ahead of a whole-V one)"
+            form = "unfused (w, u and X for either backward; FLASHQLA_TILELANG_TRAIN_FUSED=0)"
+        elif plan is not None:
+            form = "unfused (its walk runs in segments, where the fused walk with its saves is no faster)"
         elif bwd_whole_ok(spec.K, spec.V, spec.use_qk_l2norm) and \
                 bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)[0] == "whole":
             form = "fused (Tb and X; the whole-V backward reads no w or u)"

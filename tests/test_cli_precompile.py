@@ -84,6 +84,14 @@ def test_list_shows_every_variant(tmp_path, capsys):
                         ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=not fl[3], halo=halo)
                         if bv == 32 and not fl[3]:
                             ops.fwd_ws_kernel(dt, 128, 128, *fl, bv, fused=True, pscores=True, halo=halo)
+            # the fused training forward ahead of the whole-V backward (FLASHQLA_TILELANG_TRAIN_FUSED, on by default;
+            # no fused L2 norm there): stage 1 with X, the fused recurrence with its saves
+            for bdt in (torch.bfloat16, torch.float16, torch.float32):
+                ops.intra_tb_kernel(dt, bdt, 128, False, save_x=True)
+            for h0, ht in itertools.product((False, True), repeat=2):
+                for bv in ops.FWD_WS_BVS:
+                    for halo in (False, True):
+                        ops.fwd_ws_kernel(dt, 128, 128, False, h0, ht, True, bv, fused=True, halo=halo)
             for fl in itertools.product((False, True), repeat=3):
                 for bv in ops.BWD_WS_BVS:
                     for halo in (False, True):
@@ -92,7 +100,8 @@ def test_list_shows_every_variant(tmp_path, capsys):
                 ops.bwd_dqk_kernel(dt, 128, 128, a)
     want = {(n, repr(k)) for n, _, k in rec}
     assert keys == want
-    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_intra_tb_sm90", "fwd_intra_tbs_sm90", "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
+    assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_intra_tb_sm90", "fwd_intra_tbs_sm90", "fwd_intra_tbx_sm90",
+                                    "fwd_recurrent_ws_sm90", "bwd_state_ws_sm90",
                                     "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90", "bwd_whole_sm90"}
 
 

@@ -296,10 +296,12 @@ def test_gpu_fused_training_forward_deterministic(monkeypatch):
     ([28672, 4096], 32, False),   # one long walk per head dominates: 6.0 against 3.9
     ([], 32, False),
 ])
-def test_auto_backward_choice(lengths, Hv, whole):
+def test_auto_backward_choice(lengths, Hv, whole, monkeypatch):
     """``FLASHQLA_TILELANG_BWD=auto`` (the default) takes the whole backward where its cost model says it beats
-    the split one: the rows measured on the H200 fall on the side they were measured on."""
+    the split one: the rows measured on the H200 fall on the side they were measured on (backward kernels only:
+    without the fused training forward's credit)."""
     from flashqla.backends.tilelang.ops import ChunkMeta, bwd_whole_pays
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
     assert bwd_whole_pays(ChunkMeta.of_lengths(lengths), Hv, torch.device("cpu")) is whole
 
 
@@ -310,10 +312,11 @@ def test_fused_training_forward_credit_moves_the_choice(monkeypatch):
     from flashqla.backends.tilelang.ops import ChunkMeta, bwd_choice, bwd_whole_pays
     cpu = torch.device("cpu")
     meta = ChunkMeta.of_lengths([8192] * 4)
-    for name in ("FLASHQLA_TILELANG_TRAIN_FUSED", "FLASHQLA_TILELANG_FWD", "FLASHQLA_TILELANG_BWD"):
+    for name in ("FLASHQLA_TILELANG_FWD", "FLASHQLA_TILELANG_BWD"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
     assert not bwd_whole_pays(meta, 16, cpu)
-    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
+    monkeypatch.delenv("FLASHQLA_TILELANG_TRAIN_FUSED")          # on by default
     assert bwd_whole_pays(meta, 16, cpu)
     assert "net of the fused training forward" in bwd_choice(meta, 16, 128, 128, False, cpu, explain=True)[1]
     monkeypatch.setenv("FLASHQLA_TILELANG_FWD", "ws")          # no fused forward to save: no credit
@@ -331,8 +334,11 @@ def test_auto_is_the_default(monkeypatch):
 
 def test_backward_choice_is_explained(monkeypatch):
     """``ops.bwd_choice`` gives the backward ``backward`` runs and why; ``flashqla.explain`` prints it for
-    tilelang (filled by ``api._tilelang_backward_note`` from the call's lengths)."""
+    tilelang (filled by ``api._tilelang_backward_note`` from the call's lengths).  (Backward kernels only: without
+    the fused training forward's credit, and without the gradient walk's split.)"""
     from types import SimpleNamespace
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
 
     import flashqla
     from flashqla.api import _tilelang_backward_note

@@ -70,13 +70,15 @@ def test_segment_plan_splits_few_long_walks_only(monkeypatch):
 
 
 def test_segment_mode_env(monkeypatch):
-    # the backward's split: off by default, "auto" follows the forward's setting, a number forces it
+    # the backward's split: auto by default (session 19), following the forward's setting; off turns it off, a
+    # number forces it
     monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS", raising=False)
-    assert sg.mode() == "auto" and sg.mode(backward=True) == "off"
+    assert sg.mode() == "auto" and sg.mode(backward=True) == "auto"
+    assert sg.segment_plan([32768], 8, 128, 132, 32, backward=True) is not None
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
     assert sg.segment_plan([32768], 8, 128, 132, 32, backward=True) is None
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
-    assert sg.segment_plan([32768], 8, 128, 132, 32, backward=True) is not None
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "7")
     assert sg.mode(backward=True) == "7"
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "3")
@@ -499,18 +501,22 @@ def test_explain_notes(monkeypatch):
     assert note.startswith("in-kernel CP: split: 16 segments"), note
     assert _tilelang_forward_note(torch.empty(4, 8192, 8, 128), SimpleNamespace(Hv=32, K=128, V=128), None) \
         .startswith("state walk per (sequence, head): no segment split")
-    assert "gradient walk" not in _tilelang_backward_note(q, spec, None)          # off by default
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
-    assert "its gradient walk in-kernel CP: split: " in _tilelang_backward_note(q, spec, None)
+    assert "its gradient walk in-kernel CP: split: " in _tilelang_backward_note(q, spec, None)   # auto by default
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
+    assert "gradient walk" not in _tilelang_backward_note(q, spec, None)
     # a training call's note says which form its forward takes (FLASHQLA_TILELANG_TRAIN_FUSED, ahead of whole-V)
     train = SimpleNamespace(Hv=32, K=128, V=128, use_qk_l2norm=False, needs_grad=True)
     q4 = torch.empty(4, 8192, 8, 128)
     monkeypatch.delenv("FLASHQLA_TILELANG_FWD", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_TRAIN_FUSED", raising=False)
+    assert "training forward: fused (Tb and X" in _tilelang_forward_note(q4, train, None)   # 128 walks: whole-V
+    # (one long sequence at few heads: the walk is split, the training forward stays unfused)
+    assert "training forward: unfused (its walk runs in segments" in _tilelang_forward_note(
+        q, SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
     assert "training forward: unfused (w, u and X" in _tilelang_forward_note(q4, train, None)
     monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
-    assert "training forward: fused (Tb and X" in _tilelang_forward_note(q4, train, None)   # 128 walks: whole-V
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
     assert "training forward: unfused (the split backward" in _tilelang_forward_note(q4, train, None)
     assert "training forward" not in _tilelang_forward_note(q4, SimpleNamespace(Hv=32, K=128, V=128), None)

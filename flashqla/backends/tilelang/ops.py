@@ -240,12 +240,15 @@ def fwd_variant() -> str:
 
 
 def train_fused() -> bool:
-    """``FLASHQLA_TILELANG_TRAIN_FUSED=1``: a training forward whose backward is the whole-V kernel (which reads X,
-    never w or u) runs the fused form too -- stage 1 writes Tb and X (``build_intra(tb_only, save_x)``), the fused
-    recurrence saves the chunk states and v_new -- instead of stage 1's w, u and X and the unfused walk.  Off (``0``)
-    by default until its GPU tests run; the backward then follows the forward (whole-V, whatever
-    ``FLASHQLA_TILELANG_BWD`` says by then)."""
-    return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1"), "0") == "1"
+    """``FLASHQLA_TILELANG_TRAIN_FUSED=1`` (the default since session 19): a training forward whose backward is the
+    whole-V kernel (which reads X, never w or u) and whose walk is not split into segments runs the fused form too --
+    stage 1 writes Tb and X (``build_intra(tb_only, save_x)``), the fused recurrence saves the chunk states and
+    v_new -- instead of stage 1's w, u and X and the unfused walk; the backward then follows the forward (whole-V,
+    whatever ``FLASHQLA_TILELANG_BWD`` says by then).  H200, session 19 run 3 (fwd+bwd): 2.877 -> 2.637 ms at
+    16/32 8x4096, 2.790 -> 2.585 at 32/32 8x4096, 1.423 -> 1.309 at 4/16 8x4096; over segments the fused walk with
+    its saves was as much slower as stage 1 got faster (16/32 1x32768: 0.75 against 0.52 ms), so split forwards
+    keep the unfused pair.  ``0`` turns it off."""
+    return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1"), "1") == "1"
 
 
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
@@ -584,13 +587,6 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     bf = beta.reshape(NT, Hv).contiguous()
 
     variant = fwd_variant()
-    # the backward this call will run, when the forward's form depends on it (train_fused): the whole-V backward
-    # reads X and not w / u, so the training forward can take the fused form as well
-    bwd_fixed = None
-    if save and variant == "fused" and train_fused() and dev.type != "meta" and bwd_whole_ok(K, V, l2norm):
-        if bwd_plan(seq_lengths(varlen, B, T), Hv, K, V, l2norm, dev)[0] == "whole":
-            bwd_fixed = "whole"
-    fused = variant == "fused" and (not save or bwd_fixed == "whole")
     walk_seqs = meta.busy_seqs or NS
     # in-kernel CP: the recurrence walks segments with a halo (see .segments); its grid and V-block follow
     # the segments, stage 1 is unchanged
@@ -605,6 +601,14 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         bv = split.bv
     else:
         bv = fwd_ws_bv(walk_seqs, Hv, V, dev)
+    # the backward this call will run, when the forward's form depends on it (train_fused): the whole-V backward
+    # reads X and not w / u, so an unsplit training forward can take the fused form as well
+    bwd_fixed = None
+    if save and variant == "fused" and split is None and train_fused() and dev.type != "meta" and \
+            bwd_whole_ok(K, V, l2norm):
+        if bwd_plan(seq_lengths(varlen, B, T), Hv, K, V, l2norm, dev)[0] == "whole":
+            bwd_fixed = "whole"
+    fused = variant == "fused" and (not save or bwd_fixed == "whole")
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False

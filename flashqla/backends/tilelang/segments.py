@@ -85,12 +85,13 @@ def read_mode(name: str, default: str) -> str:
 
 def mode(backward: bool = False) -> str:
     """``auto``, ``off`` or a forced segment length in chunks: ``FLASHQLA_TILELANG_SEGMENTS`` (default auto),
-    and for the backward's gradient walk ``FLASHQLA_TILELANG_BWD_SEGMENTS`` (default off until its GPU tests have
-    run; ``auto`` follows the forward's setting), which ``FLASHQLA_TILELANG_SEGMENTS=off`` also turns off."""
+    and for the backward's gradient walk ``FLASHQLA_TILELANG_BWD_SEGMENTS`` (default auto since session 19, when its
+    GPU tests passed on the H200 and fwd+bwd went 5.34 -> 2.93 ms at 16/32 1x32768, 2.23 -> 0.47 ms at 2/4 1x32768;
+    ``auto`` follows the forward's setting), which ``FLASHQLA_TILELANG_SEGMENTS=off`` also turns off."""
     fwd = read_mode("FLASHQLA_TILELANG_SEGMENTS", "auto")
     if not backward:
         return fwd
-    bwd = read_mode("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
+    bwd = read_mode("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
     if fwd == "off" or bwd == "off":
         return "off"
     return fwd if bwd == "auto" else bwd
