@@ -65,7 +65,7 @@ def test_forward_plan(monkeypatch):
     plan = lambda lens, Hv, mode="serial", wg=0, seg="off": cb.fwd_plan(lens, Hv, 128, 132, mode, wg, seg)  # noqa: E731
     for name in ("FLASHQLA_CUTLASS_SEGMENTS", "FLASHQLA_CUTLASS_FWD"):
         monkeypatch.delenv(name, raising=False)
-    assert cb.segments_mode() == "off" and cb.fwd_mode() == "serial" and cb.fwd_mode({"fwd": "ws"}) == "ws"
+    assert cb.segments_mode() == "auto" and cb.fwd_mode() == "fused" and cb.fwd_mode({"fwd": "ws"}) == "ws"
     with pytest.raises(ValueError, match="backend_options"):
         cb.fwd_mode({"fwd": "fast"})
     monkeypatch.setenv("FLASHQLA_CUTLASS_FWD", "warp")
@@ -81,7 +81,7 @@ def test_forward_plan(monkeypatch):
     assert (p.variant, p.num_wg, p.state_wg) == ("ws", 1, 2) and "chunk_fwd_ws_sm90" in p.why
     assert plan([8192] * 4, 32, "fused").variant == "fused"   # inference forwards only
     p = cb.fwd_plan([8192] * 4, 32, 128, 132, "fused", training=True)
-    assert p.variant == "ws" and "inference only" in p.why
+    assert p.variant == "serial" and "inference" in p.why       # (ws trained slower on the H200, session 19)
     assert cb.fwd_plan([32768], 8, 128, 132, "auto", training=False).variant in ("fused", "serial")
     assert cb.fwd_plan([32768], 8, 128, 132, "auto", training=True).variant in ("ws", "serial")
     for lens, Hv in (([32768], 8), ([8192] * 16, 32), ([100, 5000, 64], 16)):
@@ -171,6 +171,8 @@ def test_explain_note_names_the_recurrence(monkeypatch):
         monkeypatch.delenv(name, raising=False)
     spec = _spec()
     q = torch.zeros(1, 4, 1, 128)
+    assert "fused warp-specialised recurrence (chunk_fwd_ws_sm90" in _cutlass_forward_note(q, spec, None)
+    monkeypatch.setenv("FLASHQLA_CUTLASS_FWD", "serial")
     assert "chunk_fwd_sm90, 1 consumer warpgroup" in _cutlass_forward_note(q, spec, None)
     monkeypatch.setenv("FLASHQLA_CUTLASS_FWD", "ws")
     assert "chunk_fwd_ws_sm90" in _cutlass_forward_note(q, spec, None)

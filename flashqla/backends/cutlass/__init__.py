@@ -42,13 +42,13 @@ came from the disk.
 columns per CTA); by default 2 when there are at least as many (sequence, head) pairs as SMs
 (``FLASHQLA_CUTLASS_NUM_WG=1|2`` forces it for every call: tuning sweeps).
 
-``FLASHQLA_CUTLASS_FWD=serial|ws|fused|auto`` (or ``backend_options={"fwd": ...}``): the forward's recurrence,
-default ``serial`` (``chunk_fwd_sm90``) until the warp-specialised ``ws`` has run on a GPU; ``fused`` is its fused
-inference form (the prep stores ``T diag(beta)`` instead of -w and u, the recurrence forms v_new from v; training
-forwards take ``ws``); ``auto`` takes the least modelled time (``CUTLASS_STEP_US`` / ``CUTLASS_WS_STEP_US`` /
+``FLASHQLA_CUTLASS_FWD=fused|serial|ws|auto`` (or ``backend_options={"fwd": ...}``): the forward's recurrence,
+default ``fused`` (session 19, H200): the warp-specialised walk's fused inference form (the prep stores
+``T diag(beta)`` instead of -w and u, the recurrence forms v_new from v); training forwards take ``serial``
+(``chunk_fwd_sm90``); ``auto`` takes the least modelled time (``CUTLASS_STEP_US`` / ``CUTLASS_WS_STEP_US`` /
 ``CUTLASS_FUSED_STEP_US``).  :func:`fwd_plan` is the choice; ``explain()`` prints it.
 
-``FLASHQLA_CUTLASS_SEGMENTS=off|auto|<chunks>`` (default ``off``: not yet run on a GPU): the forward recurrence
+``FLASHQLA_CUTLASS_SEGMENTS=auto|off|<chunks>`` (default ``auto`` since session 19): the forward recurrence
 over chunk-aligned segments of the long sequences, each walk starting in a halo before its segment (the tilelang
 forward's in-kernel CP, ``backends/tilelang/segments.py``: its tables, halo search and plan, with
 ``CUTLASS_STEP_US``).  ``auto`` splits where that model says it pays; a number forces segments of that many
@@ -445,36 +445,38 @@ def _dense_meta(B: int, T: int, device):
     return m
 
 
-# Modelled chunk step of the forward recurrence per V block (64: one consumer warpgroup, 128: two), microseconds:
-# session 2 run 8 (h200_2026-12-02_run8_qwen35-fwd_fwd.md), 16/32 1x32768 at V block 64 (64 CTAs): 1.438 ms for
-# both kernels, ~2.3 us per step with the prep's ~0.25 ms taken off; the V-block 128 step is a guess (x1.5)
-CUTLASS_STEP_US = {128: 3.5, 64: 2.3}
-# The warp-specialised recurrence (chunk_fwd_ws_sm90, V block 64): a guess until measured, from the tilelang
-# forward, whose warp-specialised walk took ~0.7 of its one-warpgroup step when it landed (session 6)
-CUTLASS_WS_STEP_US = {64: 1.6}
-# Its fused inference form (one more 64 x 64 x 64 wgmma on the chain, 24 KiB less through HBM per chunk and head):
-# a guess as well
-CUTLASS_FUSED_STEP_US = {64: 1.7}
+# Chunk step of the forward recurrences per V block, microseconds, H200 session 19 run 7 (16/32 1x32768, the
+# recurrence kernel's time / 512 chunks; h200_2026-12-05_s19run7_sweep_cutlass_fwd.json): one-warpgroup 0.624 ms at
+# V block 64 (64 CTAs), 1.016 ms at 128 (two consumer warpgroups, 32 CTAs); warp-specialised 0.628 ms; its fused form
+# 0.722 ms (one more wgmma on the chain), whose prep is ~0.12 ms faster per 16384 (chunk, head) pairs instead
+CUTLASS_STEP_US = {128: 1.98, 64: 1.22}
+CUTLASS_WS_STEP_US = {64: 1.23}
+CUTLASS_FUSED_STEP_US = {64: 1.41}
 
 FWD_VARIANTS = ("serial", "ws", "fused", "auto")
 
 
 def fwd_mode(options=None) -> str:
-    """The forward recurrence: ``backend_options["fwd"]``, else ``FLASHQLA_CUTLASS_FWD``: ``serial`` (default:
-    ``chunk_fwd_sm90``), ``ws`` (``chunk_fwd_ws_sm90``, not yet run on a GPU), ``fused`` (its fused form for
-    inference forwards, ``ws`` for training ones) or ``auto`` (the model of :func:`fwd_plan`)."""
+    """The forward recurrence: ``backend_options["fwd"]``, else ``FLASHQLA_CUTLASS_FWD``: ``fused`` (the default since
+    session 19: ``chunk_fwd_ws_sm90``'s fused form for inference forwards, ``chunk_fwd_sm90`` for training ones),
+    ``serial`` (``chunk_fwd_sm90``), ``ws`` (``chunk_fwd_ws_sm90``) or ``auto`` (the model of :func:`fwd_plan`).
+    H200 session 19 run 7, inference: fused 0.983 against serial 1.080 ms at 16/32 4x8192, 0.995 / 1.085 at 32/32
+    8x4096, 0.253 / 0.270 at 16/32 8x1024; with segments (the default) 0.268 against 0.799 at 2/8 1x32768.  Training
+    forwards keep the one-warpgroup walk: with ws, fwd+bwd took 7.48 against 7.25 ms at 16/32 4x8192 (its saves
+    read the swizzled handoff element-wise)."""
     mode = (options or {}).get("fwd")
     if mode is not None:
         if mode not in FWD_VARIANTS:
             raise ValueError(f"backend_options['fwd'] must be one of {FWD_VARIANTS}, got {mode!r}")
         return mode
-    return env_choice("FLASHQLA_CUTLASS_FWD", FWD_VARIANTS, "serial")
+    return env_choice("FLASHQLA_CUTLASS_FWD", FWD_VARIANTS, "fused")
 
 
 def segments_mode() -> str:
-    """``FLASHQLA_CUTLASS_SEGMENTS``: ``off`` (default), ``auto`` or a segment length in chunks."""
+    """``FLASHQLA_CUTLASS_SEGMENTS``: ``auto`` (default since its GPU tests passed, session 19), ``off`` or a segment
+    length in chunks."""
     from ..tilelang import segments
-    return segments.read_mode("FLASHQLA_CUTLASS_SEGMENTS", "off")
+    return segments.read_mode("FLASHQLA_CUTLASS_SEGMENTS", "auto")
 
 
 @dataclass
@@ -517,7 +519,7 @@ def fwd_plan(lengths, Hv: int, V: int, sms: int, mode: str = "serial", num_wg: i
     ws_name, ws_steps = ("ws", CUTLASS_WS_STEP_US) if training else ("fused", CUTLASS_FUSED_STEP_US)
     variant, why = mode, f"FLASHQLA_CUTLASS_FWD / backend_options: {mode}"
     if mode == "fused" and training:
-        variant, why = "ws", "FLASHQLA_CUTLASS_FWD / backend_options: fused, which serves inference only"
+        variant, why = "serial", "fused serves inference forwards; a training forward takes the one-warpgroup walk"
     if mode == "auto":
         serial_us = _walk_us(chunks, Hv, V // (64 * serial_wg), CUTLASS_STEP_US[64 * serial_wg], sms)
         ws_us = _walk_us(chunks, Hv, V // 64, ws_steps[64], sms)
