@@ -455,14 +455,14 @@ case "$STEP" in
     # the backward grid (#4: FlashQLA's, 16/32 .. 2/4 x 8k/32k x 1..8 random sequences): tilelang against FlashQLA
     # (BWD_BACKENDS adds others, e.g. tilelang@cpw8).  FlashQLA's backward kernels compile on first use, and the
     # preset's random splits pick variants the qwen35-bwd rows do not: warm exactly its rows first.
-    # BWD_FILTER picks rows.
+    # BWD_FILTER picks rows; BWD_BASELINES=flashqla,fla adds FLA's Triton (#4 item 5 asks for both ratios).
     TAIL=10 run_step "flashqla bwd warm-up" ${BWDWARM_S:-300} python benchmarks/warm_flashqla_cache.py \
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --seqs none \
         --bwd-preset flashqla-bwd --no-xz
     save_kcache
     TAIL=45 run_step "flashqla-bwd grid against FlashQLA" 420 python -m flashqla bench \
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
-        --baselines flashqla --out $OUT/bwd ;;
+        --baselines ${BWD_BASELINES:-flashqla} --out $OUT/bwd ;;
   save) save_kcache ;;
   *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | cutlassaot | cutlassseg | cutlassws | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
