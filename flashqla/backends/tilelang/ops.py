@@ -601,13 +601,18 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         bv = split.bv
     else:
         bv = fwd_ws_bv(walk_seqs, Hv, V, dev)
-    # the backward this call will run, when the forward's form depends on it (train_fused): the whole-V backward
-    # reads X and not w / u, so an unsplit training forward can take the fused form as well
-    bwd_fixed = None
-    if save and variant == "fused" and split is None and train_fused() and dev.type != "meta" and \
-            bwd_whole_ok(K, V, l2norm):
-        if bwd_plan(seq_lengths(varlen, B, T), Hv, K, V, l2norm, dev)[0] == "whole":
-            bwd_fixed = "whole"
+    # The backward this call will run, planned once here where the forward depends on it: the fused training
+    # forward (train_fused; the whole-V backward reads X and not w / u, so an unsplit training forward can take the
+    # fused form as well) and the backward's split of its gradient walk (it needs g, which is not saved).
+    train_fused_here = (save and variant == "fused" and split is None and train_fused() and
+                        bwd_whole_ok(K, V, l2norm))
+    split_bwd_here = save and variant != "serial" and segments.mode(backward=True) != "off"
+    bvariant = bplan = None
+    if dev.type != "meta" and (train_fused_here or split_bwd_here):
+        if lengths is None:
+            lengths = seq_lengths(varlen, B, T)
+        bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev)
+    bwd_fixed = "whole" if train_fused_here and bvariant == "whole" else None
     fused = variant == "fused" and (not save or bwd_fixed == "whole")
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
@@ -691,14 +696,9 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                     qf, kf, Tb, vf, *fwd_args[4:], _trace_arg(dev), scores, *no_halo)
 
     bwd_split = None
-    if save and dev.type != "meta" and variant != "serial" and segments.mode(backward=True) != "off":
-        if lengths is None:
-            lengths = seq_lengths(varlen, B, T)
-        bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev)
-        if bplan is not None:
-            tables = segments.segment_tables(lengths, bplan.seg_chunks, dev)
-            bwd_split = (bvariant, bplan.bv, tables,
-                         segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
+    if split_bwd_here and bplan is not None:
+        tables = segments.segment_tables(lengths, bplan.seg_chunks, dev)
+        bwd_split = (bvariant, bplan.bv, tables, segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
                      qf, kf, vf, bf, bwd_split, bwd_fixed)
