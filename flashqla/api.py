@@ -278,12 +278,10 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
 def _cutlass_forward_note(q, spec, varlen_meta) -> str:
     """The cutlass forward's recurrence for this call (one-warpgroup or warp-specialised, its V block, over
     segments or not) and why."""
-    from .backends.cutlass import fwd_mode, fwd_plan, segments_mode
-    from ._env import env_choice
+    from .backends.cutlass import forced_num_wg, fwd_mode, fwd_plan, segments_mode
     from .cp import _seq_bounds
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
-    num_wg = int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
-    return fwd_plan(lens, spec.Hv, spec.V, spec.device.sm_count, fwd_mode(), num_wg, segments_mode(),
+    return fwd_plan(lens, spec.Hv, spec.V, spec.device.sm_count, fwd_mode(), forced_num_wg(), segments_mode(),
                     training=bool(spec.needs_grad)).describe()
 
 

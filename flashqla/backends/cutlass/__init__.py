@@ -472,6 +472,13 @@ def fwd_mode(options=None) -> str:
     return env_choice("FLASHQLA_CUTLASS_FWD", FWD_VARIANTS, "fused")
 
 
+def forced_num_wg(options=None) -> int:
+    """The V block a call forces on the one-warpgroup recurrence: ``backend_options["num_wg"]`` (1 or 2), else
+    ``FLASHQLA_CUTLASS_NUM_WG`` (tuning sweeps); 0 leaves it to :func:`fwd_plan`."""
+    num_wg = int((options or {}).get("num_wg", 0))
+    return num_wg if num_wg in (1, 2) else int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
+
+
 def segments_mode() -> str:
     """``FLASHQLA_CUTLASS_SEGMENTS``: ``auto`` (default since its GPU tests passed, session 19), ``off`` or a segment
     length in chunks."""
@@ -637,11 +644,8 @@ class CutlassBackend(Backend):
         o = torch.empty(B, T, Hv, V, dtype=v.dtype, device=dev)
         ht = torch.empty(N, Hv, K, V, dtype=torch.float32, device=dev) if x.output_final_state else None
         h0 = x.initial_state
-        num_wg = int(x.options.get("num_wg", 0)) if x.options else 0
-        if num_wg not in (1, 2):
-            num_wg = int(env_choice("FLASHQLA_CUTLASS_NUM_WG", ("0", "1", "2"), "0"))
         lengths = x.varlen.seqlens if x.varlen is not None else [T] * B
-        plan = fwd_plan(lengths, Hv, V, spec.device.sm_count, fwd_mode(x.options), num_wg,
+        plan = fwd_plan(lengths, Hv, V, spec.device.sm_count, fwd_mode(x.options), forced_num_wg(x.options),
                         segments_mode() if C > 0 else "off", training=bool(spec.needs_grad))
         num_wg = plan.num_wg
         state_wg = plan.state_wg
