@@ -62,6 +62,7 @@
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
+#   bash benchmarks/next_device_run.sh det        the 100-run determinism tests (DET_K=tilelang or "tilelang or cutlass")
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
 #                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
@@ -463,8 +464,13 @@ case "$STEP" in
     TAIL=45 run_step "flashqla-bwd grid against FlashQLA" 420 python -m flashqla bench \
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
         --baselines ${BWD_BASELINES:-flashqla} --out $OUT/bwd ;;
+  det)
+    # #4 item 4 under the current defaults: 100 forward + backward runs bitwise equal, packed short sequences and
+    # one long sequence that the automatic plans split into segments (DET_K picks backends)
+    TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
+        -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | cutlassaot | cutlassseg | cutlassws | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | cutlassaot | cutlassseg | cutlassws | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

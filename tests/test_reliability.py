@@ -183,16 +183,20 @@ def test_random_shapes_match_oracle(backend, case, seed):
         assert rel_l2(gr, ref[n]) <= 1e-5, n
 
 
-@pytest.mark.parametrize("backend,device,runs", [("cpu", "cpu", 3)] + [
-    pytest.param(b, "cuda", 100, marks=pytest.mark.gpu) for b in ("triton", "tilelang", "cutlass")])
-def test_forward_backward_bitwise_deterministic(backend, device, runs):
+@pytest.mark.parametrize("backend,device,runs,seqlens", [("cpu", "cpu", 3, (70, 1, 200, 64))] + [
+    pytest.param(b, "cuda", 100, (70, 1, 200, 64), marks=pytest.mark.gpu) for b in ("triton", "tilelang", "cutlass")
+] + [
+    # one long sequence at few heads: the automatic plans split the forward and the gradient walk into segments
+    # with halos (issue #8), whose walk starts come from a device pass; the split must be as deterministic
+    pytest.param(b, "cuda", 100, (16384 + 37,), marks=pytest.mark.gpu) for b in ("tilelang", "cutlass")])
+def test_forward_backward_bitwise_deterministic(backend, device, runs, seqlens):
     """Same inputs, ``runs`` forward + backward passes: every output and gradient bitwise equal to the first
     (no atomics, no run-to-run reduction order).  Packed sequences with a tail, GVA, initial state."""
     _backend_or_skip(backend)
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    case = Case("det", 2, 4, 128, 128, seqlens=(70, 1, 200, 64))
+    case = Case("det", 2, 4, 128, 128, seqlens=seqlens)
     x = make_inputs(case, dtype)
     x = {n: None if t is None else t.to(device) for n, t in x.items()}
     first = None
