@@ -25,9 +25,10 @@ then the off-diagonal blocks by block distance d = 1, 2, 3: ``P = A[i, j:i] T[j:
 instead ``Tb = T diag(beta)`` (bf16 [c, h, 64, 64], row-major, into the ``t`` workspace), from which the recurrence
 forms ``v_new`` itself -- 8 KiB per (chunk, head) written and read instead of -w and u^T's 32 KiB.
 
-Shared memory (~84 KiB, two CTAs per SM): q, k, v tiles 3 x 16 KiB; A and T fp32 64 x 68 each plus the
-3 x 16 x 16 fp32 P scratch, re-used at the end as the bf16 staging tiles of -w (64 x 136) and u^T
-(128 x 72) for 128-bit global stores.
+Shared memory (~84 KiB, two CTAs per SM; ``tb`` has no v tile: ~68 KiB, three per SM): q, k, v tiles 3 x 16 KiB;
+A and T fp32 64 x 68 each plus the 3 x 16 x 16 fp32 P scratch, re-used at the end as the bf16 staging tiles of -w
+(64 x 136) and u^T (128 x 72) for 128-bit global stores.  Aqk is staged (bf16, 64 x 72) over the q tile once
+q k^T is formed, and leaves with 128-bit stores too.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ BT = 64
 PITCH = 68          # fp32 row pitch of A and T
 W_PITCH = 136       # bf16 row pitch of the -w staging tile
 U_PITCH = 72        # bf16 row pitch of the u^T staging tile
+AQK_PITCH = 72      # bf16 row pitch of the Aqk staging tile (over the q tile)
 
 
 class ChunkPrepSm90:
@@ -103,8 +105,20 @@ class ChunkPrepSm90:
             sG: cute.struct.MemRange[cutlass.Float32, BT]
             sB: cute.struct.MemRange[cutlass.Float32, BT]
 
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()
+        # tb reads no v: without its 16 KiB tile the CTA fits three to an SM instead of two, and this kernel is
+        # latency-bound (its phases wait on shared memory and barriers), so the third CTA hides that
+        @cute.struct
+        class SharedStorageTb:
+            mbar: cute.struct.MemRange[cutlass.Int64, 1]
+            sQ: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_t)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[bf16, cute.cosize(l_t)], 1024]
+            scratch: cute.struct.Align[cute.struct.MemRange[cutlass.Float32, self.scratch_f32], 128]
+            sGraw: cute.struct.MemRange[cutlass.Float32, BT]
+            sG: cute.struct.MemRange[cutlass.Float32, BT]
+            sB: cute.struct.MemRange[cutlass.Float32, BT]
+
+        self.shared_storage = SharedStorageTb if self.tb else SharedStorage
+        self.smem_bytes = self.shared_storage.size_in_bytes()
         group = hv // hqk
         self.kernel(tma_q, tQ, tma_k, tK, tma_v, tV, mg, mb, mW, mU, mA, mGc, mT, mCu, mCi,
                     hv, group, scale, l_t).launch(
@@ -129,14 +143,19 @@ class ChunkPrepSm90:
         mbar = storage.mbar.data_ptr()
         sQ = storage.sQ.get_tensor(l_t.outer, swizzle=l_t.inner)
         sK = storage.sK.get_tensor(l_t.outer, swizzle=l_t.inner)
-        sV = storage.sV.get_tensor(l_t.outer, swizzle=l_t.inner)
         sK_mn = storage.sK.get_tensor(cute.select(l_t, mode=[1, 0]).outer, swizzle=l_t.inner)
-        sV_mn = storage.sV.get_tensor(cute.select(l_t, mode=[1, 0]).outer, swizzle=l_t.inner)
         # un-swizzled aliases: a whole token row is whole 128-byte lines, which the swizzle only permutes
         # internally, so zeroing full rows through them is exact
         sQ_raw = cute.make_tensor(storage.sQ.data_ptr(), l_t.outer)
         sK_raw = cute.make_tensor(storage.sK.data_ptr(), l_t.outer)
-        sV_raw = cute.make_tensor(storage.sV.data_ptr(), l_t.outer)
+        if cutlass.const_expr(not self.tb):
+            sV = storage.sV.get_tensor(l_t.outer, swizzle=l_t.inner)
+            sV_mn = storage.sV.get_tensor(cute.select(l_t, mode=[1, 0]).outer, swizzle=l_t.inner)
+            sV_raw = cute.make_tensor(storage.sV.data_ptr(), l_t.outer)
+        # Aqk's bf16 staging tile over the q tile (dead once q k^T is formed), rows padded to 72 so that the
+        # fragment writes of neighbouring rows fall in different banks and each row stays 16-byte aligned
+        sAqk = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), dtype=bf16),
+                                cute.make_layout((BT, BT), stride=(AQK_PITCH, 1)))
         base = storage.scratch.data_ptr()
         sAf = cute.make_tensor(base, cute.make_layout((BT, BT), stride=(PITCH, 1)))
         sT = cute.make_tensor(base + BT * PITCH, cute.make_layout((BT, BT), stride=(PITCH, 1)))
@@ -208,24 +227,32 @@ class ChunkPrepSm90:
         fence_operand(acc_kk)
         fence_operand(acc_qk)
 
+        rAqk = cute.make_rmem_tensor(acc_qk.shape, bf16)
         for i in cutlass.range_constexpr(cute.size(acc_kk)):
             r, cc = cC[i]
             gr = sG[r]
             gc = sG[cc]
+            decay = cute.math.exp(gr - gc, fastmath=True)
             val = f32(0.0)
             if cc < r:
-                val = sB[r] * acc_kk[i] * cute.math.exp(gr - gc, fastmath=True)
+                val = sB[r] * acc_kk[i] * decay
             sAf[r, cc] = val
             qv = f32(0.0)
             if cc <= r:
                 if r < valid:
-                    qv = scale * acc_qk[i] * cute.math.exp(gr - gc, fastmath=True)
-            mA[row * BT + r, cc] = bf16(qv)
+                    qv = scale * acc_qk[i] * decay
+            rAqk[i] = bf16(qv)
         # T starts as the identity's zero part: every entry not written below stays 0
         for e in cutlass.range_constexpr(BT * BT // nthr):
             idx = e * nthr + tidx
             sT[idx // BT, idx % BT] = f32(0.0)
         cute.arch.sync_threads()
+        # every warp's q k^T wgmma has finished reading q (the barrier above): q's tile becomes Aqk's staging,
+        # published by the inverse's first barrier and stored with 128-bit writes at the end (two-byte global
+        # stores straight from the fragments took 32 store instructions per thread)
+        for i in cutlass.range_constexpr(cute.size(rAqk)):
+            r, cc = cC[i]
+            sAqk[r, cc] = rAqk[i]
 
         # ---------------------------------------------------------------- T = (I + A)^-1
         if tidx < BT:
@@ -273,6 +300,10 @@ class ChunkPrepSm90:
             cute.arch.sync_threads()
 
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
+        cp_a = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 8, 8), stride=(8, 1)),
+                                       cute.make_layout((1, 8)))
+        thr_a = cp_a.get_slice(tidx)
+        cute.copy(cp_a, thr_a.partition_S(sAqk), thr_a.partition_D(cute.local_tile(mA, (BT, BT), (row, 0))))
         if cutlass.const_expr(self.save or self.tb):
             # T (bf16, row-major [i][j]) for the backward, or T diag(beta) for the fused forward: 8 consecutive
             # entries per 128-bit store
