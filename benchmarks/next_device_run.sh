@@ -253,7 +253,7 @@ case "$STEP" in
     # FlashQLA needs tilelang: run a call carrying .gpu (`source .gpu/setup.sh`) first, this one within 30 s after
     # it, carrying .gpu_cute.  CGRID_FWD picks the recurrence (FLASHQLA_CUTLASS_FWD), CGRID_FILTER a part of the grid
     TAIL=40 run_step "flashqla-fwd preset, cutlass ${CGRID_FILTER:-all}" \
-        ${CGRID_S:-420} env FLASHQLA_CUTLASS_FWD=${CGRID_FWD:-serial} python -m flashqla bench --preset flashqla-fwd --no-progress \
+        ${CGRID_S:-420} env FLASHQLA_CUTLASS_FWD=${CGRID_FWD:-fused} python -m flashqla bench --preset flashqla-fwd --no-progress \
         --backends ${CGRID_BACKENDS:-cutlass,tilelang} --baselines flashqla,fla \
         ${CGRID_FILTER:+--filter "$CGRID_FILTER"} --out $OUT/cutlass_flqfwd ;;
   cutlass)
