@@ -25,6 +25,7 @@
 #   bash benchmarks/next_device_run.sh cutlassseg carry [".gpu_cute"]: the cutlass forward over segments (#5, #8)
 #   bash benchmarks/next_device_run.sh cutlassws  carry [".gpu_cute"]: the warp-specialised cutlass forward (session 19,
 #                                                 FLASHQLA_CUTLASS_FWD=ws): GPU tests, then serial / ws A/B (#5)
+#   bash benchmarks/next_device_run.sh cutlassprep carry [".gpu_cute"]: the cutlass prep's tests, kernel times, ncu
 #   bash benchmarks/next_device_run.sh cutlassgrid  FlashQLA's forward grid, cutlass (and tilelang) against FlashQLA
 #                                                 and FLA (#5's acceptance).  Needs both bundles: a call carrying
 #                                                 .gpu that only runs `source .gpu/setup.sh`, then within 30 s this
@@ -248,6 +249,20 @@ case "$STEP" in
         --backend cutlass --mode ${CWS_MODE:-fwd} --out $OUT/sweep_cutlass_ws_${CWS_MODE:-fwd}.json \
         --rows ${CWS_ROWS:-16/32:1x32768,16/32:4x8192,16/32:8x1024,8/32:1x8192,2/8:1x32768,32/32:8x4096} \
         "--variants=FLASHQLA_CUTLASS_FWD=serial;FLASHQLA_CUTLASS_FWD=ws;FLASHQLA_CUTLASS_FWD=fused;FLASHQLA_CUTLASS_FWD=fused FLASHQLA_CUTLASS_SEGMENTS=auto" ;;
+  cutlassprep)
+    # carry [".gpu_cute"] (session 20): the prep with Aqk staged for 128-bit stores and tb at three CTAs per SM. Its
+    # kernel-by-kernel and fused-forward GPU tests, the fused forward's kernel times (session 19 run 7: tb prep 0.604 ms
+    # at 16/32 4x8192, 37 ns per chunk-head against tilelang's ~14), then Nsight Compute on one prep launch
+    TAIL=8 run_step "cutlass prep tests" ${CPREP_TEST_S:-200} $PYT tests/test_backend_cutlass.py \
+        -k "one_by_one or fused_forward"
+    case $RUN_RC in 0) ;; *) echo "== cutlassprep: tests did not pass; the rest skipped"; continue ;; esac
+    TAIL=12 run_step "cutlass fused fwd kernel times" 120 python benchmarks/sweep_variants.py \
+        --backend cutlass --mode fwd --out $OUT/sweep_cutlass_prep.json \
+        --rows ${CPREP_ROWS:-16/32:4x8192,2/8:1x32768} "--variants=FLASHQLA_CUTLASS_FWD=fused"
+    [ -n "${CPREP_NCU:-1}" ] && TAIL=90 run_step "ncu cutlass prep" ${CPREP_NCU_S:-150} ncu --clock-control none \
+        -k regex:ChunkPrepSm90 --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
+        python benchmarks/profile_kernels.py --impls cutlass --rows 16/32:4x8192 --modes fwd --iters 3 ;;
   cutlassgrid)
     # #5's acceptance: FlashQLA's forward grid with the cutlass backend against FlashQLA and FLA (tilelang too).
     # FlashQLA needs tilelang: run a call carrying .gpu (`source .gpu/setup.sh`) first, this one within 30 s after
@@ -470,7 +485,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | cutlassaot | cutlassseg | cutlassws | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
