@@ -7,102 +7,106 @@ TABLE = {'sm_90': [{'mode': 'fwd',
             'width': 32,
             'tokens_per_seq': 32768,
             'order': ['tilelang', 'cutlass', 'triton'],
-            'ms': {'tilelang': 1.0209, 'cutlass': 1.4385, 'triton': 2.078},
-            'row': '16/32 1x32768',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'cutlass': 'benchmarks/results/h200_2026-12-02_run8_qwen35-fwd_fwd.json (2026-12-02 '
-                                  '20:46:22)',
+            'ms': {'tilelang': 0.6556, 'cutlass': 0.79, 'triton': 2.078},
+            'row': '8/32 1x32768',
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                   '(2026-12-05 04:36:52)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                  '(2026-12-05 04:36:52)',
                        'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
                                  '09:29:44)'}},
            {'mode': 'fwd',
             'width': 32,
             'tokens_per_seq': 8192,
             'order': ['tilelang', 'cutlass', 'triton'],
-            'ms': {'tilelang': 0.2638, 'cutlass': 0.3648, 'triton': 0.5212},
-            'row': '16/32 1x8192',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'cutlass': 'benchmarks/results/h200_2026-12-02_run8_qwen35-fwd_fwd.json (2026-12-02 '
-                                  '20:46:22)',
+            'ms': {'tilelang': 0.1876, 'cutlass': 0.2164, 'triton': 0.5212},
+            'row': '8/32 1x8192',
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                   '(2026-12-05 04:36:52)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                  '(2026-12-05 04:36:52)',
                        'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
                                  '09:29:44)'}},
            {'mode': 'fwd',
             'width': 64,
             'tokens_per_seq': 16384,
             'order': ['tilelang', 'cutlass', 'triton'],
-            'ms': {'tilelang': 1.1572, 'cutlass': 1.3636, 'triton': 2.375},
-            'row': '16/32 28672+4096',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'cutlass': 'benchmarks/results/h200_2026-12-02_run8_qwen35-fwd_fwd.json (2026-12-02 '
-                                  '20:46:22)',
+            'ms': {'tilelang': 0.6681, 'cutlass': 0.8353, 'triton': 2.375},
+            'row': '8/32 4096+28672',
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                   '(2026-12-05 04:36:52)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                  '(2026-12-05 04:36:52)',
                        'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
                                  '09:29:44)'}},
            {'mode': 'fwd',
             'width': 128,
             'tokens_per_seq': 8192,
             'order': ['tilelang', 'cutlass', 'triton'],
-            'ms': {'tilelang': 0.6696, 'cutlass': 1.1981, 'triton': 1.9578},
+            'ms': {'tilelang': 0.6268, 'cutlass': 0.7624, 'triton': 1.9578},
             'row': '16/32 4x8192',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'cutlass': 'benchmarks/results/h200_2026-12-02_run8_qwen35-fwd_fwd.json (2026-12-02 '
-                                  '20:46:22)',
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
                        'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
                                  '09:29:44)'}},
            {'mode': 'fwd',
             'width': 256,
             'tokens_per_seq': 1024,
             'order': ['tilelang', 'cutlass', 'triton'],
-            'ms': {'tilelang': 0.1828, 'cutlass': 0.2809, 'triton': 0.5136},
+            'ms': {'tilelang': 0.1702, 'cutlass': 0.2048, 'triton': 0.5136},
             'row': '16/32 8x1024',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'cutlass': 'benchmarks/results/h200_2026-12-02_run8_qwen35-fwd_fwd.json (2026-12-02 '
-                                  '20:46:22)',
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
                        'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
                                  '09:29:44)'}},
            {'mode': 'fwd',
             'width': 8,
             'tokens_per_seq': 32768,
-            'order': ['tilelang', 'triton'],
-            'ms': {'tilelang': 0.8168, 'triton': 1.0452},
+            'order': ['tilelang', 'cutlass', 'triton'],
+            'ms': {'tilelang': 0.1874, 'triton': 1.0452, 'cutlass': 0.2178},
             'row': '2/8 1x32768',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                 '09:29:44)'}},
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)',
+                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 09:29:44)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)'}},
            {'mode': 'fwd',
             'width': 8,
             'tokens_per_seq': 8192,
-            'order': ['tilelang', 'triton'],
-            'ms': {'tilelang': 0.2095, 'triton': 0.271},
+            'order': ['tilelang', 'cutlass', 'triton'],
+            'ms': {'tilelang': 0.0644, 'triton': 0.271, 'cutlass': 0.0682},
             'row': '2/8 1x8192',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                 '09:29:44)'}},
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)',
+                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 09:29:44)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)'}},
            {'mode': 'fwd',
             'width': 16,
             'tokens_per_seq': 16384,
-            'order': ['tilelang', 'triton'],
-            'ms': {'tilelang': 0.7246, 'triton': 0.9746},
-            'row': '2/8 28672+4096',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                 '09:29:44)'}},
+            'order': ['tilelang', 'cutlass', 'triton'],
+            'ms': {'tilelang': 0.1862, 'triton': 0.9746, 'cutlass': 0.2163},
+            'row': '2/8 4096+28672',
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)',
+                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 09:29:44)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)'}},
            {'mode': 'fwd',
             'width': 64,
             'tokens_per_seq': 1024,
-            'order': ['tilelang', 'triton'],
-            'ms': {'tilelang': 0.0564, 'triton': 0.1371},
+            'order': ['tilelang', 'cutlass', 'triton'],
+            'ms': {'tilelang': 0.0537, 'triton': 0.1371, 'cutlass': 0.0559},
             'row': '2/8 8x1024',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                 '09:29:44)'}},
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)',
+                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 09:29:44)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)'}},
            {'mode': 'fwd',
             'width': 16,
             'tokens_per_seq': 32768,
@@ -126,13 +130,14 @@ TABLE = {'sm_90': [{'mode': 'fwd',
            {'mode': 'fwd',
             'width': 32,
             'tokens_per_seq': 16384,
-            'order': ['tilelang', 'triton'],
-            'ms': {'tilelang': 0.7928, 'triton': 1.3054},
-            'row': '4/16 28672+4096',
-            'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                   '09:29:44)',
-                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                 '09:29:44)'}},
+            'order': ['tilelang', 'cutlass', 'triton'],
+            'ms': {'tilelang': 0.3498, 'triton': 1.3054, 'cutlass': 0.4072},
+            'row': '8/32 1x16384',
+            'source': {'tilelang': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                   '(2026-12-05 04:36:52)',
+                       'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 09:29:44)',
+                       'cutlass': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                  '(2026-12-05 04:36:52)'}},
            {'mode': 'fwd',
             'width': 64,
             'tokens_per_seq': 8192,
@@ -192,4 +197,84 @@ TABLE = {'sm_90': [{'mode': 'fwd',
             'source': {'tilelang': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
                                    '09:29:44)',
                        'triton': 'benchmarks/results/h200_2026-12-03_s7_fwd_grid.json (2026-12-03 '
-                                 '09:29:44)'}}]}
+                                 '09:29:44)'}},
+           {'mode': 'fwd',
+            'width': 8,
+            'tokens_per_seq': 16384,
+            'order': ['tilelang', 'cutlass'],
+            'ms': {'cutlass': 0.1209, 'tilelang': 0.1046},
+            'row': '2/8 1x16384',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)'}},
+           {'mode': 'fwd',
+            'width': 8,
+            'tokens_per_seq': 4096,
+            'order': ['tilelang', 'cutlass'],
+            'ms': {'cutlass': 0.0453, 'tilelang': 0.0427},
+            'row': '2/8 1x4096',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)'}},
+           {'mode': 'fwd',
+            'width': 8,
+            'tokens_per_seq': 2048,
+            'order': ['cutlass', 'tilelang'],
+            'ms': {'cutlass': 0.0302, 'tilelang': 0.0501},
+            'row': '2/8 1x2048',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)'}},
+           {'mode': 'fwd',
+            'width': 64,
+            'tokens_per_seq': 4096,
+            'order': ['tilelang', 'cutlass'],
+            'ms': {'cutlass': 0.1934, 'tilelang': 0.1905},
+            'row': '2/8 8x4096',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)'}},
+           {'mode': 'fwd',
+            'width': 32,
+            'tokens_per_seq': 2048,
+            'order': ['tilelang', 'cutlass'],
+            'ms': {'cutlass': 0.0771, 'tilelang': 0.0686},
+            'row': '8/32 1x2048',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                  '(2026-12-05 04:36:52)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                   '(2026-12-05 04:36:52)'}},
+           {'mode': 'fwd',
+            'width': 32,
+            'tokens_per_seq': 4096,
+            'order': ['tilelang', 'cutlass'],
+            'ms': {'cutlass': 0.1206, 'tilelang': 0.1048},
+            'row': '8/32 1x4096',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                  '(2026-12-05 04:36:52)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run5_cutlass_flashqla-fwd_8-32_partial.json '
+                                   '(2026-12-05 04:36:52)'}},
+           {'mode': 'fwd',
+            'width': 256,
+            'tokens_per_seq': 4096,
+            'order': ['tilelang', 'cutlass'],
+            'ms': {'cutlass': 0.7644, 'tilelang': 0.6247},
+            'row': '16/32 8x4096',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)'}},
+           {'mode': 'fwd',
+            'width': 128,
+            'tokens_per_seq': 2048,
+            'order': ['tilelang', 'cutlass'],
+            'ms': {'cutlass': 0.2007, 'tilelang': 0.1681},
+            'row': '16/32 4x2048',
+            'source': {'cutlass': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                  '(2026-12-05 04:32:12)',
+                       'tilelang': 'benchmarks/results/h200_2026-12-05_s20run4_cutlass_flashqla-fwd_16-32_2-8.json '
+                                   '(2026-12-05 04:32:12)'}}]}
