@@ -250,16 +250,19 @@ case "$STEP" in
         --rows ${CWS_ROWS:-16/32:1x32768,16/32:4x8192,16/32:8x1024,8/32:1x8192,2/8:1x32768,32/32:8x4096} \
         "--variants=FLASHQLA_CUTLASS_FWD=serial;FLASHQLA_CUTLASS_FWD=ws;FLASHQLA_CUTLASS_FWD=fused;FLASHQLA_CUTLASS_FWD=fused FLASHQLA_CUTLASS_SEGMENTS=auto" ;;
   cutlassprep)
-    # carry [".gpu_cute"] (session 20): the prep with Aqk staged for 128-bit stores and tb at three CTAs per SM. Its
-    # kernel-by-kernel and fused-forward GPU tests, the fused forward's kernel times (session 19 run 7: tb prep 0.604 ms
-    # at 16/32 4x8192, 37 ns per chunk-head against tilelang's ~14), then Nsight Compute on one prep launch
-    TAIL=8 run_step "cutlass prep tests" ${CPREP_TEST_S:-200} $PYT tests/test_backend_cutlass.py \
-        -k "one_by_one or fused_forward"
+    # carry [".gpu_cute"]: the cutlass prep.  Session 20 ran it for Aqk staged for 128-bit stores and tb at three CTAs
+    # per SM (tb prep 0.604 -> 0.388 ms at 16/32 4x8192).  Now: FLASHQLA_CUTLASS_PREP=tiled (the inverse on register
+    # tiles, CPREP_MODE): its kernel-by-kernel and fused-forward GPU tests, the A/B of the fused forward's kernel
+    # times against scalar (training rows too: the non-tb prep), then Nsight Compute on one tiled prep launch
+    TAIL=8 run_step "cutlass prep tests (${CPREP_MODE:-tiled})" ${CPREP_TEST_S:-200} env \
+        FLASHQLA_CUTLASS_PREP=${CPREP_MODE:-tiled} $PYT tests/test_backend_cutlass.py -k "one_by_one or fused_forward"
     case $RUN_RC in 0) ;; *) echo "== cutlassprep: tests did not pass; the rest skipped"; continue ;; esac
-    TAIL=12 run_step "cutlass fused fwd kernel times" 120 python benchmarks/sweep_variants.py \
-        --backend cutlass --mode fwd --out $OUT/sweep_cutlass_prep.json \
-        --rows ${CPREP_ROWS:-16/32:4x8192,2/8:1x32768} "--variants=FLASHQLA_CUTLASS_FWD=fused"
-    [ -n "${CPREP_NCU:-1}" ] && TAIL=90 run_step "ncu cutlass prep" ${CPREP_NCU_S:-150} ncu --clock-control none \
+    TAIL=12 run_step "cutlass prep A/B" 150 python benchmarks/sweep_variants.py \
+        --backend cutlass --mode ${CPREP_SWEEP_MODE:-fwd} --out $OUT/sweep_cutlass_prep.json \
+        --rows ${CPREP_ROWS:-16/32:4x8192,2/8:1x32768,16/32:8x1024} \
+        "--variants=FLASHQLA_CUTLASS_PREP=scalar;FLASHQLA_CUTLASS_PREP=${CPREP_MODE:-tiled}"
+    [ -n "${CPREP_NCU:-1}" ] && TAIL=90 run_step "ncu cutlass prep" ${CPREP_NCU_S:-150} env \
+        FLASHQLA_CUTLASS_PREP=${CPREP_MODE:-tiled} ncu --clock-control none \
         -k regex:ChunkPrepSm90 --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
         --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
         python benchmarks/profile_kernels.py --impls cutlass --rows 16/32:4x8192 --modes fwd --iters 3 ;;

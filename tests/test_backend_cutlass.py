@@ -222,6 +222,8 @@ KERNELS = [
     ("prep", (128, 128, "bfloat16", False), 24),   # k k^T, q k^T (8 k-blocks each), -w and u (4 each)
     ("prep", (128, 128, "float32", True), 24),     # fp32 beta, training variant (also stores T)
     ("prep", (128, 128, "bfloat16", False, True), 16),  # fused inference forward: T diag(beta), no -w / u
+    ("prep", (128, 128, "bfloat16", False, True, True), 16),  # FLASHQLA_CUTLASS_PREP=tiled: the inverse on register
+    ("prep", (128, 128, "float32", True, False, True), 24),   # tiles, 128-bit shared accesses
     ("fwd", (128, 128, 1, 2, False), 24),          # vn, q-part of o (8 each), Aqk-part of o, state (4 each)
     ("fwd", (128, 128, 2, 2, True), 24),           # two consumer warpgroups, training variant
     ("fwd", (128, 128, 1, 2, False, True), 24),    # the walk over segments with a halo (FLASHQLA_CUTLASS_SEGMENTS)
@@ -644,3 +646,79 @@ def test_gpu_kernels_match_emulation_one_by_one(opts):
         errs[name] = rel_l2(got.reshape(want.shape), want)
     bad = {n: e for n, e in errs.items() if not e <= 1e-2}
     assert not bad, f"first kernel off: {next(iter(bad))} (all errors: {errs})"
+
+
+def _tiled_inverse_replay(A):
+    """``ChunkPrepSm90``'s tiled inverse (FLASHQLA_CUTLASS_PREP=tiled) replayed task by task on the CPU: the same
+    thread -> (block, row, column group) maps, the same 4-wide slices, the same phases and summation order, in
+    float64.  ``A`` [64, 64] strictly lower; returns the 64 x 64 T the kernel leaves in shared memory, NaN where it
+    would leave an entry unwritten (the scratch is not cleared first)."""
+    import numpy as np
+    T = np.full((64, 64), np.nan)
+    P = np.full((3, 16, 16), np.nan)
+    nthr = 128
+    # _clear_upper_blocks
+    for tidx in range(nthr):
+        half, w = tidx // 64, tidx % 64
+        for e in range(3):
+            bi, bj = [(0, 1 + half), (half, 3 - half), (1 + half, 3)][e]
+            r, c4 = 16 * bi + w // 4, 4 * (4 * bj + w % 4)
+            T[r, c4:c4 + 4] = 0.0
+    # P1: the diagonal blocks by forward substitution (threads 0..63: block b, column c)
+    for tidx in range(64):
+        b, c = tidx // 16, tidx % 16
+        x = np.zeros(16)
+        for r in range(16):
+            acc = sum(A[16 * b + r, 16 * b + j] * x[j] for j in range(r))
+            x[r] = 1.0 if r == c else (0.0 if r < c else -acc)
+        T[16 * b:16 * b + 16, 16 * b + c] = x
+    # _off_diagonal_tiled
+    for d in range(1, 4):
+        ntasks = (4 - d) * 64
+        for phase in ("a", "b"):
+            for rd in range(-(-ntasks // nthr)):
+                for tidx in range(nthr):
+                    task = rd * nthr + tidx
+                    if task >= ntasks:
+                        continue
+                    p, r, q = task // 64, (task % 64) // 4, task % 4
+                    acc = np.zeros(4)
+                    if phase == "a":
+                        for kk in range(0, 16 * d, 4):
+                            a4 = A[16 * (p + d) + r, 4 * (4 * p + kk // 4):][:4]
+                            for u in range(4):
+                                acc = acc + a4[u] * T[16 * p + kk + u, 4 * (4 * p + q):][:4]
+                        P[p, r, 4 * q:4 * q + 4] = acc
+                    else:
+                        for y in range(0, 16, 4):
+                            d4 = T[16 * (p + d) + r, 4 * (4 * (p + d) + y // 4):][:4]
+                            for u in range(4):
+                                acc = acc + d4[u] * P[p, y + u, 4 * q:4 * q + 4]
+                        T[16 * (p + d) + r, 4 * (4 * p + q):][:4] = -acc
+    return T
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tiled_prep_inverse_replay_matches_inverse(seed):
+    """The tiled inverse's index maps write every entry of T exactly once per phase and form (I + A)^-1 (float64
+    replay of the kernel's tasks; the kernel itself needs the H200: test_gpu_kernels_match_emulation_one_by_one
+    with FLASHQLA_CUTLASS_PREP=tiled)."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    A = np.tril(rng.standard_normal((64, 64)) * 0.3, -1)
+    T = _tiled_inverse_replay(A)
+    assert not np.isnan(T).any(), "an entry of T is never written"
+    np.testing.assert_allclose(T, np.linalg.inv(np.eye(64) + A), rtol=1e-9, atol=1e-9)
+
+
+def test_prep_key_keeps_old_keys_unless_tiled(monkeypatch):
+    from flashqla.backends.cutlass import prep_key
+    monkeypatch.delenv("FLASHQLA_CUTLASS_PREP", raising=False)
+    assert prep_key(128, 128, "bfloat16", False, True) == (128, 128, "bfloat16", False, True)
+    assert prep_key(128, 128, "bfloat16", True, False) == (128, 128, "bfloat16", True)
+    monkeypatch.setenv("FLASHQLA_CUTLASS_PREP", "tiled")
+    assert prep_key(128, 128, "bfloat16", False, True) == (128, 128, "bfloat16", False, True, True)
+    assert prep_key(128, 128, "bfloat16", True, False) == (128, 128, "bfloat16", True, False, True)
+    monkeypatch.setenv("FLASHQLA_CUTLASS_PREP", "fast")
+    with pytest.raises(ValueError, match="FLASHQLA_CUTLASS_PREP"):
+        prep_key(128, 128, "bfloat16", False, True)

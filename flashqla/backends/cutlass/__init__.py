@@ -159,8 +159,10 @@ def _example_args(kind: str, key: tuple):
 def _make_kernel(kind: str, key: tuple):
     if kind == "prep":
         from .chunk_prep_sm90 import ChunkPrepSm90
-        K, V, beta, save, *tb = key                 # (tb: the fused inference forward's variant; absent = off)
-        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save, tb=bool(tb and tb[0]))
+        K, V, beta, save, *flags = key              # (flags: tb, the fused inference forward's variant; tiled,
+        #                                             the inverse on register tiles; absent = off)
+        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save, tb=bool(flags and flags[0]),
+                             tiled=bool(len(flags) > 1 and flags[1]))
     if kind == "fwd":
         from .chunk_fwd_sm90 import ChunkFwdSm90
         K, V, num_wg, stages, save, *halo = key     # (halo: the walk over segments; absent = off)
@@ -456,6 +458,26 @@ CUTLASS_FUSED_STEP_US = {64: 1.41}
 FWD_VARIANTS = ("serial", "ws", "fused", "auto")
 
 
+PREP_VARIANTS = ("scalar", "tiled")
+
+
+def prep_mode() -> str:
+    """``FLASHQLA_CUTLASS_PREP``: ``scalar`` (default) or ``tiled``, the inverse's off-diagonal phases on 1 x 4
+    register tiles with 128-bit shared-memory reads and writes (``ChunkPrepSm90._off_diagonal_tiled``; session 20's
+    ncu put the prep at 78% of the L1 pipe, 384 us at 16/32 4x8192).  Cross-compiled and CPU-replayed only: ``scalar``
+    stays the default until the GPU tests and an A/B pass on the H200."""
+    return env_choice("FLASHQLA_CUTLASS_PREP", PREP_VARIANTS, "scalar")
+
+
+def prep_key(K: int, V: int, beta_dtype: str, save: bool, fused: bool, tiled=None) -> tuple:
+    """The prep's compile key: the pre-session-20 keys are unchanged where ``tiled`` is off."""
+    tiled = prep_mode() == "tiled" if tiled is None else tiled
+    key = (K, V, beta_dtype, save)
+    if tiled:
+        return key + (bool(fused), True)
+    return key + ((True,) if fused else ())
+
+
 def fwd_mode(options=None) -> str:
     """The forward recurrence: ``backend_options["fwd"]``, else ``FLASHQLA_CUTLASS_FWD``: ``fused`` (the default since
     session 19: ``chunk_fwd_ws_sm90``'s fused form for inference forwards, ``chunk_fwd_sm90`` for training ones),
@@ -669,7 +691,7 @@ class CutlassBackend(Backend):
 
         save = bool(spec.needs_grad)
         fused = plan.variant == "fused"       # (fwd_plan gives it to inference forwards only)
-        prep = compile_kernel("prep", (K, V, spec.beta_dtype, save) + ((True,) if fused else ()))
+        prep = compile_kernel("prep", prep_key(K, V, spec.beta_dtype, save, fused))
         if fused:
             fwd = compile_kernel("fwd_ws", (K, V, False, split is not None, True))
         elif plan.variant == "ws":

@@ -52,12 +52,14 @@ AQK_PITCH = 72      # bf16 row pitch of the Aqk staging tile (over the q tile)
 
 
 class ChunkPrepSm90:
-    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False, save: bool = False, tb: bool = False):
+    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False, save: bool = False, tb: bool = False,
+                 tiled: bool = False):
         assert K == 128 and V == 128 and not (save and tb)
         self.K, self.V = K, V
         self.beta_fp32 = beta_fp32
         self.save = save   # training forward: also store T = (I + A)^-1 as bf16 [c, h, 64, 64]
         self.tb = tb       # fused inference forward: store T diag(beta) there instead of -w and u
+        self.tiled = tiled  # the inverse's off-diagonal phases on 1 x 4 register tiles with 128-bit shared accesses
         self.threads = 128
         self.scratch_f32 = 2 * BT * PITCH + 3 * 256
         assert self.scratch_f32 * 4 >= (BT * W_PITCH + V * U_PITCH) * 2
@@ -242,10 +244,13 @@ class ChunkPrepSm90:
                 if r < valid:
                     qv = scale * acc_qk[i] * decay
             rAqk[i] = bf16(qv)
-        # T starts as the identity's zero part: every entry not written below stays 0
-        for e in cutlass.range_constexpr(BT * BT // nthr):
-            idx = e * nthr + tidx
-            sT[idx // BT, idx % BT] = f32(0.0)
+        if cutlass.const_expr(self.tiled):
+            self._clear_upper_blocks(tidx, sT)
+        else:
+            # T starts as the identity's zero part: every entry not written below stays 0
+            for e in cutlass.range_constexpr(BT * BT // nthr):
+                idx = e * nthr + tidx
+                sT[idx // BT, idx % BT] = f32(0.0)
         cute.arch.sync_threads()
         # every warp's q k^T wgmma has finished reading q (the barrier above): q's tile becomes Aqk's staging,
         # published by the inverse's first barrier and stored with 128-bit writes at the end (two-byte global
@@ -272,32 +277,35 @@ class ChunkPrepSm90:
             for r in cutlass.range_constexpr(16):
                 sT[16 * b + r, 16 * b + c] = x[r]
         cute.arch.sync_threads()
-        for d in cutlass.range_constexpr(1, 4):
-            n_el = (4 - d) * 256
-            for e in cutlass.range_constexpr(n_el // nthr):
-                p = e // 2
-                i_blk = p + d
-                j_blk = p
-                rc = (e % 2) * nthr + tidx
-                r = rc // 16
-                cc = rc % 16
-                acc = f32(0.0)
-                for xk in cutlass.range_constexpr(16 * j_blk, 16 * i_blk):
-                    acc = acc + sAf[16 * i_blk + r, xk] * sT[xk, 16 * j_blk + cc]
-                sP[p, r, cc] = acc
-            cute.arch.sync_threads()
-            for e in cutlass.range_constexpr(n_el // nthr):
-                p = e // 2
-                i_blk = p + d
-                j_blk = p
-                rc = (e % 2) * nthr + tidx
-                r = rc // 16
-                cc = rc % 16
-                acc = f32(0.0)
-                for y in cutlass.range_constexpr(16):
-                    acc = acc + sT[16 * i_blk + r, 16 * i_blk + y] * sP[p, y, cc]
-                sT[16 * i_blk + r, 16 * j_blk + cc] = -acc
-            cute.arch.sync_threads()
+        if cutlass.const_expr(self.tiled):
+            self._off_diagonal_tiled(tidx, sAf, sT, sP)
+        else:
+            for d in cutlass.range_constexpr(1, 4):
+                n_el = (4 - d) * 256
+                for e in cutlass.range_constexpr(n_el // nthr):
+                    p = e // 2
+                    i_blk = p + d
+                    j_blk = p
+                    rc = (e % 2) * nthr + tidx
+                    r = rc // 16
+                    cc = rc % 16
+                    acc = f32(0.0)
+                    for xk in cutlass.range_constexpr(16 * j_blk, 16 * i_blk):
+                        acc = acc + sAf[16 * i_blk + r, xk] * sT[xk, 16 * j_blk + cc]
+                    sP[p, r, cc] = acc
+                cute.arch.sync_threads()
+                for e in cutlass.range_constexpr(n_el // nthr):
+                    p = e // 2
+                    i_blk = p + d
+                    j_blk = p
+                    rc = (e % 2) * nthr + tidx
+                    r = rc // 16
+                    cc = rc % 16
+                    acc = f32(0.0)
+                    for y in cutlass.range_constexpr(16):
+                        acc = acc + sT[16 * i_blk + r, 16 * i_blk + y] * sP[p, y, cc]
+                    sT[16 * i_blk + r, 16 * j_blk + cc] = -acc
+                cute.arch.sync_threads()
 
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
         cp_a = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 8, 8), stride=(8, 1)),
@@ -322,6 +330,77 @@ class ChunkPrepSm90:
             cute.copy(cp_t, rT, gT)
         if cutlass.const_expr(not self.tb):
             self._store_w_u(tidx, sT, sB, sG, sK_mn, sV_mn, sWst, sUst, sUst_c, mW, mU, row, copy_atom)
+
+    @cute.jit
+    def _clear_upper_blocks(self, tidx, sT: cute.Tensor):
+        """Zero T's six 16 x 16 blocks above the diagonal (the only entries no phase writes: P1 writes the diagonal
+        blocks whole, the off-diagonal phases every block below), 128-bit stores, three per thread."""
+        zero4 = cute.make_rmem_tensor((4,), cutlass.Float32)
+        zero4.fill(0.0)
+        half = tidx // 64
+        w = tidx % 64
+        # task e * 128 + tidx -> block 2e + half of (0,1) (0,2) | (0,3) (1,2) | (1,3) (2,3)
+        for e in cutlass.range_constexpr(3):
+            if cutlass.const_expr(e == 0):
+                bi, bj = 0, 1 + half
+            elif cutlass.const_expr(e == 1):
+                bi, bj = half, 3 - half
+            else:
+                bi, bj = 1 + half, 3
+            cute.autovec_copy(zero4, cute.local_tile(sT[(16 * bi + w // 4, None)], (4,), (4 * bj + w % 4,)))
+
+    @cute.jit
+    def _off_diagonal_tiled(self, tidx, sAf: cute.Tensor, sT: cute.Tensor, sP: cute.Tensor):
+        """The inverse's off-diagonal blocks by block distance d = 1, 2, 3 (pairs p = 0 .. 3 - d, block i = p + d
+        below block j = p), the same products and summation order as the scalar phases:
+        ``P_p = A[i, j:i] T[j:i, j]``, then ``T[i, j] = -T[i, i] P_p``.  A task is one row and four consecutive
+        columns of a 16 x 16 output block (64 tasks per block; a warp's 32 tasks share the block), so each 128-bit
+        row read of A or T[i, i] (8 rows per warp, distinct banks at the 68-word pitch) feeds four k-steps, and each
+        128-bit read of T or P (4 addresses per warp, broadcast) feeds four columns: ~4x fewer shared-memory
+        instructions than one column per thread, which ran the prep at 78% of the L1 pipe (session 20's ncu)."""
+        f32 = cutlass.Float32
+        nthr = self.threads
+        for d in cutlass.range_constexpr(1, 4):
+            ntasks = (4 - d) * 64
+            for rd in cutlass.range_constexpr(-(-ntasks // nthr)):
+                task = rd * nthr + tidx
+                if task < ntasks:
+                    p = task // 64
+                    r = (task % 64) // 4
+                    q = task % 4
+                    acc = cute.make_rmem_tensor((4,), f32)
+                    acc.fill(0.0)
+                    for kk in cutlass.range_constexpr(0, 16 * d, 4):
+                        a4 = cute.make_rmem_tensor((4,), f32)
+                        cute.autovec_copy(cute.local_tile(sAf[(16 * (p + d) + r, None)], (4,), (4 * p + kk // 4,)), a4)
+                        for u in cutlass.range_constexpr(4):
+                            t4 = cute.make_rmem_tensor((4,), f32)
+                            cute.autovec_copy(cute.local_tile(sT[(16 * p + kk + u, None)], (4,), (4 * p + q,)), t4)
+                            for c in cutlass.range_constexpr(4):
+                                acc[c] = acc[c] + a4[u] * t4[c]
+                    cute.autovec_copy(acc, cute.local_tile(sP[(p, r, None)], (4,), (q,)))
+            cute.arch.sync_threads()
+            for rd in cutlass.range_constexpr(-(-ntasks // nthr)):
+                task = rd * nthr + tidx
+                if task < ntasks:
+                    p = task // 64
+                    r = (task % 64) // 4
+                    q = task % 4
+                    acc = cute.make_rmem_tensor((4,), f32)
+                    acc.fill(0.0)
+                    for y in cutlass.range_constexpr(0, 16, 4):
+                        d4 = cute.make_rmem_tensor((4,), f32)
+                        cute.autovec_copy(cute.local_tile(sT[(16 * (p + d) + r, None)], (4,), (4 * (p + d) + y // 4,)),
+                                          d4)
+                        for u in cutlass.range_constexpr(4):
+                            p4 = cute.make_rmem_tensor((4,), f32)
+                            cute.autovec_copy(cute.local_tile(sP[(p, y + u, None)], (4,), (q,)), p4)
+                            for c in cutlass.range_constexpr(4):
+                                acc[c] = acc[c] + d4[u] * p4[c]
+                    for c in cutlass.range_constexpr(4):
+                        acc[c] = -acc[c]
+                    cute.autovec_copy(acc, cute.local_tile(sT[(16 * (p + d) + r, None)], (4,), (4 * p + q,)))
+            cute.arch.sync_threads()
 
     @cute.jit
     def _store_w_u(self, tidx, sT: cute.Tensor, sB: cute.Tensor, sG: cute.Tensor, sK_mn: cute.Tensor,
