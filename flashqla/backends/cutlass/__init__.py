@@ -482,7 +482,8 @@ def fwd_mode(options=None) -> str:
     """The forward recurrence: ``backend_options["fwd"]``, else ``FLASHQLA_CUTLASS_FWD``: ``fused`` (the default since
     session 19: ``chunk_fwd_ws_sm90``'s fused form for inference forwards, ``chunk_fwd_sm90`` for training ones),
     ``serial`` (``chunk_fwd_sm90``), ``ws`` (``chunk_fwd_ws_sm90``) or ``auto`` (the model of :func:`fwd_plan`).
-    H200 session 19 run 7, inference: fused 0.983 against serial 1.080 ms at 16/32 4x8192, 0.995 / 1.085 at 32/32
+    H200 session 20 run 3: fused 0.747 ms at 16/32 4x8192 once the prep staged Aqk and ran the tb form three CTAs to
+    an SM (prep 0.604 -> 0.388 ms).  Session 19 run 7, inference: fused 0.983 against serial 1.080 ms at 16/32 4x8192, 0.995 / 1.085 at 32/32
     8x4096, 0.253 / 0.270 at 16/32 8x1024; with segments (the default) 0.268 against 0.799 at 2/8 1x32768.  Training
     forwards keep the one-warpgroup walk: with ws, fwd+bwd took 7.48 against 7.25 ms at 16/32 4x8192 (its saves
     read the swizzled handoff element-wise)."""

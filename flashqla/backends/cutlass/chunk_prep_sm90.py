@@ -19,7 +19,11 @@ tokens, or TMA zero fill past the tensor end) are zeroed in shared memory before
 
 Inverse: the four 16x16 diagonal blocks are inverted by forward substitution, one column per thread;
 then the off-diagonal blocks by block distance d = 1, 2, 3: ``P = A[i, j:i] T[j:i, j]`` and
-``T[i, j] = -T[i, i] P`` (two barrier-separated phases each).
+``T[i, j] = -T[i, i] P`` (two barrier-separated phases each).  One output entry per thread and step reads
+A and T as scalars; with ``tiled`` (``FLASHQLA_CUTLASS_PREP=tiled``) a thread owns one row and four columns of
+an output block and reads 128-bit slices, ~3x fewer shared-memory instructions per thread, and only the six
+blocks above the diagonal are cleared first.  That matters because the prep is bound by shared memory (session 20's
+Nsight Compute: L1 pipe 78%, 1.6-way store conflicts, 384 us at 16/32 4x8192 for the tb form).
 
 ``tb`` (the fused inference forward, :mod:`.chunk_fwd_ws_sm90` with ``fused``): no ``-w`` / ``u`` and no v tile;
 instead ``Tb = T diag(beta)`` (bf16 [c, h, 64, 64], row-major, into the ``t`` workspace), from which the recurrence
