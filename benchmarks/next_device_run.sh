@@ -60,6 +60,8 @@
 #                                                 then the A/B against the unsplit walk, inference and training (#8)
 #   bash benchmarks/next_device_run.sh trainfused the fused training forward ahead of the whole-V backward (session 19,
 #                                                 FLASHQLA_TILELANG_TRAIN_FUSED): GPU tests, then the fwd+bwd A/B (#4)
+#   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
+#                                                 segments (its saves fixed in session 20): GPU test, fwd+bwd A/B (#8)
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
@@ -367,6 +369,18 @@ case "$STEP" in
         --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_train_fused.json \
         --rows ${TF_ROWS:-16/32:4x8192,16/32:8x4096,32/32:8x4096,4/16:8x4096,16/32:1x32768,2/4:1x32768} \
         "--variants=FLASHQLA_TILELANG_TRAIN_FUSED=0;FLASHQLA_TILELANG_TRAIN_FUSED=1;FLASHQLA_TILELANG_BWD_SEGMENTS=auto;FLASHQLA_TILELANG_TRAIN_FUSED=1 FLASHQLA_TILELANG_BWD_SEGMENTS=auto" ;;
+  trainfusedall)
+    # FLASHQLA_TILELANG_TRAIN_FUSED=all (session 20): the fused training forward over segments, whose v_new saves
+    # moved to the output warpgroup (they spilled and serialised every wgmma under the chain's halo branch; session
+    # 19 run 3 measured that walk at 0.75 against 0.52 ms at 16/32 1x32768).  Its GPU test, then the fwd+bwd A/B on
+    # the rows whose forward splits (#8: 16/32 32k in one sequence is the backward grid's lowest row)
+    TAIL=8 run_step "fused training forward over segments, GPU tests" ${TFA_TEST_S:-200} $PYT \
+        tests/test_tilelang_segments.py -k "fused_training_forward_over_segments"
+    case $RUN_RC in 0) ;; *) echo "== trainfusedall: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=20 run_step "fwd+bwd, TRAIN_FUSED 1 / all" ${TFA_SWEEP_S:-200} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_train_fused_all.json \
+        --rows ${TFA_ROWS:-16/32:1x32768,8/16:1x32768,2/4:1x32768,16/32:28672+4096} \
+        "--variants=FLASHQLA_TILELANG_TRAIN_FUSED=1;FLASHQLA_TILELANG_TRAIN_FUSED=all" ;;
   tritonseg)
     # the triton forward walk in segments with a halo (session 17, serial.seg, off by default) and the state-gradient
     # walk's (session 18, serial.bseg): their tests on the GPU, then the A/B against the plain walks, inference and
@@ -488,7 +502,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

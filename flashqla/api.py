@@ -259,13 +259,14 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
         note = (f"in-kernel CP: {plan.describe()}; each walk starts in a halo where the gates' decay bound allows "
                 "(decided on the device), else at its sequence start")
     if getattr(spec, "needs_grad", False):
-        from .backends.tilelang.ops import bwd_plan, bwd_whole_ok, fwd_variant, train_fused
+        from .backends.tilelang.ops import bwd_plan, bwd_whole_ok, fwd_variant, train_fused, train_fused_mode
         if fwd_variant() != "fused":
             form = f"the {fwd_variant()} form (FLASHQLA_TILELANG_FWD)"
         elif not train_fused():
             form = "unfused (w, u and X for either backward; FLASHQLA_TILELANG_TRAIN_FUSED=0)"
-        elif plan is not None:
-            form = "unfused (its walk runs in segments, where the fused walk with its saves is no faster)"
+        elif plan is not None and train_fused_mode() != "all":
+            form = ("unfused (its walk runs in segments, where the fused walk with its saves has not been measured "
+                    "since its fix; FLASHQLA_TILELANG_TRAIN_FUSED=all)")
         elif bwd_whole_ok(spec.K, spec.V, spec.use_qk_l2norm) and \
                 bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)[0] == "whole":
             form = "fused (Tb and X; the whole-V backward reads no w or u)"

@@ -276,10 +276,15 @@ def test_halo_walk_reaches_the_true_state(gate, reverse):
              False, True)),
     ("fwd", ("float16", 128, 128, 64, True, True, True, True, 0, 0, True, True, False, False, False, True, False,
              False, True)),
+    # the fused training forward over segments at BV 128: its v_new saves under the chain's halo branch spilled and
+    # serialised every wgmma (40 waits for 40) until the output warpgroup took them over (session 20)
+    ("fwd", ("bfloat16", 128, 128, 128, False, False, True, True, 0, 0, True, True, False, False, True, True, False,
+             False, True)),
     # the backward's gradient walk, with dht at BV 64 and with the L2 norm at BV 32
     ("bwd", ("bfloat16", 128, 128, 64, False, True, True, True)),
     ("bwd", ("float16", 128, 128, 32, True, False, True, True)),
-], ids=["fwd-fused-bv128", "fwd-pscores-bv32-l2-h0", "fwd-train-bv64-fp16", "bwd-bv64-dht", "bwd-bv32-l2"])
+], ids=["fwd-fused-bv128", "fwd-pscores-bv32-l2-h0", "fwd-train-bv64-fp16", "fwd-fused-train-bv128", "bwd-bv64-dht",
+         "bwd-bv32-l2"])
 def test_halo_kernels_lower_for_sm90a(kind, args):
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here")
@@ -379,6 +384,24 @@ def test_gpu_split_backward_matches_oracle(case, bwd, monkeypatch):
     assert res.ok, f"{case.name}: {res.failures} (all {res.errors})"
     name = "bwd_whole_sm90" if bwd == "whole" and not case.l2norm else "bwd_state_ws_sm90"
     assert any(n == name and key[-1] is True for n, key in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", [c for c in _GPU_SEG_CASES if not c.l2norm], ids=lambda c: c.name)
+def test_gpu_fused_training_forward_over_segments(case, monkeypatch):
+    # FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward walks segments of 2 chunks (its v_new saves from
+    # the output warpgroup, session 20), then the whole-V backward over segments; the gradients against the oracle
+    from flashqla.backends.tilelang import _compile
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "all")
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", "fused")
+    res = _oracle_run(case, True, "2", monkeypatch, "whole")
+    print(case.name, {k: f"{v:.2e}" for k, v in res.errors.items()})
+    assert res.ok, f"{case.name}: {res.failures} (all {res.errors})"
+    built = set(_compile.cached_kernels())
+    assert any(n == "fwd_intra_tbx_sm90" for n, _ in built)
+    # the fused recurrence with its saves over segments: key entries 7 (save_states), 14 (fused) and the last (halo)
+    assert any(n == "fwd_recurrent_ws_sm90" and k[7] and len(k) > 14 and k[14] and k[-1] is True for n, k in built)
 
 
 @pytest.mark.gpu
@@ -513,6 +536,10 @@ def test_explain_notes(monkeypatch):
     assert "training forward: fused (Tb and X" in _tilelang_forward_note(q4, train, None)   # 128 walks: whole-V
     # (one long sequence at few heads: the walk is split, the training forward stays unfused)
     assert "training forward: unfused (its walk runs in segments" in _tilelang_forward_note(
+        q, SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "all")      # (split forwards fused as well)
+    monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS")            # (the whole-V backward over segments)
+    assert "training forward: fused (Tb and X" in _tilelang_forward_note(
         q, SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
     monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
     assert "training forward: unfused (w, u and X" in _tilelang_forward_note(q4, train, None)

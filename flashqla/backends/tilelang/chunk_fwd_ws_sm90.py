@@ -160,6 +160,12 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     U_SHAPE = (NT, Hv, V) if fused else (NC, Hv, C, V)
     WK = C if fused else K
     big = BV > 64
+    # The fused training walk over segments stores its v_new saves from the output warpgroup, not the chain: with the
+    # store (and its wait) under the chain's halo branch, ptxas ran out of registers there, spilled 512 bytes and
+    # serialised every wgmma (40 waits for 40 HGMMA; session 20, nvcc 13 for sm_90a), which is why that walk took
+    # 0.75 against 0.52 ms at 16/32 1x32768 on the H200 (session 19 run 3).  Elsewhere the chain stores them, as
+    # measured.
+    vn_save_by_output = save_states and fused and halo
     R0, nb0 = ws_layout(BV)
     R = ring or R0          # ring slots of q, k, w, u, G
     nb = nbuf or nb0        # buffers of Sb and v_new
@@ -397,7 +403,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             T.fence_proxy_async()
                             T.barrier_arrive(vnew_ready[b])
                             stamp(trace_out, 3, i, tx, 0, bv, h, n)
-                            if save_states:
+                            if save_states and not vn_save_by_output:
                                 T.copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
                         if l2norm:
                             if not fused:       # (the fused chain waited for the row factors already)
@@ -476,6 +482,10 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         stamp(trace_out, 9, i, tx, 128, bv, h, n)
                         T.gemm(P_s[pb, :, :], vn_s[b, :, :], o_f)
                         stamp(trace_out, 10, i, tx, 128, bv, h, n)
+                        if vn_save_by_output:
+                            # (the electing thread waits for the store's shared reads before its arrival below, and
+                            # the chain's wait on vnew_free needs every arrival, so v_new is not overwritten early)
+                            T.copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
                         T.barrier_arrive(vnew_free[b])
                         if psplit:
                             T.barrier_arrive(p_free[pb])

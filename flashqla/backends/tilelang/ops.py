@@ -247,8 +247,19 @@ def train_fused() -> bool:
     whatever ``FLASHQLA_TILELANG_BWD`` says by then).  H200, session 19 run 3 (fwd+bwd): 2.877 -> 2.637 ms at
     16/32 8x4096, 2.790 -> 2.585 at 32/32 8x4096, 1.423 -> 1.309 at 4/16 8x4096; over segments the fused walk with
     its saves was as much slower as stage 1 got faster (16/32 1x32768: 0.75 against 0.52 ms), so split forwards
-    keep the unfused pair.  ``0`` turns it off."""
-    return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1"), "1") == "1"
+    keep the unfused pair.  ``0`` turns it off; ``all`` takes the fused form over segments as well (see
+    :func:`train_fused_mode`)."""
+    return train_fused_mode() != "0"
+
+
+def train_fused_mode() -> str:
+    """``FLASHQLA_TILELANG_TRAIN_FUSED``: ``1`` (default: unsplit forwards), ``0`` (off) or ``all`` (split forwards too).
+    Session 20 found why the fused walk with its saves was slow over segments: its v_new store sat under the
+    chain's halo branch, and ptxas spilled there and serialised all 40 wgmma.  The output warpgroup stores them now
+    and the variant lowers pipelined (40 HGMMA, 6 waits, no stack), as the unsplit one does.  ``all`` waits for the
+    H200 to measure it (``bash benchmarks/next_device_run.sh trainfused`` with ``TF_MODE=all``) before it becomes
+    the default: at 16/32 1x32768 it would save stage 1's ~0.24 ms if the walk then matches the unfused one."""
+    return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1", "all"), "1")
 
 
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
@@ -604,8 +615,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     # The backward this call will run, planned once here where the forward depends on it: the fused training
     # forward (train_fused; the whole-V backward reads X and not w / u, so an unsplit training forward can take the
     # fused form as well) and the backward's split of its gradient walk (it needs g, which is not saved).
-    train_fused_here = (save and variant == "fused" and split is None and train_fused() and
-                        bwd_whole_ok(K, V, l2norm))
+    train_fused_here = (save and variant == "fused" and (split is None or train_fused_mode() == "all") and
+                        train_fused() and bwd_whole_ok(K, V, l2norm))
     split_bwd_here = save and variant != "serial" and segments.mode(backward=True) != "off"
     bvariant = bplan = None
     if dev.type != "meta" and (train_fused_here or split_bwd_here):
