@@ -450,3 +450,18 @@ def test_hw_ex2_switch_and_keys(monkeypatch):
     monkeypatch.setenv("FLASHQLA_TILELANG_EX2", "fast")
     with pytest.raises(ValueError, match="FLASHQLA_TILELANG_EX2"):
         ops.hw_ex2()
+
+
+def test_train_fused_credit_only_where_the_fused_training_forward_runs(monkeypatch):
+    """The whole-V backward is credited with the fused training forward's saving only where that forward runs: not
+    ahead of a split forward under FLASHQLA_TILELANG_TRAIN_FUSED=1 (it stays unfused there), yes under ``all``."""
+    from flashqla.backends.tilelang import ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_FWD", raising=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
+    dev = torch.device("cpu")
+    assert ops._train_fused_credit(512, 32, dev) > 0
+    assert ops._train_fused_credit(512, 32, dev, fwd_split=True) == 0
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "all")
+    assert ops._train_fused_credit(512, 32, dev, fwd_split=True) == ops._train_fused_credit(512, 32, dev) > 0
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
+    assert ops._train_fused_credit(512, 32, dev) == 0

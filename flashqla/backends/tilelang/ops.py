@@ -342,26 +342,29 @@ def bwd_whole_pays(meta: "ChunkMeta", Hv: int, device) -> bool:
     return model is not None and model[0] < model[1]
 
 
-def _train_fused_credit(num_chunks: int, Hv: int, device) -> float:
+def _train_fused_credit(num_chunks: int, Hv: int, device, fwd_split: bool = False) -> float:
     """Microseconds the fused training forward saves ahead of a whole-V backward (``TRAIN_FUSED_PAIR_CREDIT_US``), or
-    0 where it does not run (``FLASHQLA_TILELANG_TRAIN_FUSED`` off, or a forward variant other than fused)."""
-    if not train_fused() or fwd_variant() != "fused":
+    0 where it does not run (``FLASHQLA_TILELANG_TRAIN_FUSED`` off, a forward variant other than fused, or a forward
+    split into segments while ``FLASHQLA_TILELANG_TRAIN_FUSED`` is not ``all``)."""
+    if not train_fused() or fwd_variant() != "fused" or (fwd_split and train_fused_mode() != "all"):
         return 0.0
     sms = detect(device).sm_count or 132
     return num_chunks * Hv * TRAIN_FUSED_PAIR_CREDIT_US * 132 / sms
 
 
-def _bwd_model(meta: "ChunkMeta", Hv: int, device) -> Optional[tuple]:
+def _bwd_model(meta: "ChunkMeta", Hv: int, device, fwd_split: bool = False) -> Optional[tuple]:
     """``(t_whole, t_split, busy_seqs)`` of :func:`bwd_costs` for this call, or None when it has no chunks; the
-    whole-V time net of what it saves the forward (:func:`_train_fused_credit`)."""
+    whole-V time net of what it saves the forward (:func:`_train_fused_credit`; ``fwd_split``: the forward walks
+    segments)."""
     busy = meta.busy_seqs or meta.num_seqs
     if meta.num_chunks == 0 or busy <= 0:
         return None
     t_whole, t_split = bwd_costs(meta.num_chunks, busy, Hv, device)
-    return t_whole - _train_fused_credit(meta.num_chunks, Hv, device), t_split, busy
+    return t_whole - _train_fused_credit(meta.num_chunks, Hv, device, fwd_split), t_split, busy
 
 
-def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False) -> tuple:
+def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False,
+               fwd_split: bool = False) -> tuple:
     """(variant, why): the backward ``backward`` runs for this call -- ``FLASHQLA_TILELANG_BWD`` if set, else the
     whole-V kernel where it serves the call and :func:`bwd_whole_pays`, else the split one (``ws``).  ``why`` is
     written only with ``explain`` (``flashqla.explain`` prints it; the call path does not need it)."""
@@ -374,7 +377,7 @@ def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device,
         return variant, f"FLASHQLA_TILELANG_BWD={variant}"
     if not fits:
         return "ws", "split backward: the whole-V fused kernel serves K = V = 128 without the fused L2 norm only"
-    model = _bwd_model(meta, Hv, device)
+    model = _bwd_model(meta, Hv, device, fwd_split)
     whole = model is not None and model[0] < model[1]
     if not explain:
         return ("whole" if whole else "ws"), ""
@@ -387,7 +390,7 @@ def bwd_choice(meta: "ChunkMeta", Hv: int, K: int, V: int, l2norm: bool, device,
             f"walks on {sms} SMs, the longest {round(meta.num_chunks / busy)} chunks; "
             f"modelled {t_whole / 1000:.2f} ms whole-V against {t_split / 1000:.2f} ms split"
             + (" (whole-V net of the fused training forward's saving)"
-               if _train_fused_credit(meta.num_chunks, Hv, device) else ""))
+               if _train_fused_credit(meta.num_chunks, Hv, device, fwd_split) else ""))
 
 
 def whole_nregs() -> Optional[tuple]:
@@ -533,8 +536,11 @@ def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bo
     time wins (``FLASHQLA_TILELANG_BWD`` set: that backward, split where it pays).  Without a split this is
     :func:`bwd_choice`.  A V-block forced by ``FLASHQLA_TILELANG_BV`` replaces the split backward's."""
     meta = ChunkMeta.of_lengths(lengths)
-    variant, why = bwd_choice(meta, Hv, K, V, l2norm, device, explain)
-    model = _bwd_model(meta, Hv, device)
+    # (the fused training forward, whose saving the whole-V backward is credited with, skips split forwards unless
+    # FLASHQLA_TILELANG_TRAIN_FUSED=all)
+    fwd_split = fwd_segment_plan(lengths, Hv, V, device) is not None
+    variant, why = bwd_choice(meta, Hv, K, V, l2norm, device, explain, fwd_split)
+    model = _bwd_model(meta, Hv, device, fwd_split)
     if variant == "serial" or model is None or segments.mode(backward=True) == "off":
         return variant, None, why
     t_whole, t_split, busy = model
@@ -553,7 +559,7 @@ def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bo
     if bwd_whole_ok(K, V, l2norm) and (variant == "whole" or not forced):
         plan = segments.segment_plan(lengths, Hv, V, sms, V, backward=True, steps={V: WHOLE_STEP_US}, bvs=(V,))
         # (t_whole is already net of the fused training forward's saving; the split plan's estimate is not)
-        credit = _train_fused_credit(meta.num_chunks, Hv, device)
+        credit = _train_fused_credit(meta.num_chunks, Hv, device, fwd_split)
         cands.append((plan.est_us - credit if plan else t_whole, "whole", plan))
     t, variant, plan = min(cands, key=lambda c: c[0])
     if plan is not None and explain:
