@@ -60,6 +60,8 @@
 #                                                 then the A/B against the unsplit walk, inference and training (#8)
 #   bash benchmarks/next_device_run.sh trainfused the fused training forward ahead of the whole-V backward (session 19,
 #                                                 FLASHQLA_TILELANG_TRAIN_FUSED): GPU tests, then the fwd+bwd A/B (#4)
+#   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
+#                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
 #                                                 segments (its saves fixed in session 20): GPU test, fwd+bwd A/B (#8)
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
@@ -369,6 +371,18 @@ case "$STEP" in
         --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_train_fused.json \
         --rows ${TF_ROWS:-16/32:4x8192,16/32:8x4096,32/32:8x4096,4/16:8x4096,16/32:1x32768,2/4:1x32768} \
         "--variants=FLASHQLA_TILELANG_TRAIN_FUSED=0;FLASHQLA_TILELANG_TRAIN_FUSED=1;FLASHQLA_TILELANG_BWD_SEGMENTS=auto;FLASHQLA_TILELANG_TRAIN_FUSED=1 FLASHQLA_TILELANG_BWD_SEGMENTS=auto" ;;
+  intracompact)
+    # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled unpadded A / X tiles, A over
+    # the k tile (33 KB of shared memory instead of 53: five CTAs per SM instead of four).  Its GPU test, then the A/B
+    # on the forward (#8's forward rows: 16/32 1x32768 at 1.02x FlashQLA, stage 1 0.23 of the 0.62 ms at 4x8192) and
+    # on fwd+bwd (the fused training forward's Tb and X form)
+    TAIL=8 run_step "compact stage 1, GPU tests" ${IC_TEST_S:-200} $PYT tests/test_backend_tilelang.py \
+        -k "intra_compact"
+    case $RUN_RC in 0) ;; *) echo "== intracompact: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=20 run_step "stage 1 compact A/B" ${IC_SWEEP_S:-200} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode ${IC_MODE:-fwd} --out $OUT/sweep_intra_compact.json \
+        --rows ${IC_ROWS:-16/32:4x8192,16/32:1x32768,32/32:1x32768,2/8:1x32768,16/32:8x1024} \
+        "--variants=FLASHQLA_TILELANG_INTRA_COMPACT=0;FLASHQLA_TILELANG_INTRA_COMPACT=1" ;;
   trainfusedall)
     # FLASHQLA_TILELANG_TRAIN_FUSED=all (session 20): the fused training forward over segments, whose v_new saves
     # moved to the output warpgroup (they spilled and serialised every wgmma under the chain's halo branch; session
@@ -502,7 +516,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -669,6 +669,24 @@ def test_gpu_forward_fused_matches_oracle(case, bv, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
+def test_gpu_forward_intra_compact_matches_oracle(case, monkeypatch):
+    # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled, unpadded A and X tiles
+    # (A over the k tile), inference (Tb) and the fused training forward (Tb and X, ahead of the whole-V backward)
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_COMPACT", "1")
+    _gpu_inference_builds(case, monkeypatch, "fwd_intra_tb_sm90", FLASHQLA_TILELANG_FWD="fused",
+                          FLASHQLA_TILELANG_WS_OPTS="fastexp,psplit,ostage")
+    from flashqla.backends.tilelang import _compile
+    assert any(n == "fwd_intra_tb_sm90" and k[-1] is True for n, k in _compile.cached_kernels())
+    if not case.l2norm:
+        monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
+        _gpu_case(case, torch.bfloat16, grads=True)
+        assert any(n == "fwd_intra_tbx_sm90" and k[-1] is True for n, k in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("bv", ["32", "64", "128"])
 @pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_len1_tail",
                                                                          "varlen_l2norm", "strong_decay",

@@ -302,3 +302,68 @@ def test_kernel_source_matches_emulated_mapping():
     from flashqla.backends.tilelang import chunk_intra_sm90 as m
     assert m.PAD == PAD and m.CHUNK == C
     assert math.gcd(PAD, 32) == 8      # neighbouring rows start 8 banks apart
+
+
+@pytest.mark.parametrize("save_x,l2norm", [(False, False), (True, False), (False, True)],
+                         ids=["tb", "tbx", "tb-l2norm"])
+def test_compact_stage1_lowers_with_a_over_k(save_x, l2norm):
+    """``build_intra(compact=True)`` (FLASHQLA_TILELANG_INTRA_COMPACT): lowers for sm_90a with its wgmma and TMA, A
+    shares the k tile's space, ~33 KB of shared memory (53 unpadded), no local memory; and every A / X access of the
+    builder goes through the swizzle (a missed one would read another entry of the row)."""
+    import re
+    import sys
+    from pathlib import Path
+    pytest.importorskip("tilelang")
+    import tilelang
+    from flashqla.backends.tilelang import chunk_intra_sm90 as m
+    from flashqla.backends.tilelang._compile import TARGET
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_backend_tilelang import resource_usage
+    src_py = Path(m.__file__).read_text()
+    code = [ln for ln in src_py.splitlines() if not ln.lstrip().startswith("#")]
+    unswizzled = [ln for ln in code if re.search(r"\b[AX]_s\[", ln) and "sw(" not in ln]
+    assert not unswizzled, unswizzled
+    kern = tilelang.compile(m.build_intra("bfloat16", "bfloat16", 128, 128, l2norm, save_x, tb_only=True,
+                                         compact=True), out_idx=None, target=TARGET)
+    src = kern.get_kernel_source()
+    assert "wgmma" in src and "tma_load" in src
+    offs = dict(re.findall(r"void\* (\w+_s) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
+    assert offs.get("A_s") == offs.get("k_s"), offs
+    usage = resource_usage(kern)
+    print(usage)
+    assert "LOCAL:0" in usage or "unavailable" in usage, usage
+    smem = re.search(r"DYN_SMEM:(\d+)KB", usage)
+    assert smem is None or int(smem.group(1)) <= 36, usage
+
+
+def test_compact_swizzle_is_a_row_permutation_that_keeps_the_banks_apart():
+    """The swizzle ``j ^ 8 (r & 3)`` permutes each row's 64 columns, and on the inverse's read patterns (two rows
+    r, r + 1 at one column; the two 16-column blocks of P1) it gives distinct banks, as the pad of 8 did."""
+    sw = lambda r, j: j ^ ((r & 3) * 8)      # noqa: E731
+    for r in range(64):
+        assert sorted(sw(r, j) for j in range(64)) == list(range(64))
+    for r in range(63):
+        for j in range(64):
+            assert (r * 64 + sw(r, j)) % 32 != ((r + 1) * 64 + sw(r + 1, j)) % 32
+    for r in range(16):
+        for m_ in range(16):
+            assert (r * 64 + sw(r, m_)) % 32 != ((16 + r) * 64 + sw(16 + r, 16 + m_)) % 32
+
+
+def test_compact_key_only_when_asked(monkeypatch):
+    """The compact form is a compile-key option at the end: the default keys (and carried caches) are unchanged,
+    and the scores form never takes it."""
+    from flashqla.backends.tilelang import ops
+    seen = []
+    monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: seen.append((name, key)))
+    monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_COMPACT", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_EX2", raising=False)
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False)
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, save_x=True)
+    assert [len(k) for _, k in seen] == [7, 7]
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_COMPACT", "1")
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False)
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, save_x=True)
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, scores=True)
+    assert [k[-1] for _, k in seen[2:4]] == [True, True] and len(seen[2][1]) == 12
+    assert len(seen[4][1]) == 8       # (scores: its own flag last, no compact)

@@ -70,7 +70,7 @@ PAD = 72
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
                 tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128,
-                hw_ex2: bool = False):
+                hw_ex2: bool = False, compact: bool = False):
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
@@ -86,6 +86,13 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     ``scores`` (with ``tb_only``; the ws recurrence's ``pscores`` option): the CTA also loads the q tile and
     writes the masked, decayed scores ``P[r, j] = (q k^T)[r, j] nq_r nk_j exp(G_r - G_j)`` (``j <= r``, else 0)
     ``[NC, Hv, 64, 64]`` in the input dtype, so the recurrence does not compute them (once per V-block CTA).
+
+    ``compact`` (with ``tb_only``, no ``scores``; ``FLASHQLA_TILELANG_INTRA_COMPACT=1``, session 20, not yet run on
+    a GPU): A and X are unpadded 64 x 64 fp32 tiles whose columns are XOR-swizzled per row, ``j ^ 8 (r & 3)`` (a
+    permutation within each row, applied to every access, so the algebra is unchanged).  The swizzle gives the
+    bank spread that the pad of 8 words gave for the inverse's access patterns.  At 16 KB, A then shares the k
+    tile's space (k is dead once k k^T is formed) and X shrinks by 2 KB: ~35 KB of shared memory instead of 53, so
+    six CTAs fit per SM instead of four, for a kernel that waits on latency.
     """
     import tilelang.language as T
 
@@ -100,6 +107,12 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     XN = NC if save_x else T.dynamic("XN")
     XH = Hv if save_x else T.dynamic("XH")
     LOG2E = 1.4426950408889634
+    assert not compact or (tb_only and not scores), "compact: the Tb-only forms without the scores"
+    APAD = C if compact else PAD
+
+    def sw(r, j):
+        # the column of A / X entry (r, j) in its tile: XOR-swizzled when compact (see the docstring)
+        return j ^ ((r & 3) * 8) if compact else j
 
     def ex(x):
         # The Tb-only form (inference) takes the hardware ex2 (~2 ulp; what the recurrence's fastexp uses):
@@ -133,7 +146,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         for r, j in T.Parallel(C, C):
             kk_f[r, j] = T.if_then_else(r > j, kk_f[r, j], 0.0)
         for r, j in T.Parallel(C, C):
-            A_s[r, j] = kk_f[r, j]
+            A_s[r, sw(r, j)] = kk_f[r, j]
         if not tb_only:     # (w's column scaling; the Tb-only form has no w)
             for r in T.Parallel(C):
                 cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
@@ -163,9 +176,9 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                 x[m] = T.if_then_else(m == cc, 1.0, 0.0)
             for m in T.unroll(16):
                 for r in T.unroll(m + 1, 16):
-                    x[r] = x[r] - A_s[d0 + r, d0 + m] * x[m]
+                    x[r] = x[r] - A_s[d0 + r, sw(d0 + r, d0 + m)] * x[m]
             for r in T.unroll(16):
-                X_s[d0 + r, d0 + cc] = x[r]
+                X_s[d0 + r, sw(d0 + r, d0 + cc)] = x[r]
         T.sync_threads()
 
         # ---- P2: the 32x32 diagonal halves.  Half p = tx // 64 (base row/col 32 p); in it,
@@ -179,18 +192,18 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             y2[i] = 0.0
         for m in T.unroll(16):
             for i in T.unroll(4):
-                y2[i] = y2[i] + A_s[p0 + 16 + ri + 4 * i, p0 + m] * X_s[p0 + m, p0 + c2]
+                y2[i] = y2[i] + A_s[p0 + 16 + ri + 4 * i, sw(p0 + 16 + ri + 4 * i, p0 + m)] * X_s[p0 + m, sw(p0 + m, p0 + c2)]
         for i in T.unroll(4):
-            A_s[p0 + ri + 4 * i, p0 + 16 + c2] = y2[i]
+            A_s[p0 + ri + 4 * i, sw(p0 + ri + 4 * i, p0 + 16 + c2)] = y2[i]
         T.sync_threads()
         # P2b: X_{lower-left} = -D_lower Y  -> X_s[p0 + 16:32, p0 + 0:16]
         for i in T.unroll(4):
             y2[i] = 0.0
         for m in T.unroll(16):
             for i in T.unroll(4):
-                y2[i] = y2[i] - X_s[p0 + 16 + ri + 4 * i, p0 + 16 + m] * A_s[p0 + m, p0 + 16 + c2]
+                y2[i] = y2[i] - X_s[p0 + 16 + ri + 4 * i, sw(p0 + 16 + ri + 4 * i, p0 + 16 + m)] * A_s[p0 + m, sw(p0 + m, p0 + 16 + c2)]
         for i in T.unroll(4):
-            X_s[p0 + 16 + ri + 4 * i, p0 + c2] = y2[i]
+            X_s[p0 + 16 + ri + 4 * i, sw(p0 + 16 + ri + 4 * i, p0 + c2)] = y2[i]
         T.sync_threads()
 
         # ---- P3a: Y = A[32:64, 0:32] X[0:32, 0:32]  -> scratch A_s[0:32, 32:64].
@@ -205,14 +218,14 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             yb[i] = 0.0
         for m in T.unroll(16):
             for i in T.unroll(4):
-                ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
+                ya[i] = ya[i] + A_s[32 + r3 + 8 * i, sw(32 + r3 + 8 * i, m)] * X_s[m, sw(m, c3)]
         for m in T.unroll(16, 32):
             for i in T.unroll(4):
-                ya[i] = ya[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, c3]
-                yb[i] = yb[i] + A_s[32 + r3 + 8 * i, m] * X_s[m, 16 + c3]
+                ya[i] = ya[i] + A_s[32 + r3 + 8 * i, sw(32 + r3 + 8 * i, m)] * X_s[m, sw(m, c3)]
+                yb[i] = yb[i] + A_s[32 + r3 + 8 * i, sw(32 + r3 + 8 * i, m)] * X_s[m, sw(m, 16 + c3)]
         for i in T.unroll(4):
-            A_s[r3 + 8 * i, 32 + c3] = ya[i]
-            A_s[r3 + 8 * i, 48 + c3] = yb[i]
+            A_s[r3 + 8 * i, sw(r3 + 8 * i, 32 + c3)] = ya[i]
+            A_s[r3 + 8 * i, sw(r3 + 8 * i, 48 + c3)] = yb[i]
         T.sync_threads()
 
         # ---- P3b: X[32:64, 0:32] = -X[32:64, 32:64] Y  (Y in A_s[0:32, 32:64]).
@@ -225,14 +238,14 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             zb[i] = 0.0
         for m in T.unroll(16):
             for i in T.unroll(4):
-                za[i] = za[i] - X_s[32 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
-                zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+                za[i] = za[i] - X_s[32 + warp + 4 * i, sw(32 + warp + 4 * i, 32 + m)] * A_s[m, sw(m, 32 + lane)]
+                zb[i] = zb[i] - X_s[48 + warp + 4 * i, sw(48 + warp + 4 * i, 32 + m)] * A_s[m, sw(m, 32 + lane)]
         for m in T.unroll(16, 32):
             for i in T.unroll(4):
-                zb[i] = zb[i] - X_s[48 + warp + 4 * i, 32 + m] * A_s[m, 32 + lane]
+                zb[i] = zb[i] - X_s[48 + warp + 4 * i, sw(48 + warp + 4 * i, 32 + m)] * A_s[m, sw(m, 32 + lane)]
         for i in T.unroll(4):
-            X_s[32 + warp + 4 * i, lane] = za[i]
-            X_s[48 + warp + 4 * i, lane] = zb[i]
+            X_s[32 + warp + 4 * i, sw(32 + warp + 4 * i, lane)] = za[i]
+            X_s[48 + warp + 4 * i, sw(48 + warp + 4 * i, lane)] = zb[i]
         T.sync_threads()
 
     def make_prologue(with_v: bool, with_q: bool = False):
@@ -288,8 +301,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             b_s = T.alloc_shared((C,), acc)
             n_s = T.alloc_shared((C,), acc)
             cw_s = T.alloc_shared((C,), acc)
-            A_s = T.alloc_shared((C, PAD), acc)
-            X_s = T.alloc_shared((C, PAD), acc)
+            A_s = T.alloc_shared((C, APAD), acc)
+            X_s = T.alloc_shared((C, APAD), acc)
             Xw_s = T.alloc_shared((C, C), dtype)
             Xu_s = T.alloc_shared((C, C), dtype)
             kk_f = T.alloc_fragment((C, C), acc)
@@ -306,10 +319,10 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
 
             if save_x:
                 for r, j in T.Parallel(C, C):
-                    X_out[c, h, r, j] = T.cast(X_s[r, j], dtype)
+                    X_out[c, h, r, j] = T.cast(X_s[r, sw(r, j)], dtype)
             for r, j in T.Parallel(C, C):
-                Xw_s[r, j] = T.cast(X_s[r, j] * cw_s[j], dtype)
-                Xu_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
+                Xw_s[r, j] = T.cast(X_s[r, sw(r, j)] * cw_s[j], dtype)
+                Xu_s[r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
 
             T.gemm(Xw_s, k_s, w_f, clear_accum=True)
             T.copy(w_f, k_s)
@@ -348,8 +361,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             b_s = T.alloc_shared((C,), acc)
             n_s = T.alloc_shared((C,), acc)
             cw_s = T.alloc_shared((C,), acc)
-            A_s = T.alloc_shared((C, PAD), acc)
-            X_s = T.alloc_shared((C, PAD), acc)
+            A_s = T.alloc_shared((C, APAD), acc)
+            X_s = T.alloc_shared((C, APAD), acc)
             Tb_s = T.alloc_shared((C, C), dtype)
             kk_f = T.alloc_fragment((C, C), acc)
             bar = T.alloc_barrier(threads)
@@ -377,7 +390,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             # beta is zero on rows past the sequence end, so Tb's columns there are zero, and so are its
             # rows (X's rows there are unit rows): the fused recurrence's v_new rows past the end are 0
             for r, j in T.Parallel(C, C):
-                Tb_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
+                Tb_s[r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
             T.copy(Tb_s, Tb_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
@@ -418,8 +431,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             b_s = T.alloc_shared((C,), acc)
             n_s = T.alloc_shared((C,), acc)
             cw_s = T.alloc_shared((C,), acc)
-            A_s = T.alloc_shared((C, PAD), acc)
-            X_s = T.alloc_shared((C, PAD), acc)
+            A_s = T.alloc_shared((C, APAD), acc)
+            X_s = T.alloc_shared((C, APAD), acc)
             Tb_s = T.alloc_shared((C, C), dtype)
             Xb_s = T.alloc_shared((C, C), dtype)
             kk_f = T.alloc_fragment((C, C), acc)
@@ -432,8 +445,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
             # Tb for the fused recurrence (as gdn_fwd_intra_tb), X for the whole-V backward (as gdn_fwd_intra)
             for r, j in T.Parallel(C, C):
-                Tb_s[r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
-                Xb_s[r, j] = T.cast(X_s[r, j], dtype)
+                Tb_s[r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
+                Xb_s[r, j] = T.cast(X_s[r, sw(r, j)], dtype)
             T.copy(Tb_s, Tb_out[c, h, :, :])
             T.copy(Xb_s, X_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])

@@ -107,6 +107,14 @@ def intra_head_major() -> bool:
     return env_choice("FLASHQLA_TILELANG_INTRA_ORDER", ("chunk", "head"), "chunk") == "head"
 
 
+def intra_compact() -> bool:
+    """``FLASHQLA_TILELANG_INTRA_COMPACT=1`` (session 20, off until its GPU tests and an A/B run): stage 1's Tb forms
+    with unpadded, XOR-swizzled A and X tiles (``build_intra(compact=True)``).  A then shares the k tile's space: 33 KB
+    of shared memory instead of 53 (ptxas for sm_90a: 96 registers instead of 84), so five CTAs per SM instead of
+    four.  Stage 1 is 0.23 of the fused forward's 0.62 ms at 16/32 4x8192, and it waits on latency."""
+    return env_choice("FLASHQLA_TILELANG_INTRA_COMPACT", ("0", "1"), "0") == "1"
+
+
 def _key(base: tuple, *options) -> tuple:
     """A compile key: ``base`` and the builder's optional arguments as ``(value, default)`` pairs in its order, up
     to the last one that is not at its default.  An option added later leaves the keys of the calls that do not
@@ -129,8 +137,9 @@ def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False):
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option; with ``save_x`` (the
     fused training forward) also X, for the whole-V backward."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), bool(save_x), True)
-    # (scores, head_major, threads, hw_ex2)
-    key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False))
+    # (scores, head_major, threads, hw_ex2, compact)
+    key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False),
+               (intra_compact() and not scores, False))
     name = "fwd_intra_tbx_sm90" if save_x else "fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90"
     return get_kernel(name, build_intra, key)
 
