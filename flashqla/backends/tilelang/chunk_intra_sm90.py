@@ -91,8 +91,9 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     a GPU): A and X are unpadded 64 x 64 fp32 tiles whose columns are XOR-swizzled per row, ``j ^ 8 (r & 3)`` (a
     permutation within each row, applied to every access, so the algebra is unchanged).  The swizzle gives the
     bank spread that the pad of 8 words gave for the inverse's access patterns.  At 16 KB, A then shares the k
-    tile's space (k is dead once k k^T is formed) and X shrinks by 2 KB: ~35 KB of shared memory instead of 53, so
-    six CTAs fit per SM instead of four, for a kernel that waits on latency.
+    tile's space (k is dead once k k^T is formed) and X shrinks by 2 KB: 33 KB of shared memory instead of 53.  With
+    the 96 registers ptxas then gives it (84 before: the swizzle's index arithmetic), five CTAs fit per SM instead of
+    four, for a kernel that waits on latency.
     """
     import tilelang.language as T
 

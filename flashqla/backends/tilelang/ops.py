@@ -266,8 +266,7 @@ def train_fused_mode() -> str:
     Session 20 found why the fused walk with its saves was slow over segments: its v_new store sat under the
     chain's halo branch, and ptxas spilled there and serialised all 40 wgmma.  The output warpgroup stores them now
     and the variant lowers pipelined (40 HGMMA, 6 waits, no stack), as the unsplit one does.  ``all`` waits for the
-    H200 to measure it (``bash benchmarks/next_device_run.sh trainfused`` with ``TF_MODE=all``) before it becomes
-    the default: at 16/32 1x32768 it would save stage 1's ~0.24 ms if the walk then matches the unfused one."""
+    H200 to measure it (``bash benchmarks/next_device_run.sh trainfusedall``) before it becomes the default: at 16/32 1x32768 it would save stage 1's ~0.24 ms if the walk then matches the unfused one."""
     return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1", "all"), "1")
 
 
@@ -535,7 +534,8 @@ def seq_lengths(varlen, B: int, T: int) -> list:
     return varlen.seqlens if varlen is not None else [T] * B
 
 
-def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False) -> tuple:
+def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False,
+             fwd_split: Optional[bool] = None) -> tuple:
     """``(variant, plan, why)``: the backward this call runs (:func:`bwd_choice`'s ``whole`` / ``ws`` / ``serial``)
     and the split of its gradient walk into segments with a halo (:mod:`.segments`), or None.
 
@@ -543,11 +543,13 @@ def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bo
     backward's gradient walk (``bwd_state_ws`` with a halo, its per-pair kernels unchanged) and the whole-V kernel's
     walk (``bwd_whole`` with a halo, ``WHOLE_STEP_US`` per step, one CTA per (segment, head)); the least modelled
     time wins (``FLASHQLA_TILELANG_BWD`` set: that backward, split where it pays).  Without a split this is
-    :func:`bwd_choice`.  A V-block forced by ``FLASHQLA_TILELANG_BV`` replaces the split backward's."""
+    :func:`bwd_choice`.  A V-block forced by ``FLASHQLA_TILELANG_BV`` replaces the split backward's.  ``fwd_split``:
+    whether the forward walks segments, where the caller already planned it (else planned here)."""
     meta = ChunkMeta.of_lengths(lengths)
     # (the fused training forward, whose saving the whole-V backward is credited with, skips split forwards unless
     # FLASHQLA_TILELANG_TRAIN_FUSED=all)
-    fwd_split = fwd_segment_plan(lengths, Hv, V, device) is not None
+    if fwd_split is None:
+        fwd_split = fwd_segment_plan(lengths, Hv, V, device) is not None
     variant, why = bwd_choice(meta, Hv, K, V, l2norm, device, explain, fwd_split)
     model = _bwd_model(meta, Hv, device, fwd_split)
     if variant == "serial" or model is None or segments.mode(backward=True) == "off":
@@ -637,7 +639,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     if dev.type != "meta" and (train_fused_here or split_bwd_here):
         if lengths is None:
             lengths = seq_lengths(varlen, B, T)
-        bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev)
+        bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev, fwd_split=split is not None)
     bwd_fixed = "whole" if train_fused_here and bvariant == "whole" else None
     fused = variant == "fused" and (not save or bwd_fixed == "whole")
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
