@@ -64,6 +64,8 @@
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
 #                                                 segments (its saves fixed in session 20): GPU test, fwd+bwd A/B (#8)
+#   bash benchmarks/next_device_run.sh gvapair    FLASHQLA_TILELANG_GVA=pair: the whole-V backward sums GVA pairs itself
+#                                                 (bf16x2 reductions; session 21): GPU tests, fwd+bwd A/B host / pair (#8)
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
 #   bash benchmarks/next_device_run.sh bwdcp      the op-level exact CP on the backward's 1-sequence 32k rows
@@ -395,6 +397,17 @@ case "$STEP" in
         --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_train_fused_all.json \
         --rows ${TFA_ROWS:-16/32:1x32768,8/16:1x32768,2/4:1x32768,16/32:28672+4096} \
         "--variants=FLASHQLA_TILELANG_TRAIN_FUSED=1;FLASHQLA_TILELANG_TRAIN_FUSED=all" ;;
+  gvapair)
+    # FLASHQLA_TILELANG_GVA=pair (session 21): the whole-V backward adds each value head's dq / dk rows into its GVA
+    # pair's row (red.global.add.noftz.bf16x2 into zeroed outputs) instead of the separate sum kernel, 0.19 ms of
+    # 2.92 at 16/32 1x32768 (#8's lowest backward row).  Its GPU tests (oracle, against the host sum, 20 runs
+    # bitwise), then the fwd+bwd A/B; both kernels of the A/B must compile (~40 s each on a cold kcache)
+    TAIL=8 run_step "GVA pair sum, GPU tests" ${GVP_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "gva_pair"
+    case $RUN_RC in 0) ;; *) echo "== gvapair: tests did not pass; the sweep skipped"; continue ;; esac
+    TAIL=20 run_step "fwd+bwd, GVA host / pair" ${GVP_SWEEP_S:-200} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_gva_pair.json \
+        --rows ${GVP_ROWS:-16/32:1x32768,16/32:4x8192,8/16:1x32768,2/4:1x32768} \
+        "--variants=FLASHQLA_TILELANG_GVA=host;FLASHQLA_TILELANG_GVA=pair" ;;
   tritonseg)
     # the triton forward walk in segments with a halo (session 17, serial.seg, off by default) and the state-gradient
     # walk's (session 18, serial.bseg): their tests on the GPU, then the A/B against the plain walks, inference and
@@ -516,7 +529,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

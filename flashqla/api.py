@@ -241,8 +241,12 @@ def _tilelang_backward_note(q, spec, varlen_meta) -> str:
     ``varlen_meta`` is the one ``validate`` returned (None: B sequences of T tokens)."""
     from .backends.tilelang.ops import bwd_plan
     from .cp import _seq_bounds
+    from .backends.tilelang.ops import gva_in_kernel
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
-    return bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)[2]
+    variant, _, why = bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)
+    if variant == "whole" and spec.Hv != spec.Hqk:
+        why += f"; {gva_in_kernel(spec.Hv // spec.Hqk)[1]}"
+    return why
 
 
 def _tilelang_forward_note(q, spec, varlen_meta) -> str:

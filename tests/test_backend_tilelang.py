@@ -1188,7 +1188,18 @@ def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_
                    trace, scale, ratio, seg_table=None, walk_end=None):
     # chunk_bwd_whole_sm90: the CPU model in its w-free order (bwd_fused_ref(w_free=True), the kernel's order) at
     # whole V, with q / k given per value head (ratio 1): dq, dk per value head, as the kernel writes them.  Key
-    # entry 10 (halo): the grid runs over segments, each head's walk starts at walk_end[n, h] (_sim_bwd_whole_halo)
+    # entry 10 (halo): the grid runs over segments, each head's walk starts at walk_end[n, h] (_sim_bwd_whole_halo).
+    # Entry 11 (gva_pair): dq / dk [NT, Hqk, K], each value head's rows, rounded, added into its pair's row
+    if len(key) > 10 and key[10]:
+        assert ratio == 2 and dq_h.shape[1] * 2 == v.shape[1], (ratio, dq_h.shape, v.shape)
+        per_head = [torch.zeros(dq_h.shape[0], v.shape[1], dq_h.shape[2], dtype=dq_h.dtype) for _ in range(2)]
+        _sim_bwd_whole(key[:10], q, k, v, beta, do, G, X, h, vn, cu, coff, dht, *per_head, dv_out, dg_out, db_out,
+                       dh0, trace, scale, ratio, seg_table, walk_end)
+        for out, rows in zip((dq_h, dk_h), per_head):
+            # (rows a walk does not store stay 0 here, and adding 0 leaves the output as the kernel leaves it)
+            for j in range(2):
+                out.copy_((out.float() + rows[:, j::2].float()).to(out.dtype))
+        return
     if len(key) > 9 and key[9]:
         return _sim_bwd_whole_halo(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out,
                                    db_out, dh0, scale, ratio, seg_table, walk_end)
@@ -1297,13 +1308,21 @@ _SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb,
                "bwd_whole_sm90": _sim_bwd_whole}
 
 
+class _SimCalls(list):
+    """The simulated kernels' names in call order (a list), and ``keys``: (name, compile key) of each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.keys = []
+
+
 @pytest.fixture
 def simulated_kernels(monkeypatch):
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here (the prim_func signatures are checked)")
     from flashqla.backends.tilelang import ops
 
-    calls = []
+    calls = _SimCalls()
 
     def fake_get_kernel(name, builder, key):
         func = builder(*key)
@@ -1311,6 +1330,7 @@ def simulated_kernels(monkeypatch):
         def run(*args):
             _check_signature(func, args)
             calls.append(name)
+            calls.keys.append((name, key))
             with torch.no_grad():
                 _SIMULATORS[name](key, *args)
         return run
@@ -1381,14 +1401,20 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
 
 
-@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "whole-bwd", "train-fused"])
+@pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "whole-bwd", "whole-bwd-gvapair",
+                                     "train-fused"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
     # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "whole-bwd" is the
-    # whole-V fused backward, which calls with the L2 norm do not take; "train-fused": FLASHQLA_TILELANG_TRAIN_FUSED,
-    # the fused training forward ahead of the whole-V backward -- which the backward then runs whatever
-    # FLASHQLA_TILELANG_BWD says by then)
+    # whole-V fused backward, which calls with the L2 norm do not take; "whole-bwd-gvapair": the same with the GVA
+    # pair sum in the kernel, FLASHQLA_TILELANG_GVA=pair, at ratio 2 only; "train-fused":
+    # FLASHQLA_TILELANG_TRAIN_FUSED, the fused training forward ahead of the whole-V backward -- which the backward
+    # then runs whatever FLASHQLA_TILELANG_BWD says by then)
     bwd = None
+    gva_pair = variant == "whole-bwd-gvapair"
+    if gva_pair:
+        monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
+        variant = "whole-bwd"
     train_fused = variant == "train-fused"
     if train_fused:
         monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
@@ -1416,6 +1442,9 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
         assert simulated_kernels == ["fwd_intra_tbx_sm90", "fwd_recurrent_ws_sm90", "bwd_whole_sm90"]
     elif bwd == "whole" and not case.l2norm:
         assert simulated_kernels == ["fwd_intra_sm90", "fwd_recurrent_ws_sm90", f"bwd_{bwd}_sm90"]
+        # (key entry 11: the in-kernel GVA pair sum, where asked for and the ratio is 2)
+        pair_key = [k for n, k in simulated_kernels.keys if n == "bwd_whole_sm90"][0][10:11] == (True,)
+        assert pair_key == (gva_pair and case.Hv == 2 * case.Hqk), simulated_kernels.keys
     else:
         assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",
                                      "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]

@@ -430,14 +430,20 @@ _HOST_SEG_CASES = [
 ]
 
 
-@pytest.mark.parametrize("grads", [False, "ws", "whole"], ids=["inference", "training_ws", "training_whole"])
+@pytest.mark.parametrize("grads", [False, "ws", "whole", "whole-gvapair"],
+                         ids=["inference", "training_ws", "training_whole", "training_whole_gvapair"])
 @pytest.mark.parametrize("case", _HOST_SEG_CASES, ids=lambda c: c.name)
 def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
     # the backend's glue with segments of one chunk: segment tables, the halo search (torch on the CPU), the
     # halo variant's arguments checked against its prim_func, the per-head walk starts simulated; against the
     # oracle (and the gradients through the states the split forward saved, by the split backward or the whole-V
-    # one, whose walks are split too; the whole-V kernel does not serve the L2 norm: the split backward does)
+    # one, whose walks are split too; the whole-V kernel does not serve the L2 norm: the split backward does;
+    # "whole-gvapair": the whole-V one summing GVA pairs in the kernel, FLASHQLA_TILELANG_GVA=pair)
     from flashqla.testing import TOLERANCES, poisoned_outputs
+    pair = grads == "whole-gvapair"
+    if pair:
+        monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
+        grads = "whole"
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "1")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", grads or "ws")
@@ -459,6 +465,10 @@ def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
         variant = "whole" if bwd == "whole" and not case.l2norm else "ws"
         assert aux["bwd_split"] is not None and aux["bwd_split"][0] == variant
         assert ("bwd_whole_sm90" if variant == "whole" else "bwd_state_ws_sm90") in simulated_kernels
+        if variant == "whole":
+            # (key entries 10 and 11: the walk over segments, and the in-kernel GVA pair sum where asked for)
+            key = [k for n, k in simulated_kernels.keys if n == "bwd_whole_sm90"][0]
+            assert key[9] and (key[10:11] == (True,)) == (pair and case.Hv == 2 * case.Hqk), key
         _, bv, tables, ends = aux["bwd_split"]
         assert tables.num_segments > len(case.seqlens or [0] * case.B)
         co = tables.chunk_offsets

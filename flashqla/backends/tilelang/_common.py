@@ -89,6 +89,68 @@ def make_store_rows(C: int):
     return store_rows
 
 
+def make_red_rows(C: int):
+    """A ``T.macro`` ``(out, src_f, bos, eos, h, col0, pend)`` as :func:`make_store_rows`'s, that adds instead of
+    storing: ``out[bos + r, h, col0 + d] += src_f[r, d]``, both columns of a pair rounded to ``out``'s 16-bit dtype
+    and added by one ``red.global.add.noftz.bf16x2`` / ``f16x2`` (round to nearest).  The kernel must
+    ``T.import_source(RED_PAIR_SRC)``; ``pend`` is a ``T.alloc_local((1,), "float32")`` that holds a pair's even
+    column until its odd one comes.
+
+    Why this form: ``T.atomic_add`` on 16-bit pairs emits ``AtomicAddx2``, whose ``atomicAdd(__nv_bfloat162 *)`` is
+    generic-address inline PTX; ptxas then adds a shared-memory CAS loop beside every global ATOM (3.3 K SASS
+    instructions more in the whole-V backward).  A scalar 16-bit ``red`` has no SASS form either (a CAS loop too).
+    A wgmma fragment holds each pair of adjacent columns in one thread, in consecutive local registers, and the
+    parallel loop over it runs them in that order (even column, then odd), which ``d % 2`` tells the helper: the
+    even call parks its value in ``pend``, the odd one issues the pair's ``REDG.E.ADD.BF16x2``.  A CPU test checks
+    that order in the generated source; the GPU tests check the sums."""
+    import tilelang.language as T
+
+    def pair_offset(out, row, h, col):
+        # the element offset of the pair's even column, as an integer: an element's address (T.address_of) in an
+        # extern call gets a bounds test per element from TileLang's memory-safety pass, and ptxas then recomputes
+        # the 64-bit address inside each test (~17 instructions per reduction instead of ~2)
+        return (T.cast(row, "int64") * out.shape[1] + h) * out.shape[2] + col - col % 2
+
+    @T.macro
+    def red_rows(out, src_f, bos, eos, h, col0, pend):
+        fn = "flq_red_pair_bf16" if str(out.dtype) == "bfloat16" else "flq_red_pair_f16"
+        if bos + C <= eos:
+            for r, d in T.Parallel(C, src_f.shape[1]):
+                T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
+                              T.address_of(pend[0]))
+        else:
+            for r, d in T.Parallel(C, src_f.shape[1]):
+                if bos + r < eos:
+                    T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
+                                  T.address_of(pend[0]))
+
+    return red_rows
+
+
+# The pair reductions of ``make_red_rows`` (plain CUDA types only: imported sources precede TileLang's headers).
+# ``cvt.rn.{bf16,f16}x2.f32 d, a, b`` puts a in the upper half, so the odd column goes first.
+RED_PAIR_SRC = """
+__device__ __forceinline__ void flq_red_pair_bf16(const void *base, long long offset, float x, int odd, float *pend) {
+  if (!odd) {
+    *pend = x;
+  } else {
+    unsigned packed;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
+    asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
+  }
+}
+__device__ __forceinline__ void flq_red_pair_f16(const void *base, long long offset, float x, int odd, float *pend) {
+  if (!odd) {
+    *pend = x;
+  } else {
+    unsigned packed;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
+    asm volatile("red.global.add.noftz.f16x2 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
+  }
+}
+"""
+
+
 # ``ex2.approx.ftz.f32`` as a device function (``T.import_source(EX2_APPROX_SRC)`` in the kernel, then
 # ``T.call_extern("float32", "flq_ex2_approx", x)``).  TileLang's ``T.exp2`` (and ``T.__exp``) compile to
 # ``exp2f``, which without fast math wraps the same MUFU.EX2 in a denormal-range test and two predicated

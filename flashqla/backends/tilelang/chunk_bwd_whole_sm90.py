@@ -54,7 +54,7 @@ ahead of a waiter (the vectors for the dg warp alternate over two slots and two 
 chunk ahead of the key warpgroup).
 
 Outputs: ``dq``, ``dk`` ``[NT, Hv, K]`` per value head in the inputs' dtype (the host sums each GVA group in
-fp32), ``dv`` ``[NT, Hv, V]``, ``dg``, ``db`` ``[NT, Hv]`` fp32, ``dh0`` ``[N, Hv, K, V]`` fp32.  Rows past a
+fp32; with ``gva_pair``, ``[NT, Hqk, K]`` already summed, below), ``dv`` ``[NT, Hv, V]``, ``dg``, ``db`` ``[NT, Hv]`` fp32, ``dh0`` ``[N, Hv, K, V]`` fp32.  Rows past a
 sequence's end are never stored.
 
 ``halo`` (in-kernel context parallelism, as the split backward's ``chunk_bwd_state_ws`` and
@@ -66,6 +66,16 @@ where the halo reaches the sequence end) and store nothing: every role runs them
 plain walk's over more chunks.  A whole step per halo chunk costs more than the chain alone would, but the halo is
 ~3 chunks at the benchmarks' gates against 100+ per segment.  Row masks use the sequence's end; only a sequence's
 first segment writes ``dh0``.
+
+``gva_pair`` (GVA ratio 2 only; ``BACKWARD_PLAN.md`` section 7): the key role adds its dq / dk rows, rounded to the
+dtype, into the group's row of ``dq`` / ``dk`` ``[NT, Hqk, K]``, which the host zeroes, with bf16x2 / f16x2 reductions
+(``red.global.add.noftz``, round to nearest) instead of storing them per value head for a separate sum kernel.  Each
+element then gets exactly two adds onto +0: ``0 + a = a`` exactly, then ``rn(a + b) = rn(b + a)``, so the result does
+not depend on which head's CTA comes first: deterministic without flags or waits, and no CTA ever waits on another.
+(Three or more adds would round in arrival order, hence ratio 2 only.)  It equals the host's sum (fp32, one rounding)
+except where that fp32 sum rounded first (exponents 17+ apart), by one unit in the last place at most.  What it
+saves: the sum kernel's read of both heads' rows and its write (~0.19 ms of 2.92 at 16/32 one 32k sequence), for a
+memset of the outputs.
 """
 
 CHUNK = 64
@@ -95,24 +105,28 @@ NREGS = (160, 168, 160, 24)
 
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
-                    trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False):
+                    trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False,
+                    gva_pair: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
     exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
     instructions in the value role, ~160 in the key role); ``halo``: the walk over segments (the docstring;
-    ``seg_table`` / ``walk_end`` are placeholders otherwise)."""
+    ``seg_table`` / ``walk_end`` are placeholders otherwise); ``gva_pair``: dq / dk summed over GVA pairs in the
+    kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``)."""
     import tilelang.language as T
 
-    from ._common import EX2_APPROX_SRC, ex2_approx, make_store_rows, symbolic_sizes
+    from ._common import EX2_APPROX_SRC, RED_PAIR_SRC, ex2_approx, make_red_rows, make_store_rows, symbolic_sizes
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
     store_rows = make_store_rows(C)
+    red_rows = make_red_rows(C)
     SQ = 8             # column block of <S, dSb> (the chain's)
     DB = 16            # column block of the chain's dOs pass
     acc = "float32"
     assert K == 128 and V == 128
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
+    HG = Hqk if gva_pair else Hv      # dq / dk's head axis
     DTN, DTH = (NS, Hv) if has_dht else T.dynamic("DTN, DTH")
     D0N, D0H = (NS, Hv) if need_dh0 else T.dynamic("D0N, D0H")
     if halo:
@@ -139,6 +153,14 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         return T.if_then_else(i >= nhalo, eos, bos) if halo else eos
 
     @T.macro
+    def store_dqk(out, src_f, bos, end, hv, hq, col0, pend):
+        # a gradient of the key role: per value head, or added into its GVA pair's row
+        if gva_pair:
+            red_rows(out, src_f, bos, end, hq, col0, pend)
+        else:
+            store_rows(out, src_f, bos, end, hv, col0)
+
+    @T.macro
     def stamp(trace_out, name, i, tx, tx0, hv, n):
         if trace:
             if T.And(T.And(tx == tx0, hv + n == 0), i < TRACE_CHUNKS):
@@ -158,8 +180,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_offsets: T.Tensor((NS + 1,), "int32"),
         dht: T.Tensor((DTN, DTH, K, V), acc),
-        dq_out: T.Tensor((NT, Hv, K), dtype),
-        dk_out: T.Tensor((NT, Hv, K), dtype),
+        dq_out: T.Tensor((NT, HG, K), dtype),
+        dk_out: T.Tensor((NT, HG, K), dtype),
         dv_out: T.Tensor((NT, Hv, V), dtype),
         dg_out: T.Tensor((NT, Hv), acc),
         db_out: T.Tensor((NT, Hv), acc),
@@ -171,8 +193,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         walk_end: T.Tensor((WEN, WEH), "int32"),
     ):
         with T.Kernel(Hv, NS, threads=512) as (hv, n):
-            if hw_ex2:
-                T.import_source(EX2_APPROX_SRC)
+            # (one import per kernel: a second one is an annotation clash)
+            if hw_ex2 or gva_pair:
+                T.import_source((EX2_APPROX_SRC if hw_ex2 else "") + (RED_PAIR_SRC if gva_pair else ""))
             # ---- input tiles (TMA), single-buffered
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
@@ -224,6 +247,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             t_f = T.alloc_fragment((C, KH), acc)
             tq_f = T.alloc_fragment((C, KH), acc)
             kr_f = T.alloc_fragment((C,), acc)
+            if gva_pair:
+                pend = T.alloc_local((1,), acc)   # a pair's even column (make_red_rows)
+            else:
+                pend = None
 
             # inputs: 0 q, 1 k + G, 2 v, 3 dO, 4 S, 5 vn, 6 X; their readers arrive on empty_in
             full_in = T.alloc_barrier(arrive_count=[32] * 7)
@@ -240,7 +267,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             vec_ready = T.alloc_barrier(arrive_count=[256, 256])
 
             tx = T.get_thread_binding()
-            hq = hv // ratio
+            # (gva_pair: ratio 2 by contract, a shift instead of a signed division in every reduction's address)
+            hq = hv // 2 if gva_pair else hv // ratio
             bos0 = cu_seqlens[n]
             if not halo:
                 eos = cu_seqlens[n + 1]
@@ -559,7 +587,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        store_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH)
+                        store_dqk(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hq, hb * KH, pend)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
@@ -624,8 +652,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    store_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0)
-                    store_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH)
+                    store_dqk(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, hq, 0, pend)
+                    store_dqk(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, hq, KH, pend)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds

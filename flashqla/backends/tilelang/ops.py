@@ -435,12 +435,29 @@ def hw_ex2(part: str = "fwd") -> bool:
     return choice == "approx"
 
 
-def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False):
+def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva_pair=False):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    # (trace, nregs, hw_ex2, halo)
+    # (trace, nregs, hw_ex2, halo, gva_pair)
     key = _key(key, (BWD_TRACE_BUFFER is not None, False), (whole_nregs(), None), (hw_ex2("bwd_whole"), False),
-               (bool(halo), False))
+               (bool(halo), False), (bool(gva_pair), False))
     return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
+
+
+def gva_in_kernel(ratio: int) -> tuple:
+    """``(in_kernel, why)``: whether the whole-V backward sums dq / dk over each GVA group itself
+    (``build_bwd_whole(gva_pair=True)``: pair reductions into zeroed outputs, deterministic at ratio 2 only) or
+    writes them per value head for :func:`flashqla.backends.gva.gva_sum`.  ``FLASHQLA_TILELANG_GVA``: ``host``
+    (default until its GPU tests and an A/B run: the separate sum, 0.19 ms of 2.92 at 16/32 one 32k sequence) or
+    ``pair`` (in the kernel where the ratio is 2)."""
+    if ratio == 1:
+        return False, "no GVA (one value head per query/key head)"
+    mode = env_choice("FLASHQLA_TILELANG_GVA", ("host", "pair"), "host")
+    if mode == "pair" and ratio == 2:
+        return True, "dq / dk summed over each GVA pair in the kernel (FLASHQLA_TILELANG_GVA=pair)"
+    if mode == "pair":
+        return False, (f"dq / dk per value head, summed by a separate kernel: GVA ratio {ratio} (the in-kernel sum, "
+                       "FLASHQLA_TILELANG_GVA=pair, is deterministic at ratio 2 only)")
+    return False, "dq / dk per value head, summed over each GVA group by a separate kernel (FLASHQLA_TILELANG_GVA)"
 
 
 def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
@@ -450,7 +467,8 @@ def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
 
 def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0,
                     split=None):
-    """The whole-V fused backward's launch and the GVA sums of its per-value-head dq / dk.  Returns (dq, dk, dv,
+    """The whole-V fused backward's launch and the GVA sums of its per-value-head dq / dk (in the kernel, for GVA
+    pairs under :func:`gva_in_kernel`).  Returns (dq, dk, dv,
     dg, dbeta) flattened, as ``backward``'s split path has them before its reshape.  ``split``: ``(tables, walk
     ends)`` of its walk in segments with a halo (``FwdResult.bwd_split``), or None."""
     B, T, Hqk, Hv, K, V = shape
@@ -458,23 +476,31 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     dev, dt = q.device, q.dtype
     ratio = Hv // Hqk
     f32 = torch.float32
-    dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
-    dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+    pair = gva_in_kernel(ratio)[0]
+    if pair:
+        # the kernel adds both heads' rows into these (build_bwd_whole's gva_pair: exactly two adds onto +0)
+        dq_h = torch.zeros(NT, Hqk, K, dtype=dt, device=dev)
+        dk_h = torch.zeros(NT, Hqk, K, dtype=dt, device=dev)
+    else:
+        dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+        dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
     db = torch.empty(NT, Hv, dtype=f32, device=dev)
     if dev.type == "meta":
         # (precompile's key enumeration: also the walk over segments)
-        bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True)
+        bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True, pair)
     if split is not None:
         tables, ends = split
         walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
     else:
         walk_cu, walk_co = meta.cu_seqlens, meta.chunk_offsets
         halo_args = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
-    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None)(
+    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None, pair)(
         q, k, v, beta, dof, G, X, hs, vn, walk_cu, walk_co, dhtf,
         dq_h, dk_h, dv, dg, db, dh0, _trace_arg(dev, bwd=True), float(scale), ratio, *halo_args)
+    if pair:
+        return dq_h, dk_h, dv, dg, db.to(beta.dtype)
     dq = gva_sum(dq_h, ratio, dt)
     del dq_h
     dk = gva_sum(dk_h, ratio, dt)
