@@ -528,7 +528,7 @@ def test_explain_notes(monkeypatch):
     from flashqla.api import _tilelang_backward_note, _tilelang_forward_note
     monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS", raising=False)
-    spec = SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False)
+    spec = SimpleNamespace(Hv=8, Hqk=2, K=128, V=128, use_qk_l2norm=False)
     q = torch.empty(1, 32768, 2, 128)
     note = _tilelang_forward_note(q, spec, None)
     assert note.startswith("in-kernel CP: split: 16 segments"), note
