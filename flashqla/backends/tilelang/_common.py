@@ -129,26 +129,18 @@ def make_red_rows(C: int):
 
 # The pair reductions of ``make_red_rows`` (plain CUDA types only: imported sources precede TileLang's headers).
 # ``cvt.rn.{bf16,f16}x2.f32 d, a, b`` puts a in the upper half, so the odd column goes first.
-RED_PAIR_SRC = """
-__device__ __forceinline__ void flq_red_pair_bf16(const void *base, long long offset, float x, int odd, float *pend) {
-  if (!odd) {
+_RED_PAIR_TEMPLATE = """
+__device__ __forceinline__ void flq_red_pair_{t}(const void *base, long long offset, float x, int odd, float *pend) {{
+  if (!odd) {{
     *pend = x;
-  } else {
+  }} else {{
     unsigned packed;
-    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
-    asm volatile("red.global.add.noftz.bf16x2 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
-  }
-}
-__device__ __forceinline__ void flq_red_pair_f16(const void *base, long long offset, float x, int odd, float *pend) {
-  if (!odd) {
-    *pend = x;
-  } else {
-    unsigned packed;
-    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
-    asm volatile("red.global.add.noftz.f16x2 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
-  }
-}
+    asm("cvt.rn.{t}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
+    asm volatile("red.global.add.noftz.{t}x2 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
+  }}
+}}
 """
+RED_PAIR_SRC = "".join(_RED_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
 
 
 # ``ex2.approx.ftz.f32`` as a device function (``T.import_source(EX2_APPROX_SRC)`` in the kernel, then
