@@ -243,8 +243,8 @@ def _tilelang_backward_note(q, spec, varlen_meta) -> str:
     from .cp import _seq_bounds
     from .backends.tilelang.ops import gva_in_kernel
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
-    variant, _, why = bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)
-    if variant == "whole" and spec.Hv != spec.Hqk:
+    why = bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)[2]
+    if spec.Hv != spec.Hqk:
         why += f"; {gva_in_kernel(spec.Hv // spec.Hqk)[1]}"
     return why
 

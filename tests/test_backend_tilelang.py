@@ -1111,7 +1111,19 @@ def _sim_bwd_state_halo(key, q, k, w, G, do, cu, coff, dht, dh_out, dvn_out, dh0
             dh0[seq] = dS
 
 
+def _add_pairs(out, per_head):
+    """What a gva_pair kernel leaves in ``out`` [NT, Hv / 2, D]: each value head's rows (``per_head`` [NT, Hv, D], 0
+    where the kernel stores nothing), rounded, added into its pair's row."""
+    for j in range(2):
+        out.copy_((out.float() + per_head[:, j::2].float()).to(out.dtype))
+
+
 def _sim_bwd_dqk(key, q, k, do, G, h, vn, dh, dvn, cu, cidx, dq_out, dkp_out, dw_out, dG_out, scale, ratio):
+    # (key entry 6, gva_pair: dq [NT, Hqk, K] summed over GVA pairs, _add_pairs)
+    if len(key) > 5 and key[5]:
+        per_head = torch.zeros(dq_out.shape[0], do.shape[1], dq_out.shape[2], dtype=dq_out.dtype)
+        _sim_bwd_dqk(key[:4], q, k, do, G, h, vn, dh, dvn, cu, cidx, per_head, dkp_out, dw_out, dG_out, scale, ratio)
+        return _add_pairs(dq_out, per_head)
     dt, K, V, l2norm = key
     NT, Hv = do.shape[0], do.shape[1]
     idx = torch.arange(C)
@@ -1145,6 +1157,11 @@ def _sim_bwd_dqk(key, q, k, do, G, h, vn, dh, dvn, cu, cidx, dq_out, dkp_out, dw
 
 
 def _sim_bwd_wy(key, k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, dk_out, dv_out, dg_out, db_out, ratio):
+    # (key entry 7, gva_pair: dk [NT, Hqk, K] summed over GVA pairs, _add_pairs)
+    if len(key) > 6 and key[6]:
+        per_head = torch.zeros(dk_out.shape[0], v.shape[1], dk_out.shape[2], dtype=dk_out.dtype)
+        _sim_bwd_wy(key[:5], k, v, beta, G, X, dw, du, dkp, dGp, cu, cidx, per_head, dv_out, dg_out, db_out, ratio)
+        return _add_pairs(dk_out, per_head)
     dt, _, K, V, l2norm = key
     NT, Hv = v.shape[0], v.shape[1]
     lo = _TORCH_DT[dt]
@@ -1195,10 +1212,9 @@ def _sim_bwd_whole(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_
         per_head = [torch.zeros(dq_h.shape[0], v.shape[1], dq_h.shape[2], dtype=dq_h.dtype) for _ in range(2)]
         _sim_bwd_whole(key[:10], q, k, v, beta, do, G, X, h, vn, cu, coff, dht, *per_head, dv_out, dg_out, db_out,
                        dh0, trace, scale, ratio, seg_table, walk_end)
-        for out, rows in zip((dq_h, dk_h), per_head):
-            # (rows a walk does not store stay 0 here, and adding 0 leaves the output as the kernel leaves it)
-            for j in range(2):
-                out.copy_((out.float() + rows[:, j::2].float()).to(out.dtype))
+        # (rows a walk does not store stay 0 here, and adding 0 leaves the output as the kernel leaves it)
+        _add_pairs(dq_h, per_head[0])
+        _add_pairs(dk_h, per_head[1])
         return
     if len(key) > 9 and key[9]:
         return _sim_bwd_whole_halo(key, q, k, v, beta, do, G, X, h, vn, cu, coff, dht, dq_h, dk_h, dv_out, dg_out,
@@ -1402,7 +1418,7 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
 
 
 @pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "whole-bwd", "whole-bwd-gvapair",
-                                     "train-fused"])
+                                     "ws-gvapair", "train-fused"])
 @pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
 def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monkeypatch):
     # (a training forward under "fused" keeps the unfused kernels: the backward needs w; "whole-bwd" is the
@@ -1411,10 +1427,10 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
     # FLASHQLA_TILELANG_TRAIN_FUSED, the fused training forward ahead of the whole-V backward -- which the backward
     # then runs whatever FLASHQLA_TILELANG_BWD says by then)
     bwd = None
-    gva_pair = variant == "whole-bwd-gvapair"
+    gva_pair = variant.endswith("-gvapair")
     if gva_pair:
         monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
-        variant = "whole-bwd"
+        variant = variant[:-len("-gvapair")]
     train_fused = variant == "train-fused"
     if train_fused:
         monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
@@ -1448,6 +1464,10 @@ def test_host_path_with_simulated_kernels(case, variant, simulated_kernels, monk
     else:
         assert simulated_kernels == ["fwd_intra_sm90", f"fwd_recurrent{sfx}_sm90", f"bwd_state{sfx}_sm90",
                                      "bwd_dqk_v2_sm90", "bwd_wy_v2_sm90"]
+        # (the split backward's dqk / wy keys end in the GVA pair flag where asked for and the ratio is 2)
+        keys = dict(simulated_kernels.keys)
+        pair = gva_pair and case.Hv == 2 * case.Hqk
+        assert (keys["bwd_dqk_v2_sm90"][5:] == (True,)) == pair and (keys["bwd_wy_v2_sm90"][6:] == (True,)) == pair
     errs = {"o": rel_l2(o, ref["o"])}
     if case.ht:
         errs["ht"] = rel_l2(ht, ref["ht"])

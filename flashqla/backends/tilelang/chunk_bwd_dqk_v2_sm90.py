@@ -20,7 +20,8 @@ nq, nk (1 without the option)::
 
 Outputs: dq [NT, Hv, K] in the input dtype (rows < eos; per value head, summed over each GVA group in
 fp32 by ``backends/gva.py``: FlashQLA's rounding point, session 10, half the bytes of the fp32 form it
-replaced), and chunk-major for stage 3: dk^p [NC, Hv, 64, K] fp32,
+replaced; with ``gva_pair``, GVA ratio 2, [NT, Hqk, K] summed in the kernel by pair reductions into the zeroed
+output, as ``chunk_bwd_whole_sm90`` does), and chunk-major for stage 3: dk^p [NC, Hv, 64, K] fp32,
 dw [NC, Hv, 64, K] (input dtype), dG [NC, Hv, 64] fp32.
 
 Why this form.  Its first version (retired in session 9) was slow (H200, 16/32 heads, 32k tokens:
@@ -49,10 +50,10 @@ CHUNK = 64
 L2_EPS = 1e-6
 
 
-def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 256):
+def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 256, gva_pair: bool = False):
     import tilelang.language as T
 
-    from ._common import make_l2_row_factors, make_store_rows, symbolic_sizes
+    from ._common import RED_PAIR_SRC, make_l2_row_factors, make_red_rows, make_store_rows, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -61,6 +62,8 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
     HB = 64
     l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
     store_rows = make_store_rows(C)
+    red_rows = make_red_rows(C)
+    HG = Hqk if gva_pair else Hv      # the head axis of dq_out (gva_pair: summed over GVA pairs)
 
     @T.prim_func
     def gdn_bwd_dqk_v2(
@@ -74,7 +77,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
         dvn: T.Tensor((NC, Hv, C, V), dtype),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
-        dq_out: T.Tensor((NT, Hv, K), dtype),
+        dq_out: T.Tensor((NT, HG, K), dtype),
         dkp_out: T.Tensor((NC, Hv, C, K), acc),
         dw_out: T.Tensor((NC, Hv, C, K), dtype),
         dG_out: T.Tensor((NC, Hv, C), acc),
@@ -82,6 +85,9 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
         ratio: T.int32,
     ):
         with T.Kernel(NC, Hv, threads=threads) as (c, hv):
+            if gva_pair:
+                T.import_source(RED_PAIR_SRC)
+                pend = T.alloc_local((1,), acc)   # a pair's even column (make_red_rows)
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
             G_s = T.alloc_shared((C,), acc)
@@ -209,7 +215,11 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
                     qdq_s[r] = red_f[r] * nq_s[r] * nq_s[r]
                 for r, d in T.Parallel(C, K):
                     dOS_f[r, d] = nq_s[r] * (dOS_f[r, d] - qdq_s[r] * T.cast(q_s[r, d], acc))
-            store_rows(dq_out, dOS_f, bos, eos, hv, 0)
+            if gva_pair:
+                # (GVA ratio 2: added into the pair's row, two adds onto the zeroed output; chunk_bwd_whole_sm90)
+                red_rows(dq_out, dOS_f, bos, eos, hv // 2, 0, pend)
+            else:
+                store_rows(dq_out, dOS_f, bos, eos, hv, 0)
 
             # partial dk
             for r, d in T.Parallel(C, K):

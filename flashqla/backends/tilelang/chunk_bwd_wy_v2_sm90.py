@@ -22,7 +22,8 @@ head: dg [NT, Hv] in fp32; dv [NT, Hv, V] in the inputs' dtype and dbeta [NT, Hv
 added to those two afterwards, so they are rounded here once, as the cast on the host did (session 10: the
 fp32 dv and its cast pass cost 0.2 ms and 2 units of [T, Hv, V] fp32 memory at the backward's peak, 16/32
 heads x 32k tokens); dk [NT, Hv, K] in the inputs' dtype too, per value head, summed over each GVA group in
-fp32 on the host (``backends/gva.py``; the same rounding point as dq's, as in FlashQLA).
+fp32 on the host (``backends/gva.py``; the same rounding point as dq's, as in FlashQLA), or with ``gva_pair``
+(GVA ratio 2) [NT, Hqk, K], summed in the kernel by pair reductions into the zeroed output (``chunk_bwd_whole_sm90``).
 
 Why this form.  Its first version (retired in session 9) was slow (H200, 16/32 heads, 32k tokens:
 1.51 ms for a grid of 512 x 32 CTAs that each move ~176 KB, a ~0.7 ms memory floor): 132 registers x
@@ -47,16 +48,18 @@ CHUNK = 64
 WPAD = 65
 
 
-def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256):
+def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256, gva_pair: bool = False):
     import tilelang.language as T
 
-    from ._common import make_store_rows, symbolic_sizes
+    from ._common import RED_PAIR_SRC, make_red_rows, make_store_rows, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
     L2_EPS = 1e-6
     store_rows = make_store_rows(C)
+    red_rows = make_red_rows(C)
+    HG = Hqk if gva_pair else Hv      # the head axis of dk_out (gva_pair: summed over GVA pairs)
     assert K == V, "the dBu fragment doubles as the [C, K] scratch"
 
     @T.prim_func
@@ -72,13 +75,16 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
         dGp: T.Tensor((NC, Hv, C), acc),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
-        dk_out: T.Tensor((NT, Hv, K), dtype),
+        dk_out: T.Tensor((NT, HG, K), dtype),
         dv_out: T.Tensor((NT, Hv, V), dtype),
         dg_out: T.Tensor((NT, Hv), acc),
         db_out: T.Tensor((NT, Hv), beta_dtype),
         ratio: T.int32,
     ):
         with T.Kernel(NC, Hv, threads=threads) as (c, hv):
+            if gva_pair:
+                T.import_source(RED_PAIR_SRC)
+                pend = T.alloc_local((1,), acc)   # a pair's even column (make_red_rows)
             T.annotate_min_blocks_per_sm(2)
             k_s = T.alloc_shared((C, K), dtype)
             v_s = T.alloc_shared((C, V), dtype)
@@ -214,7 +220,11 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
                     kd_s[r] = red_f[r] * nk_s[r] * nk_s[r]
                 for r, d in T.Parallel(C, K):
                     dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
-            store_rows(dk_out, dBw_f, bos, eos, hv, 0)
+            if gva_pair:
+                # (GVA ratio 2: added into the pair's row, two adds onto the zeroed output; chunk_bwd_whole_sm90)
+                red_rows(dk_out, dBw_f, bos, eos, hv // 2, 0, pend)
+            else:
+                store_rows(dk_out, dBw_f, bos, eos, hv, 0)
 
             # dbeta, dg
             for r in T.Parallel(C):

@@ -444,16 +444,16 @@ def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva
 
 
 def gva_in_kernel(ratio: int) -> tuple:
-    """``(in_kernel, why)``: whether the whole-V backward sums dq / dk over each GVA group itself
-    (``build_bwd_whole(gva_pair=True)``: pair reductions into zeroed outputs, deterministic at ratio 2 only) or
-    writes them per value head for :func:`flashqla.backends.gva.gva_sum`.  ``FLASHQLA_TILELANG_GVA``: ``host``
+    """``(in_kernel, why)``: whether the backward's kernels sum dq / dk over each GVA group themselves (the whole-V
+    kernel, or the split backward's dqk and wy kernels, built with ``gva_pair=True``: pair reductions into zeroed
+    outputs, deterministic at ratio 2 only) or write them per value head for :func:`flashqla.backends.gva.gva_sum`.  ``FLASHQLA_TILELANG_GVA``: ``host``
     (default until its GPU tests and an A/B run: the separate sum, 0.19 ms of 2.92 at 16/32 one 32k sequence) or
     ``pair`` (in the kernel where the ratio is 2)."""
     if ratio == 1:
         return False, "no GVA (one value head per query/key head)"
     mode = env_choice("FLASHQLA_TILELANG_GVA", ("host", "pair"), "host")
     if mode == "pair" and ratio == 2:
-        return True, "dq / dk summed over each GVA pair in the kernel (FLASHQLA_TILELANG_GVA=pair)"
+        return True, "dq / dk summed over each GVA pair in the kernels (FLASHQLA_TILELANG_GVA=pair)"
     if mode == "pair":
         return False, (f"dq / dk per value head, summed by a separate kernel: GVA ratio {ratio} (the in-kernel sum, "
                        "FLASHQLA_TILELANG_GVA=pair, is deterministic at ratio 2 only)")
@@ -511,14 +511,17 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
 BWD_WS_BVS = (32, 64)
 
 
-def bwd_dqk_kernel(dtype, K, V, l2norm):
+def bwd_dqk_kernel(dtype, K, V, l2norm, gva_pair=False):
     # (the "_v2" names keep the compile keys of the kernels' second version, the only one since session 9)
-    return get_kernel("bwd_dqk_v2_sm90", build_bwd_dqk_v2, (_tl_dtype(dtype), K, V, bool(l2norm)))
+    # (threads, gva_pair)
+    key = _key((_tl_dtype(dtype), K, V, bool(l2norm)), (256, 256), (bool(gva_pair), False))
+    return get_kernel("bwd_dqk_v2_sm90", build_bwd_dqk_v2, key)
 
 
-def bwd_wy_kernel(dtype, beta_dtype, K, V, l2norm):
-    return get_kernel("bwd_wy_v2_sm90", build_bwd_wy_v2,
-                      (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)))
+def bwd_wy_kernel(dtype, beta_dtype, K, V, l2norm, gva_pair=False):
+    # (threads, gva_pair)
+    key = _key((_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm)), (256, 256), (bool(gva_pair), False))
+    return get_kernel("bwd_wy_v2_sm90", build_bwd_wy_v2, key)
 
 
 @dataclass
@@ -813,11 +816,14 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     else:
         bwd_state_ws_kernel(dt, K, V, l2norm, has_dht, has_h0, bv, halo)(*state_args, *halo_args)
 
-    dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+    # (GVA pairs summed in the dqk and wy kernels where gva_in_kernel says so: into zeroed [NT, Hqk, K] outputs)
+    pair = gva_in_kernel(ratio)[0]
+    new_dqk = torch.zeros if pair else torch.empty
+    dq_h = new_dqk(NT, Hqk if pair else Hv, K, dtype=dt, device=dev)
     dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
     dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
     dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
-    bwd_dqk_kernel(dt, K, V, l2norm)(
+    bwd_dqk_kernel(dt, K, V, l2norm, pair)(
         q, k, dof, G, hs, vn, dh, dvn, meta.cu_seqlens, meta.chunk_indices, dq_h, dkp, dw, dGp,
         float(scale), ratio)
     # Peak memory is reached in the wy kernel below: drop what it does not read first.  The state
@@ -827,19 +833,19 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     # (Session 10's one-kernel dqk + wy, which kept dk^p, dw and dG on the chip, measured slower on the H200
     # in session 11 -- 2.73 against 1.445 + 1.201 ms at 16/32 x 32k -- and was removed.)
     del dh, state_args
-    dq = gva_sum(dq_h, ratio, dt)
+    dq = dq_h if pair else gva_sum(dq_h, ratio, dt)
     del dq_h
     # dk per value head (GVA-summed below), dv, dg, dbeta
-    dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+    dk_h = new_dqk(NT, Hqk if pair else Hv, K, dtype=dt, device=dev)
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
     db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
-    bwd_wy_kernel(dt, beta.dtype, K, V, l2norm)(
+    bwd_wy_kernel(dt, beta.dtype, K, V, l2norm, pair)(
         k, v, beta, G, X, dw, dvn, dkp, dGp, meta.cu_seqlens, meta.chunk_indices, dk_h, dv, dg, db,
         ratio)
     del dw, dvn, dkp, dGp
 
-    dk = gva_sum(dk_h, ratio, dt)
+    dk = dk_h if pair else gva_sum(dk_h, ratio, dt)
     del dk_h
     return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
 
