@@ -64,7 +64,7 @@
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
 #                                                 segments (its saves fixed in session 20): GPU test, fwd+bwd A/B (#8)
-#   bash benchmarks/next_device_run.sh gvapair    FLASHQLA_TILELANG_GVA=pair: the whole-V backward sums GVA pairs itself
+#   bash benchmarks/next_device_run.sh gvapair    FLASHQLA_TILELANG_GVA=pair: the backward kernels sum GVA pairs themselves
 #                                                 (bf16x2 reductions; session 21): GPU tests, fwd+bwd A/B host / pair (#8)
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
 #   bash benchmarks/next_device_run.sh bwdtrace   the whole backward's per-role clock64 timeline, then the backward tests
@@ -407,7 +407,11 @@ case "$STEP" in
     TAIL=20 run_step "fwd+bwd, GVA host / pair" ${GVP_SWEEP_S:-200} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_gva_pair.json \
         --rows ${GVP_ROWS:-16/32:1x32768,16/32:4x8192,8/16:1x32768,2/4:1x32768} \
-        "--variants=FLASHQLA_TILELANG_GVA=host;FLASHQLA_TILELANG_GVA=pair" ;;
+        "--variants=FLASHQLA_TILELANG_GVA=host;FLASHQLA_TILELANG_GVA=pair"
+    # (the split backward's dqk / wy kernels with the pair sum: the path of calls with the fused L2 norm)
+    TAIL=12 run_step "fwd+bwd split backward, GVA host / pair" ${GVP_SWEEP_S:-120} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_gva_pair_ws.json --rows ${GVP_WS_ROWS:-16/32:4x8192} \
+        "--variants=FLASHQLA_TILELANG_BWD=ws FLASHQLA_TILELANG_GVA=host;FLASHQLA_TILELANG_BWD=ws FLASHQLA_TILELANG_GVA=pair" ;;
   tritonseg)
     # the triton forward walk in segments with a halo (session 17, serial.seg, off by default) and the state-gradient
     # walk's (session 18, serial.bseg): their tests on the GPU, then the A/B against the plain walks, inference and
