@@ -64,6 +64,9 @@
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
 #                                                 segments (its saves fixed in session 20): GPU test, fwd+bwd A/B (#8)
+#   bash benchmarks/next_device_run.sh newswitches the GPU tests of the three switches written blind (INTRA_COMPACT=1,
+#                                                 TRAIN_FUSED=all, GVA=pair) in one pytest, then one fwd A/B and one
+#                                                 fwd+bwd A/B over them and their combination (#8; session 21)
 #   bash benchmarks/next_device_run.sh gvapair    FLASHQLA_TILELANG_GVA=pair: the backward kernels sum GVA pairs themselves
 #                                                 (bf16x2 reductions; session 21): GPU tests, fwd+bwd A/B host / pair (#8)
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
@@ -397,6 +400,22 @@ case "$STEP" in
         --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_train_fused_all.json \
         --rows ${TFA_ROWS:-16/32:1x32768,8/16:1x32768,2/4:1x32768,16/32:28672+4096} \
         "--variants=FLASHQLA_TILELANG_TRAIN_FUSED=1;FLASHQLA_TILELANG_TRAIN_FUSED=all" ;;
+  newswitches)
+    # One call for what sessions 20-21 wrote without a GPU (each switch also has its own step): their GPU tests in one
+    # process, then the A/B sweeps.  Each switch's kernels are in the carried kcache (precompiled on the CPU in
+    # session 21), so the steps should not spend minutes in JIT.  A failing test skips its switch in the sweeps.
+    TAIL=14 run_step "new switches, GPU tests" ${NS_TEST_S:-240} $PYT tests/test_backend_tilelang.py \
+        tests/test_tilelang_segments.py tests/test_tilelang_bwd_whole.py \
+        -k "intra_compact or fused_training_forward_over_segments or gva_pair"
+    NS_FWD="FLASHQLA_TILELANG_INTRA_COMPACT=0;FLASHQLA_TILELANG_INTRA_COMPACT=1"
+    NS_BWD="-;FLASHQLA_TILELANG_TRAIN_FUSED=all;FLASHQLA_TILELANG_GVA=pair;FLASHQLA_TILELANG_TRAIN_FUSED=all FLASHQLA_TILELANG_GVA=pair;FLASHQLA_TILELANG_TRAIN_FUSED=all FLASHQLA_TILELANG_GVA=pair FLASHQLA_TILELANG_INTRA_COMPACT=1"
+    case $RUN_RC in 0) ;; *) echo "== newswitches: a test failed (see the log); sweeping anyway, read the diffs"; ;; esac
+    TAIL=16 run_step "fwd A/B, compact stage 1" ${NS_FWD_S:-150} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwd --out $OUT/sweep_fwd_new_switches.json \
+        --rows ${NS_FWD_ROWS:-8/32:1x32768,16/32:1x32768,32/32:1x32768,16/32:4x8192,2/8:1x32768} "--variants=$NS_FWD"
+    TAIL=30 run_step "fwd+bwd A/B, new switches" ${NS_BWD_S:-240} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_new_switches.json \
+        --rows ${NS_BWD_ROWS:-16/32:1x32768,16/32:4x8192,8/16:1x32768,2/4:1x32768} "--variants=$NS_BWD" ;;
   gvapair)
     # FLASHQLA_TILELANG_GVA=pair (session 21): the whole-V backward adds each value head's dq / dk rows into its GVA
     # pair's row (red.global.add.noftz.bf16x2 into zeroed outputs) instead of the separate sum kernel, 0.19 ms of
@@ -533,7 +552,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
