@@ -48,7 +48,8 @@ CHUNK = 64
 WPAD = 65
 
 
-def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256, gva_pair: bool = False):
+def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, threads: int = 256,
+                    gva_pair: bool = False):
     import tilelang.language as T
 
     from ._common import RED_PAIR_SRC, make_red_rows, make_store_rows, symbolic_sizes

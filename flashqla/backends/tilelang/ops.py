@@ -446,9 +446,9 @@ def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva
 def gva_in_kernel(ratio: int) -> tuple:
     """``(in_kernel, why)``: whether the backward's kernels sum dq / dk over each GVA group themselves (the whole-V
     kernel, or the split backward's dqk and wy kernels, built with ``gva_pair=True``: pair reductions into zeroed
-    outputs, deterministic at ratio 2 only) or write them per value head for :func:`flashqla.backends.gva.gva_sum`.  ``FLASHQLA_TILELANG_GVA``: ``host``
-    (default until its GPU tests and an A/B run: the separate sum, 0.19 ms of 2.92 at 16/32 one 32k sequence) or
-    ``pair`` (in the kernel where the ratio is 2)."""
+    outputs, deterministic at ratio 2 only) or write them per value head for :func:`flashqla.backends.gva.gva_sum`.
+    ``FLASHQLA_TILELANG_GVA``: ``host`` (default until its GPU tests and an A/B run: the separate sum, 0.19 ms of
+    2.92 at 16/32 one 32k sequence) or ``pair`` (in the kernels where the ratio is 2)."""
     if ratio == 1:
         return False, "no GVA (one value head per query/key head)"
     mode = env_choice("FLASHQLA_TILELANG_GVA", ("host", "pair"), "host")
@@ -468,9 +468,9 @@ def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
 def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0,
                     split=None):
     """The whole-V fused backward's launch and the GVA sums of its per-value-head dq / dk (in the kernel, for GVA
-    pairs under :func:`gva_in_kernel`).  Returns (dq, dk, dv,
-    dg, dbeta) flattened, as ``backward``'s split path has them before its reshape.  ``split``: ``(tables, walk
-    ends)`` of its walk in segments with a halo (``FwdResult.bwd_split``), or None."""
+    pairs under :func:`gva_in_kernel`).  Returns (dq, dk, dv, dg, dbeta) flattened, as ``backward``'s split path
+    has them before its reshape.  ``split``: ``(tables, walk ends)`` of its walk in segments with a halo
+    (``FwdResult.bwd_split``), or None."""
     B, T, Hqk, Hv, K, V = shape
     NT = B * T
     dev, dt = q.device, q.dtype
