@@ -5,6 +5,13 @@
 #
 #   bash benchmarks/rebuild_kcache.sh            # bench variants first, then the whole backward, then the rest
 #   KC=/tmp/kc QUICK=1 bash benchmarks/rebuild_kcache.sh   # only what the benchmarks and the backward trace need
+#   KC=/tmp/kc PACK_ONLY=1 bash benchmarks/rebuild_kcache.sh   # pack $KC as it is (e.g. a device run's returned
+#                                                            # kcache.tar.xz unpacked there, or a precompile's output)
+#
+# Packed with xz -9e: its 64 MiB dictionary spans many entries, whose executable.so files share most of their
+# bytes (session 21: 582 entries 11.0 MB, against 19.9 MB with -6's 8 MiB dictionary; 86 s on two cores).  The
+# device's save_kcache keeps -6 (fast on 16 cores, where -9e would not split into parallel blocks): repack what
+# comes back here before carrying it (.gpu is under the 64 MiB a call carries only with the tree beside it).
 #
 # Session 15, 2 cores: the whole backward's 8 variants ~4 min + its traced variant 30 s; session 12: the 23 bench
 # variants (bf16, no h0, no L2 norm) 107 s, all fwd/bwd variants ~12 min; packed ~12 MB with FlashQLA's kernels.
@@ -18,6 +25,7 @@ JOBS=${JOBS:-2}
 mkdir -p "$KC/tilelang" .gpu
 export TILELANG_CACHE_DIR=$KC/tilelang
 pre() { python -m flashqla precompile --cache-dir "$KC/tilelang" --jobs "$JOBS" "$@"; }
+if [ "${PACK_ONLY:-0}" != 1 ]; then
 pre --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0 --modes fwd,bwd
 for dt in bfloat16 float16; do
   FLASHQLA_TILELANG_BWD=whole pre --modes bwd --flags l2norm=0 --kernels bwd_whole --dtypes $dt --beta-dtypes $dt
@@ -34,6 +42,11 @@ from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
 get_kernel("bwd_whole_sm90", build_bwd_whole, ("bfloat16", "bfloat16", 128, 128, False, False, True))
 PY
 [ "${QUICK:-0}" = 1 ] || pre --modes fwd,bwd
-( cd "$KC" && tar cf - --exclude=.restored --exclude=./triton --exclude='*/cuda-binaries' \
-    --exclude='./tilelang/0.1.15/.staging' . ) | xz -T"$JOBS" -6 > .gpu/kcache.tar.xz
+fi
+# (FLA's autotuning results under triton/ are kept, the rest of Triton's cache is not: device_lib.sh save_kcache)
+( cd "$KC" && { find . -mindepth 1 -maxdepth 1 ! -name .restored ! -name triton -print0
+                [ -d triton ] && find triton -name '*.autotune.json' -print0; } \
+    | tar cf - --exclude='*/cuda-binaries' --exclude='./tilelang/0.1.15/.staging' --null -T - ) \
+    | xz -T"$JOBS" -9e > .gpu/kcache.tar.xz.new
+mv .gpu/kcache.tar.xz.new .gpu/kcache.tar.xz
 ls -la .gpu/kcache.tar.xz
