@@ -67,6 +67,8 @@
 #   bash benchmarks/next_device_run.sh newswitches the GPU tests of the three switches written blind (INTRA_COMPACT=1,
 #                                                 TRAIN_FUSED=all, GVA=pair) in one pytest, then one fwd A/B and one
 #                                                 fwd+bwd A/B over them and their combination (#8; session 21)
+#   bash benchmarks/next_device_run.sh flqgridwarm FlashQLA's kernels for its forward grid, built on the device, and the
+#                                                 cache returned (repack it: PACK_ONLY=1 benchmarks/rebuild_kcache.sh)
 #   bash benchmarks/next_device_run.sh gvapair    FLASHQLA_TILELANG_GVA=pair: the backward kernels sum GVA pairs themselves
 #                                                 (bf16x2 reductions; session 21): GPU tests, fwd+bwd A/B host / pair (#8)
 #   bash benchmarks/next_device_run.sh tritonseg  the triton walks in segments (serial.seg, serial.bseg): GPU tests, A/B (#8)
@@ -192,6 +194,14 @@ case "$STEP" in
     # the triton GPU tests of the forward paths (the Tb inference forward is the default since session 12)
     TAIL=8 run_step "triton GPU tests (forward forms)" ${TTEST_S:-200} $PYT tests/test_backend_triton.py \
         -k "${TTEST_K:-tb_forward or half_precision_forward_backward or cuda_graph or kept_inverse or local_dv}" ;;
+  flqgridwarm)
+    # FlashQLA's kernels for its whole forward grid, built on the device (CPU-warmed entries get other keys there:
+    # benchmarks/README.md), then the cache packed: carry the returned kcache (repacked with
+    # PACK_ONLY=1 benchmarks/rebuild_kcache.sh) and the cutlassgrid / flqfwdgrid calls start warm
+    TAIL=6 run_step "flashqla fwd warm-up (its grid's heads)" ${FLQWARM_S:-200} python benchmarks/warm_flashqla_cache.py \
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32} \
+        --seqs "32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8" --no-xz
+    save_kcache ;;
   flqfwdgrid)
     # #4's forward acceptance: FlashQLA's own forward grid (9 head configurations x 12 length mixes, 108 rows),
     # tilelang against FlashQLA and FLA.  FlashQLA's kernels for its heads are warmed first (16 jobs; its CP
@@ -552,7 +562,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
