@@ -239,9 +239,8 @@ def chunk_gated_delta_rule_bwd(ctx: GDNContext, do: torch.Tensor, dht: Optional[
 def _tilelang_backward_note(q, spec, varlen_meta) -> str:
     """The tilelang backend's backward choice for this call (split, or the whole-V fused kernel) and its reason;
     ``varlen_meta`` is the one ``validate`` returned (None: B sequences of T tokens)."""
-    from .backends.tilelang.ops import bwd_plan
+    from .backends.tilelang.ops import bwd_plan, gva_in_kernel
     from .cp import _seq_bounds
-    from .backends.tilelang.ops import gva_in_kernel
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
     why = bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)[2]
     if spec.Hv != spec.Hqk:

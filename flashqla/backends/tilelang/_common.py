@@ -127,6 +127,26 @@ def make_red_rows(C: int):
     return red_rows
 
 
+def make_grad_rows(C: int, gva_pair: bool):
+    """A ``T.macro`` ``(out, src_f, bos, eos, hv, col0, pend)``: a dq / dk tile of value head ``hv`` stored into
+    its own row of ``out`` [NT, Hv, D] (:func:`make_store_rows`), or with ``gva_pair`` (GVA ratio 2) added into its
+    pair's row ``hv // 2`` of ``out`` [NT, Hqk, D] (:func:`make_red_rows`; ``pend`` is its local).  The backward
+    kernels' ``gva_pair`` option, in one place."""
+    import tilelang.language as T
+
+    store_rows = make_store_rows(C)
+    red_rows = make_red_rows(C)
+
+    @T.macro
+    def grad_rows(out, src_f, bos, eos, hv, col0, pend):
+        if gva_pair:
+            red_rows(out, src_f, bos, eos, hv // 2, col0, pend)
+        else:
+            store_rows(out, src_f, bos, eos, hv, col0)
+
+    return grad_rows
+
+
 # The pair reductions of ``make_red_rows`` (plain CUDA types only: imported sources precede TileLang's headers).
 # ``cvt.rn.{bf16,f16}x2.f32 d, a, b`` puts a in the upper half, so the odd column goes first.
 _RED_PAIR_TEMPLATE = """

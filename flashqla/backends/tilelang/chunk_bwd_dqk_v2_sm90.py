@@ -53,7 +53,7 @@ L2_EPS = 1e-6
 def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 256, gva_pair: bool = False):
     import tilelang.language as T
 
-    from ._common import RED_PAIR_SRC, make_l2_row_factors, make_red_rows, make_store_rows, symbolic_sizes
+    from ._common import RED_PAIR_SRC, make_l2_row_factors, make_grad_rows, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
@@ -61,8 +61,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
     assert K == 128 and V % 64 == 0
     HB = 64
     l2_row_factors = make_l2_row_factors(C, K, acc, L2_EPS)
-    store_rows = make_store_rows(C)
-    red_rows = make_red_rows(C)
+    grad_rows = make_grad_rows(C, gva_pair)
     HG = Hqk if gva_pair else Hv      # the head axis of dq_out (gva_pair: summed over GVA pairs)
 
     @T.prim_func
@@ -88,6 +87,8 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
             if gva_pair:
                 T.import_source(RED_PAIR_SRC)
                 pend = T.alloc_local((1,), acc)   # a pair's even column (make_red_rows)
+            else:
+                pend = None
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
             G_s = T.alloc_shared((C,), acc)
@@ -215,11 +216,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
                     qdq_s[r] = red_f[r] * nq_s[r] * nq_s[r]
                 for r, d in T.Parallel(C, K):
                     dOS_f[r, d] = nq_s[r] * (dOS_f[r, d] - qdq_s[r] * T.cast(q_s[r, d], acc))
-            if gva_pair:
-                # (GVA ratio 2: added into the pair's row, two adds onto the zeroed output; chunk_bwd_whole_sm90)
-                red_rows(dq_out, dOS_f, bos, eos, hv // 2, 0, pend)
-            else:
-                store_rows(dq_out, dOS_f, bos, eos, hv, 0)
+            grad_rows(dq_out, dOS_f, bos, eos, hv, 0, pend)
 
             # partial dk
             for r, d in T.Parallel(C, K):

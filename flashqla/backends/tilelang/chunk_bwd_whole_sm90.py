@@ -115,12 +115,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``)."""
     import tilelang.language as T
 
-    from ._common import EX2_APPROX_SRC, RED_PAIR_SRC, ex2_approx, make_red_rows, make_store_rows, symbolic_sizes
+    from ._common import EX2_APPROX_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows, symbolic_sizes
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
-    store_rows = make_store_rows(C)
-    red_rows = make_red_rows(C)
+    grad_rows = make_grad_rows(C, gva_pair)   # dq / dk: per value head, or into the GVA pair's row
     SQ = 8             # column block of <S, dSb> (the chain's)
     DB = 16            # column block of the chain's dOs pass
     acc = "float32"
@@ -151,14 +150,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         # bound, not an ``if`` around the stores: that ``if`` around the key role's dk stores made ptxas serialise
         # every wgmma of the kernel (its accumulators live across the branch; session 18, lowering for sm_90a)
         return T.if_then_else(i >= nhalo, eos, bos) if halo else eos
-
-    @T.macro
-    def store_dqk(out, src_f, bos, end, hv, hq, col0, pend):
-        # a gradient of the key role: per value head, or added into its GVA pair's row
-        if gva_pair:
-            red_rows(out, src_f, bos, end, hq, col0, pend)
-        else:
-            store_rows(out, src_f, bos, end, hv, col0)
 
     @T.macro
     def stamp(trace_out, name, i, tx, tx0, hv, n):
@@ -587,7 +578,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        store_dqk(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hq, hb * KH, pend)
+                        grad_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH, pend)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
@@ -652,8 +643,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    store_dqk(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, hq, 0, pend)
-                    store_dqk(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, hq, KH, pend)
+                    grad_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0, pend)
+                    grad_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH, pend)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds

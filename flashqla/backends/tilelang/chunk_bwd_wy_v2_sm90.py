@@ -52,14 +52,13 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
                     gva_pair: bool = False):
     import tilelang.language as T
 
-    from ._common import RED_PAIR_SRC, make_red_rows, make_store_rows, symbolic_sizes
+    from ._common import RED_PAIR_SRC, make_grad_rows, symbolic_sizes
 
     C = CHUNK
     acc = "float32"
     NT, NC, NS, Hqk, Hv = symbolic_sizes()
     L2_EPS = 1e-6
-    store_rows = make_store_rows(C)
-    red_rows = make_red_rows(C)
+    grad_rows = make_grad_rows(C, gva_pair)
     HG = Hqk if gva_pair else Hv      # the head axis of dk_out (gva_pair: summed over GVA pairs)
     assert K == V, "the dBu fragment doubles as the [C, K] scratch"
 
@@ -86,6 +85,8 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
             if gva_pair:
                 T.import_source(RED_PAIR_SRC)
                 pend = T.alloc_local((1,), acc)   # a pair's even column (make_red_rows)
+            else:
+                pend = None
             T.annotate_min_blocks_per_sm(2)
             k_s = T.alloc_shared((C, K), dtype)
             v_s = T.alloc_shared((C, V), dtype)
@@ -221,11 +222,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
                     kd_s[r] = red_f[r] * nk_s[r] * nk_s[r]
                 for r, d in T.Parallel(C, K):
                     dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
-            if gva_pair:
-                # (GVA ratio 2: added into the pair's row, two adds onto the zeroed output; chunk_bwd_whole_sm90)
-                red_rows(dk_out, dBw_f, bos, eos, hv // 2, 0, pend)
-            else:
-                store_rows(dk_out, dBw_f, bos, eos, hv, 0)
+            grad_rows(dk_out, dBw_f, bos, eos, hv, 0, pend)
 
             # dbeta, dg
             for r in T.Parallel(C):

@@ -460,6 +460,20 @@ def gva_in_kernel(ratio: int) -> tuple:
     return False, "dq / dk per value head, summed over each GVA group by a separate kernel (FLASHQLA_TILELANG_GVA)"
 
 
+def _grad_rows_buffer(pair: bool, NT: int, Hqk: int, Hv: int, D: int, dtype, device) -> torch.Tensor:
+    """dq or dk as the backward kernels write it: per value head ``[NT, Hv, D]``, or with the GVA pair sum in the
+    kernels (:func:`gva_in_kernel`) ``[NT, Hqk, D]`` zeroed, which each element's two adds start from."""
+    if pair:
+        return torch.zeros(NT, Hqk, D, dtype=dtype, device=device)
+    return torch.empty(NT, Hv, D, dtype=dtype, device=device)
+
+
+def _grad_rows_total(x: torch.Tensor, pair: bool, ratio: int, dtype) -> torch.Tensor:
+    """The GVA-summed gradient from :func:`_grad_rows_buffer`'s tensor after the kernels: itself where they summed
+    the pairs, else the separate sum."""
+    return x if pair else gva_sum(x, ratio, dtype)
+
+
 def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
     """Whether the whole-V fused backward serves this call (K = V = 128, no fused L2 norm)."""
     return K == 128 and V == 128 and not l2norm
@@ -477,13 +491,8 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     ratio = Hv // Hqk
     f32 = torch.float32
     pair = gva_in_kernel(ratio)[0]
-    if pair:
-        # the kernel adds both heads' rows into these (build_bwd_whole's gva_pair: exactly two adds onto +0)
-        dq_h = torch.zeros(NT, Hqk, K, dtype=dt, device=dev)
-        dk_h = torch.zeros(NT, Hqk, K, dtype=dt, device=dev)
-    else:
-        dq_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
-        dk_h = torch.empty(NT, Hv, K, dtype=dt, device=dev)
+    dq_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev)
+    dk_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev)
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
     db = torch.empty(NT, Hv, dtype=f32, device=dev)
@@ -499,11 +508,9 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None, pair)(
         q, k, v, beta, dof, G, X, hs, vn, walk_cu, walk_co, dhtf,
         dq_h, dk_h, dv, dg, db, dh0, _trace_arg(dev, bwd=True), float(scale), ratio, *halo_args)
-    if pair:
-        return dq_h, dk_h, dv, dg, db.to(beta.dtype)
-    dq = gva_sum(dq_h, ratio, dt)
+    dq = _grad_rows_total(dq_h, pair, ratio, dt)
     del dq_h
-    dk = gva_sum(dk_h, ratio, dt)
+    dk = _grad_rows_total(dk_h, pair, ratio, dt)
     return dq, dk, dv, dg, db.to(beta.dtype)
 
 
@@ -818,8 +825,7 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
 
     # (GVA pairs summed in the dqk and wy kernels where gva_in_kernel says so: into zeroed [NT, Hqk, K] outputs)
     pair = gva_in_kernel(ratio)[0]
-    new_dqk = torch.zeros if pair else torch.empty
-    dq_h = new_dqk(NT, Hqk if pair else Hv, K, dtype=dt, device=dev)
+    dq_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev)
     dkp = torch.empty(NC, Hv, CHUNK, K, dtype=f32, device=dev)
     dw = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
     dGp = torch.empty(NC, Hv, CHUNK, dtype=f32, device=dev)
@@ -833,10 +839,10 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     # (Session 10's one-kernel dqk + wy, which kept dk^p, dw and dG on the chip, measured slower on the H200
     # in session 11 -- 2.73 against 1.445 + 1.201 ms at 16/32 x 32k -- and was removed.)
     del dh, state_args
-    dq = dq_h if pair else gva_sum(dq_h, ratio, dt)
+    dq = _grad_rows_total(dq_h, pair, ratio, dt)
     del dq_h
     # dk per value head (GVA-summed below), dv, dg, dbeta
-    dk_h = new_dqk(NT, Hqk if pair else Hv, K, dtype=dt, device=dev)
+    dk_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev)
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
     dg = torch.empty(NT, Hv, dtype=f32, device=dev)
     db = torch.empty(NT, Hv, dtype=beta.dtype, device=dev)
@@ -845,7 +851,7 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
         ratio)
     del dw, dvn, dkp, dGp
 
-    dk = dk_h if pair else gva_sum(dk_h, ratio, dt)
+    dk = _grad_rows_total(dk_h, pair, ratio, dt)
     del dk_h
     return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
 
