@@ -283,28 +283,21 @@ def test_whole_gva_pair_reductions_lower_in_pairs():
                                             gva_pair=True), out_idx=None, target=TARGET)
     check_ws_kernel(kern, "bwd_whole gva_pair")
     src = kern.get_kernel_source()
-    calls = re.findall(r"flq_red_pair_bf16\((d[qk]_out), (.+), (\w+)\[(\w+)\], \((\w+) & 1\), \(&\(pend\[0\]\)\)\);",
-                       src)
     # dq: its two K halves in one loop, full chunk and last chunk; dk: each half, full chunk and last chunk
-    assert len(calls) == 6 and src.count("flq_red_pair_bf16(d") == 6, len(calls)
-    assert {c[0] for c in calls} == {"dq_out", "dk_out"}
-    rng = random.Random(0)
-    for out, offset, frag, reg, parity in calls:
-        assert reg == parity, (frag, reg, parity)
-        head = src[:src.index(offset)]
-        loop = re.findall(rf"for \(int {reg} = 0; {reg} < (\d+); \+\+{reg}\)", head)
-        assert loop and int(loop[-1]) % 2 == 0, (reg, loop)
-        assert _pair_offsets_agree(offset, reg, int(loop[-1]), rng), (out, offset)
-    # the dq / dk rows go to the pair's row (Hqk of them), not to a value head's
-    assert all("* ((int64_t)Hqk))" in c[1] for c in calls)
-    sass = kernel_sass(kern)
+    _check_pair_calls(src, "flq_red_pair_bf16", {"dq_out", "dk_out"}, 6, range(256, 384), random.Random(0))
+    _check_pair_sass(kernel_sass(kern), 128)
+
+
+def _check_pair_sass(sass, min_reds: int) -> None:
+    """At least ``min_reds`` REDG.E.ADD.BF16x2 in a kernel's SASS (where cuobjdump is here), and no ATOM or CAS."""
     if sass is not None:
-        assert len(re.findall(r"REDG\.E\.ADD\.BF16x2\.RN", sass)) >= 128
+        assert len(re.findall(r"REDG\.E\.ADD\.BF16x2\.RN", sass)) >= min_reds
         assert not re.search(r"\bATOMS?\.|\bATOMG\.|CAS", sass), "a generic or emulated atomic"
 
 
 def _check_pair_calls(src: str, fn: str, outs: set, n_calls: int, threads, rng) -> None:
-    """The make_red_rows helper's contract in a generated source (see the test above)."""
+    """The make_red_rows helper's contract in a generated source (see the test above); the dq / dk rows go to the
+    pair's row (Hqk of them), not to a value head's."""
     calls = re.findall(rf"{fn}\((d[qk]_out), (.+), (\w+)\[(\w+)\], \((\w+) & 1\), \(&\(pend\[0\]\)\)\);", src)
     assert len(calls) == n_calls and src.count(f"{fn}(d") == n_calls, len(calls)
     assert {c[0] for c in calls} == outs
@@ -343,10 +336,7 @@ def test_split_backward_gva_pair_reductions_lower_in_pairs(kind):
     assert_wgmma_pipelined(kern, f"bwd_{kind} gva_pair")
     usage = resource_usage(kern)
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
-    sass = kernel_sass(kern)
-    if sass is not None:
-        assert len(re.findall(r"REDG\.E\.ADD\.BF16x2\.RN", sass)) >= 32      # 16 pairs a thread, two forms
-        assert not re.search(r"\bATOMS?\.|\bATOMG\.|CAS", sass), "a generic or emulated atomic"
+    _check_pair_sass(kernel_sass(kern), 32)      # 16 pairs a thread, two forms
 
 
 # ---- GPU ------------------------------------------------------------------------------------------------
