@@ -268,8 +268,7 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
         elif not train_fused():
             form = "unfused (w, u and X for either backward; FLASHQLA_TILELANG_TRAIN_FUSED=0)"
         elif plan is not None and train_fused_mode() != "all":
-            form = ("unfused (its walk runs in segments, where the fused walk with its saves has not been measured "
-                    "since its fix; FLASHQLA_TILELANG_TRAIN_FUSED=all)")
+            form = "unfused (its walk runs in segments; FLASHQLA_TILELANG_TRAIN_FUSED=1)"
         elif bwd_whole_ok(spec.K, spec.V, spec.use_qk_l2norm) and \
                 bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)[0] == "whole":
             form = "fused (Tb and X; the whole-V backward reads no w or u)"

@@ -499,7 +499,8 @@ def test_gpu_fused_forward_matches_oracle_and_serial(case, segments, monkeypatch
     # (the walk over segments runs where a sequence is cut: at least three chunks here)
     cut = segments != "off" and max(case.seqlens or (case.T,)) > 2 * 64
     assert ("fwd_ws", "sm_90a", 128, 128, False, cut, True) in cb._compiled
-    assert ("prep", "sm_90a", 128, 128, str(x["beta"].dtype).split(".")[-1], False, True) in cb._compiled
+    # (the prep's key from prep_key: it carries FLASHQLA_CUTLASS_PREP=tiled where that is set)
+    assert ("prep", "sm_90a") + cb.prep_key(128, 128, str(x["beta"].dtype).split(".")[-1], False, True) in cb._compiled
 
 
 @pytest.mark.gpu
@@ -712,13 +713,14 @@ def test_tiled_prep_inverse_replay_matches_inverse(seed):
 
 
 def test_prep_key_keeps_old_keys_unless_tiled(monkeypatch):
+    # tiled is the default since session 23; the scalar inverse keeps the pre-session-20 keys
     from flashqla.backends.cutlass import prep_key
     monkeypatch.delenv("FLASHQLA_CUTLASS_PREP", raising=False)
-    assert prep_key(128, 128, "bfloat16", False, True) == (128, 128, "bfloat16", False, True)
-    assert prep_key(128, 128, "bfloat16", True, False) == (128, 128, "bfloat16", True)
-    monkeypatch.setenv("FLASHQLA_CUTLASS_PREP", "tiled")
     assert prep_key(128, 128, "bfloat16", False, True) == (128, 128, "bfloat16", False, True, True)
     assert prep_key(128, 128, "bfloat16", True, False) == (128, 128, "bfloat16", True, False, True)
+    monkeypatch.setenv("FLASHQLA_CUTLASS_PREP", "scalar")
+    assert prep_key(128, 128, "bfloat16", False, True) == (128, 128, "bfloat16", False, True)
+    assert prep_key(128, 128, "bfloat16", True, False) == (128, 128, "bfloat16", True)
     monkeypatch.setenv("FLASHQLA_CUTLASS_PREP", "fast")
     with pytest.raises(ValueError, match="FLASHQLA_CUTLASS_PREP"):
         prep_key(128, 128, "bfloat16", False, True)

@@ -68,13 +68,16 @@ def test_list_shows_every_variant(tmp_path, capsys):
                     ops.intra_kernel(dt, bdt, 128, 128, a, True)     # training forwards (X saved)
                     ops.intra_tb_kernel(dt, bdt, 128, a)             # inference forwards (fused)
                     ops.intra_tb_kernel(dt, bdt, 128, a, scores=True)  # ... with few walks at BV 32 (pscores)
-                    ops.bwd_wy_kernel(dt, bdt, 128, 128, a)
-                    # the whole-V fused backward (FLASHQLA_TILELANG_BWD=auto takes it where it pays), with a
-                    # final-state gradient or not (a), dh0 or not
-                    # (and walking segments with a halo: in-kernel CP of the backward)
-                    for halo in (False, True):
-                        ops.bwd_whole_kernel(dt, bdt, 128, 128, a, True, halo)
-                        ops.bwd_whole_kernel(dt, bdt, 128, 128, a, False, halo)
+                    # (each backward kernel also as the GVA pair sum in the kernel, FLASHQLA_TILELANG_GVA=pair,
+                    # the default since session 23, for the ratio-2 heads 16/32)
+                    for pair in (False, True):
+                        ops.bwd_wy_kernel(dt, bdt, 128, 128, a, pair)
+                        # the whole-V fused backward (FLASHQLA_TILELANG_BWD=auto takes it where it pays), with a
+                        # final-state gradient or not (a), dh0 or not
+                        # (and walking segments with a halo: in-kernel CP of the backward)
+                        for halo in (False, True):
+                            ops.bwd_whole_kernel(dt, bdt, 128, 128, a, True, halo, pair)
+                            ops.bwd_whole_kernel(dt, bdt, 128, 128, a, False, halo, pair)
             # the default recurrences: warp-specialised, every V-block the call-time rule can pick; fused
             # when nothing is saved for a backward
             # (and each walking whole sequences or segments with a halo: in-kernel CP)
@@ -96,8 +99,8 @@ def test_list_shows_every_variant(tmp_path, capsys):
                 for bv in ops.BWD_WS_BVS:
                     for halo in (False, True):
                         ops.bwd_state_ws_kernel(dt, 128, 128, *fl, bv, halo)
-            for a in (False, True):
-                ops.bwd_dqk_kernel(dt, 128, 128, a)
+            for a, pair in itertools.product((False, True), repeat=2):
+                ops.bwd_dqk_kernel(dt, 128, 128, a, pair)
     want = {(n, repr(k)) for n, _, k in rec}
     assert keys == want
     assert {n for n, _ in keys} == {"fwd_intra_sm90", "fwd_intra_tb_sm90", "fwd_intra_tbs_sm90", "fwd_intra_tbx_sm90",

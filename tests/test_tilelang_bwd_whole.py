@@ -460,17 +460,16 @@ def test_backward_choice_is_explained(monkeypatch):
     spec = SimpleNamespace(Hv=32, Hqk=16, K=128, V=128, use_qk_l2norm=False)
     q = torch.empty(1, 32768, 16, 128)
     cu = torch.tensor([0, 8192, 16384, 24576, 32768], dtype=torch.int32)
-    monkeypatch.delenv("FLASHQLA_TILELANG_GVA", raising=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "host")
     note = _tilelang_backward_note(q, spec, flashqla.prepare_varlen(cu))
     assert note.startswith("whole-V fused backward: 128 ") and note.endswith("group by a separate kernel "
                                                                              "(FLASHQLA_TILELANG_GVA)"), note
-    # (the GVA pair sum in the kernel, where asked for: ratio 2 only)
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
+    # (the GVA pair sum in the kernel, the default since session 23: ratio 2 only)
+    monkeypatch.delenv("FLASHQLA_TILELANG_GVA")
     assert _tilelang_backward_note(q, spec, flashqla.prepare_varlen(cu)).endswith(
         "summed over each GVA pair in the kernels (FLASHQLA_TILELANG_GVA=pair)")
     note = _tilelang_backward_note(q, SimpleNamespace(**dict(spec.__dict__, Hqk=8)), flashqla.prepare_varlen(cu))
     assert "GVA ratio 4 (the in-kernel sum" in note, note
-    monkeypatch.delenv("FLASHQLA_TILELANG_GVA")
     assert _tilelang_backward_note(q, spec, None).startswith("split backward: 32 ")
     d = flashqla.explain(*(torch.randn(1, 64, 2, 128) for _ in range(2)), torch.randn(1, 64, 2, 128),
                          torch.zeros(1, 64, 2), torch.ones(1, 64, 2))

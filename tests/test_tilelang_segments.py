@@ -440,9 +440,10 @@ def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
     # one, whose walks are split too; the whole-V kernel does not serve the L2 norm: the split backward does;
     # "whole-gvapair": the whole-V one summing GVA pairs in the kernel, FLASHQLA_TILELANG_GVA=pair)
     from flashqla.testing import TOLERANCES, poisoned_outputs
+    # (the pair sum is the default since session 23: "whole" asks for the host sum)
     pair = grads == "whole-gvapair"
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair" if pair else "host")
     if pair:
-        monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
         grads = "whole"
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "1")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
@@ -544,10 +545,11 @@ def test_explain_notes(monkeypatch):
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_TRAIN_FUSED", raising=False)
     assert "training forward: fused (Tb and X" in _tilelang_forward_note(q4, train, None)   # 128 walks: whole-V
-    # (one long sequence at few heads: the walk is split, the training forward stays unfused)
+    # (one long sequence at few heads: the walk is split; under TRAIN_FUSED=1 the training forward stays unfused)
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
     assert "training forward: unfused (its walk runs in segments" in _tilelang_forward_note(
         q, SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
-    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "all")      # (split forwards fused as well)
+    monkeypatch.delenv("FLASHQLA_TILELANG_TRAIN_FUSED")      # (all, the default: split forwards fused as well)
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS")            # (the whole-V backward over segments)
     assert "training forward: fused (Tb and X" in _tilelang_forward_note(
         q, SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)

@@ -462,11 +462,12 @@ PREP_VARIANTS = ("scalar", "tiled")
 
 
 def prep_mode() -> str:
-    """``FLASHQLA_CUTLASS_PREP``: ``scalar`` (default) or ``tiled``, the inverse's off-diagonal phases on 1 x 4
-    register tiles with 128-bit shared-memory reads and writes (``ChunkPrepSm90._off_diagonal_tiled``; session 20's
-    ncu put the prep at 78% of the L1 pipe, 384 us at 16/32 4x8192).  Cross-compiled and CPU-replayed only: ``scalar``
-    stays the default until the GPU tests and an A/B pass on the H200."""
-    return env_choice("FLASHQLA_CUTLASS_PREP", PREP_VARIANTS, "scalar")
+    """``FLASHQLA_CUTLASS_PREP``: ``tiled`` (default since session 23) or ``scalar``: the inverse's off-diagonal
+    phases on 1 x 4 register tiles with 128-bit shared-memory reads and writes
+    (``ChunkPrepSm90._off_diagonal_tiled``; session 20's ncu put the scalar prep at 78% of the L1 pipe, 384 us at
+    16/32 4x8192).  Session 23 (H100): its GPU tests pass, the output is bitwise the scalar one's, and the fused
+    forward's prep runs 0.391 -> 0.384 ms at 16/32 4x8192, 0.101 -> 0.098 at 2/8 1x32768."""
+    return env_choice("FLASHQLA_CUTLASS_PREP", PREP_VARIANTS, "tiled")
 
 
 def prep_key(K: int, V: int, beta_dtype: str, save: bool, fused: bool, tiled=None) -> tuple:

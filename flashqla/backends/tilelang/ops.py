@@ -108,10 +108,12 @@ def intra_head_major() -> bool:
 
 
 def intra_compact() -> bool:
-    """``FLASHQLA_TILELANG_INTRA_COMPACT=1`` (session 20, off until its GPU tests and an A/B run): stage 1's Tb forms
+    """``FLASHQLA_TILELANG_INTRA_COMPACT=1`` (session 20; off: measured slower in session 23): stage 1's Tb forms
     with unpadded, XOR-swizzled A and X tiles (``build_intra(compact=True)``).  A then shares the k tile's space: 33 KB
     of shared memory instead of 53 (ptxas for sm_90a: 96 registers instead of 84), so five CTAs per SM instead of
-    four.  Stage 1 is 0.23 of the fused forward's 0.62 ms at 16/32 4x8192, and it waits on latency."""
+    four.  Stage 1 is 0.23 of the fused forward's 0.62 ms at 16/32 4x8192, and it waits on latency.  Session 23
+    (H100; GPU tests pass) measured it slower, not faster: stage 1 0.226 -> 0.299 ms at 16/32 1x32768 and 0.226 ->
+    0.300 at 16/32 4x8192 (forward 0.649 -> 0.719 and 0.619 -> 0.693 ms), so it stays off."""
     return env_choice("FLASHQLA_TILELANG_INTRA_COMPACT", ("0", "1"), "0") == "1"
 
 
@@ -262,12 +264,13 @@ def train_fused() -> bool:
 
 
 def train_fused_mode() -> str:
-    """``FLASHQLA_TILELANG_TRAIN_FUSED``: ``1`` (default: unsplit forwards), ``0`` (off) or ``all`` (split forwards too).
-    Session 20 found why the fused walk with its saves was slow over segments: its v_new store sat under the
-    chain's halo branch, and ptxas spilled there and serialised all 40 wgmma.  The output warpgroup stores them now
-    and the variant lowers pipelined (40 HGMMA, 6 waits, no stack), as the unsplit one does.  ``all`` waits for the
-    H200 to measure it (``bash benchmarks/next_device_run.sh trainfusedall``) before it becomes the default: at 16/32 1x32768 it would save stage 1's ~0.24 ms if the walk then matches the unfused one."""
-    return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1", "all"), "1")
+    """``FLASHQLA_TILELANG_TRAIN_FUSED``: ``all`` (default since session 23: split forwards too), ``1`` (unsplit
+    forwards only) or ``0`` (off).  Session 20 found why the fused walk with its saves was slow over segments: its
+    v_new store sat under the chain's halo branch, and ptxas spilled there and serialised all 40 wgmma; the output
+    warpgroup stores them now.  Session 23 (H100, ``benchmarks/results/session23_h100.md``), fwd+bwd with the GVA pair
+    sum: 16/32 1x32768 3.131 -> 2.784 ms, 8/16 1x32768 1.645 -> 1.493, 2/4 1x32768 0.519 -> 0.477, 16/32 4x8192 (no
+    segments, so ``1`` and ``all`` are the same walk there) 2.732 -> 2.737."""
+    return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1", "all"), "all")
 
 
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
@@ -325,8 +328,10 @@ SPLIT_PAIR_US = 0.153
 # What the whole-V backward also saves the forward under FLASHQLA_TILELANG_TRAIN_FUSED (the fused training forward
 # runs only ahead of it), per (chunk, value head) at full occupancy: stage 1 took 0.487 ms / 16384 pairs with w, u
 # and X (session 17 run 5, 16/32 4x8192) against 0.225 ms / 16384 in the Tb-only form (session 15), 0.016 us; the
-# fused training form also writes X (8 KB a pair): 0.014.  Not yet measured as such.
-TRAIN_FUSED_PAIR_CREDIT_US = 0.014
+# fused training form also writes X (8 KB a pair): 0.014.  Measured in session 23 (H100, fwd+bwd with the GVA pair sum,
+# TRAIN_FUSED=all against 0 over segments): 0.347 ms / 16384 pairs at 16/32 1x32768, 0.152 / 8192 at 8/16 1x32768,
+# 0.019-0.021; the credit takes 0.020.
+TRAIN_FUSED_PAIR_CREDIT_US = 0.020
 
 
 def bwd_costs(num_chunks: int, busy_seqs: float, Hv: int, device) -> tuple:
@@ -447,11 +452,13 @@ def gva_in_kernel(ratio: int) -> tuple:
     """``(in_kernel, why)``: whether the backward's kernels sum dq / dk over each GVA group themselves (the whole-V
     kernel, or the split backward's dqk and wy kernels, built with ``gva_pair=True``: pair reductions into zeroed
     outputs, deterministic at ratio 2 only) or write them per value head for :func:`flashqla.backends.gva.gva_sum`.
-    ``FLASHQLA_TILELANG_GVA``: ``host`` (default until its GPU tests and an A/B run: the separate sum, 0.19 ms of
-    2.92 at 16/32 one 32k sequence) or ``pair`` (in the kernels where the ratio is 2)."""
+    ``FLASHQLA_TILELANG_GVA``: ``pair`` (default since session 23: in the kernels where the ratio is 2) or ``host``
+    (the separate sum everywhere).  Session 23 (H100, GPU tests pass), fwd+bwd: 16/32 1x32768 3.325 -> 3.131 ms
+    (the sum's 0.266 ms gone, ~0.08 ms of zeroing added), 16/32 4x8192 2.906 -> 2.732, 8/16 1x32768 1.719 ->
+    1.645."""
     if ratio == 1:
         return False, "no GVA (one value head per query/key head)"
-    mode = env_choice("FLASHQLA_TILELANG_GVA", ("host", "pair"), "host")
+    mode = env_choice("FLASHQLA_TILELANG_GVA", ("host", "pair"), "pair")
     if mode == "pair" and ratio == 2:
         return True, "dq / dk summed over each GVA pair in the kernels (FLASHQLA_TILELANG_GVA=pair)"
     if mode == "pair":
