@@ -270,18 +270,17 @@ case "$STEP" in
         "--variants=FLASHQLA_CUTLASS_FWD=serial;FLASHQLA_CUTLASS_FWD=ws;FLASHQLA_CUTLASS_FWD=fused;FLASHQLA_CUTLASS_FWD=fused FLASHQLA_CUTLASS_SEGMENTS=auto" ;;
   cutlassprep)
     # carry [".gpu_cute"]: the cutlass prep.  Session 20 ran it for Aqk staged for 128-bit stores and tb at three CTAs
-    # per SM (tb prep 0.604 -> 0.388 ms at 16/32 4x8192).  Now: FLASHQLA_CUTLASS_PREP=tiled (the inverse on register
-    # tiles, CPREP_MODE): its kernel-by-kernel and fused-forward GPU tests, the A/B of the fused forward's kernel
-    # times against scalar (training rows too: the non-tb prep), then Nsight Compute on one tiled prep launch
-    TAIL=8 run_step "cutlass prep tests (${CPREP_MODE:-tiled})" ${CPREP_TEST_S:-200} env \
-        FLASHQLA_CUTLASS_PREP=${CPREP_MODE:-tiled} $PYT tests/test_backend_cutlass.py -k "one_by_one or fused_forward"
+    # per SM (tb prep 0.604 -> 0.388 ms at 16/32 4x8192); session 23 for the inverse on register tiles (bitwise the
+    # scalar one's T, 0.391 -> 0.384 ms), the only form since.  Now: its kernel-by-kernel and fused-forward GPU
+    # tests, the fused forward's kernel times (CPREP_ROWS), then Nsight Compute on one prep launch
+    TAIL=8 run_step "cutlass prep tests" ${CPREP_TEST_S:-200} \
+        $PYT tests/test_backend_cutlass.py -k "one_by_one or fused_forward"
     case $RUN_RC in 0) ;; *) echo "== cutlassprep: tests did not pass; the rest skipped"; continue ;; esac
-    TAIL=12 run_step "cutlass prep A/B" 150 python benchmarks/sweep_variants.py \
+    TAIL=12 run_step "cutlass prep kernel times" 150 python benchmarks/sweep_variants.py \
         --backend cutlass --mode ${CPREP_SWEEP_MODE:-fwd} --out $OUT/sweep_cutlass_prep.json \
-        --rows ${CPREP_ROWS:-16/32:4x8192,2/8:1x32768,16/32:8x1024} \
-        "--variants=FLASHQLA_CUTLASS_PREP=scalar;FLASHQLA_CUTLASS_PREP=${CPREP_MODE:-tiled}"
-    [ -n "${CPREP_NCU:-1}" ] && TAIL=90 run_step "ncu cutlass prep" ${CPREP_NCU_S:-150} env \
-        FLASHQLA_CUTLASS_PREP=${CPREP_MODE:-tiled} ncu --clock-control none \
+        --rows ${CPREP_ROWS:-16/32:4x8192,2/8:1x32768,16/32:8x1024} "--variants=-"
+    [ -n "${CPREP_NCU:-1}" ] && TAIL=90 run_step "ncu cutlass prep" ${CPREP_NCU_S:-150} \
+        ncu --clock-control none \
         -k regex:ChunkPrepSm90 --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
         --section SchedulerStats --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis_Tables \
         python benchmarks/profile_kernels.py --impls cutlass --rows 16/32:4x8192 --modes fwd --iters 3 ;;

@@ -219,11 +219,9 @@ def _check_ptx(fn, kind, key):
 
 # (kind, key, wgmma instructions expected in the PTX)
 KERNELS = [
-    ("prep", (128, 128, "bfloat16", False), 24),   # k k^T, q k^T (8 k-blocks each), -w and u (4 each)
-    ("prep", (128, 128, "float32", True), 24),     # fp32 beta, training variant (also stores T)
-    ("prep", (128, 128, "bfloat16", False, True), 16),  # fused inference forward: T diag(beta), no -w / u
-    ("prep", (128, 128, "bfloat16", False, True, True), 16),  # FLASHQLA_CUTLASS_PREP=tiled: the inverse on register
-    ("prep", (128, 128, "float32", True, False, True), 24),   # tiles, 128-bit shared accesses
+    ("prep", (128, 128, "bfloat16", False, False, True), 24),  # k k^T, q k^T (8 k-blocks each), -w and u (4 each)
+    ("prep", (128, 128, "float32", True, False, True), 24),    # fp32 beta, training variant (also stores T)
+    ("prep", (128, 128, "bfloat16", False, True, True), 16),   # fused inference forward: T diag(beta), no -w / u
     ("fwd", (128, 128, 1, 2, False), 24),          # vn, q-part of o (8 each), Aqk-part of o, state (4 each)
     ("fwd", (128, 128, 2, 2, True), 24),           # two consumer warpgroups, training variant
     ("fwd", (128, 128, 1, 2, False, True), 24),    # the walk over segments with a halo (FLASHQLA_CUTLASS_SEGMENTS)
@@ -499,7 +497,7 @@ def test_gpu_fused_forward_matches_oracle_and_serial(case, segments, monkeypatch
     # (the walk over segments runs where a sequence is cut: at least three chunks here)
     cut = segments != "off" and max(case.seqlens or (case.T,)) > 2 * 64
     assert ("fwd_ws", "sm_90a", 128, 128, False, cut, True) in cb._compiled
-    # (the prep's key from prep_key: it carries FLASHQLA_CUTLASS_PREP=tiled where that is set)
+    # (the prep's key as prep_key spells it)
     assert ("prep", "sm_90a") + cb.prep_key(128, 128, str(x["beta"].dtype).split(".")[-1], False, True) in cb._compiled
 
 
@@ -650,7 +648,7 @@ def test_gpu_kernels_match_emulation_one_by_one(opts):
 
 
 def _tiled_inverse_replay(A):
-    """``ChunkPrepSm90``'s tiled inverse (FLASHQLA_CUTLASS_PREP=tiled) replayed task by task on the CPU: the same
+    """``ChunkPrepSm90``'s inverse (on register tiles) replayed task by task on the CPU: the same
     thread -> (block, row, column group) maps, the same 4-wide slices, the same phases and summation order, in
     float64.  ``A`` [64, 64] strictly lower; returns the 64 x 64 T the kernel leaves in shared memory, NaN where it
     would leave an entry unwritten (the scratch is not cleared first)."""
@@ -702,8 +700,7 @@ def _tiled_inverse_replay(A):
 @pytest.mark.parametrize("seed", [0, 1])
 def test_tiled_prep_inverse_replay_matches_inverse(seed):
     """The tiled inverse's index maps write every entry of T exactly once per phase and form (I + A)^-1 (float64
-    replay of the kernel's tasks; the kernel itself needs the H200: test_gpu_kernels_match_emulation_one_by_one
-    with FLASHQLA_CUTLASS_PREP=tiled)."""
+    replay of the kernel's tasks; the kernel itself needs the H200: test_gpu_kernels_match_emulation_one_by_one)."""
     import numpy as np
     rng = np.random.default_rng(seed)
     A = np.tril(rng.standard_normal((64, 64)) * 0.3, -1)
@@ -712,15 +709,11 @@ def test_tiled_prep_inverse_replay_matches_inverse(seed):
     np.testing.assert_allclose(T, np.linalg.inv(np.eye(64) + A), rtol=1e-9, atol=1e-9)
 
 
-def test_prep_key_keeps_old_keys_unless_tiled(monkeypatch):
-    # tiled is the default since session 23; the scalar inverse keeps the pre-session-20 keys
-    from flashqla.backends.cutlass import prep_key
-    monkeypatch.delenv("FLASHQLA_CUTLASS_PREP", raising=False)
+def test_prep_key_marks_the_tiled_inverse():
+    # every prep key ends in the register-tile inverse's marker, so no scalar-inverse kernel (removed in session 23)
+    # kept in an on-disk cache can match one
+    from flashqla.backends.cutlass import _make_kernel, prep_key
     assert prep_key(128, 128, "bfloat16", False, True) == (128, 128, "bfloat16", False, True, True)
-    assert prep_key(128, 128, "bfloat16", True, False) == (128, 128, "bfloat16", True, False, True)
-    monkeypatch.setenv("FLASHQLA_CUTLASS_PREP", "scalar")
-    assert prep_key(128, 128, "bfloat16", False, True) == (128, 128, "bfloat16", False, True)
-    assert prep_key(128, 128, "bfloat16", True, False) == (128, 128, "bfloat16", True)
-    monkeypatch.setenv("FLASHQLA_CUTLASS_PREP", "fast")
-    with pytest.raises(ValueError, match="FLASHQLA_CUTLASS_PREP"):
-        prep_key(128, 128, "bfloat16", False, True)
+    assert prep_key(128, 128, "float32", True, False) == (128, 128, "float32", True, False, True)
+    with pytest.raises(KeyError, match="scalar inverse"):
+        _make_kernel("prep", (128, 128, "bfloat16", False, True, False))

@@ -159,10 +159,10 @@ def _example_args(kind: str, key: tuple):
 def _make_kernel(kind: str, key: tuple):
     if kind == "prep":
         from .chunk_prep_sm90 import ChunkPrepSm90
-        K, V, beta, save, *flags = key              # (flags: tb, the fused inference forward's variant; tiled,
-        #                                             the inverse on register tiles; absent = off)
-        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save, tb=bool(flags and flags[0]),
-                             tiled=bool(len(flags) > 1 and flags[1]))
+        K, V, beta, save, tb, tiled = key           # (tb: the fused inference forward's variant; see prep_key)
+        if not tiled:
+            raise KeyError(f"prep key {key}: the scalar inverse was removed in session 23 (see prep_key)")
+        return ChunkPrepSm90(K, V, beta_fp32=(beta == "float32"), save=save, tb=bool(tb))
     if kind == "fwd":
         from .chunk_fwd_sm90 import ChunkFwdSm90
         K, V, num_wg, stages, save, *halo = key     # (halo: the walk over segments; absent = off)
@@ -458,25 +458,12 @@ CUTLASS_FUSED_STEP_US = {64: 1.41}
 FWD_VARIANTS = ("serial", "ws", "fused", "auto")
 
 
-PREP_VARIANTS = ("scalar", "tiled")
-
-
-def prep_mode() -> str:
-    """``FLASHQLA_CUTLASS_PREP``: ``tiled`` (default since session 23) or ``scalar``: the inverse's off-diagonal
-    phases on 1 x 4 register tiles with 128-bit shared-memory reads and writes
-    (``ChunkPrepSm90._off_diagonal_tiled``; session 20's ncu put the scalar prep at 78% of the L1 pipe, 384 us at
-    16/32 4x8192).  Session 23 (H100): its GPU tests pass, the output is bitwise the scalar one's, and the fused
-    forward's prep runs 0.391 -> 0.384 ms at 16/32 4x8192, 0.101 -> 0.098 at 2/8 1x32768."""
-    return env_choice("FLASHQLA_CUTLASS_PREP", PREP_VARIANTS, "tiled")
-
-
-def prep_key(K: int, V: int, beta_dtype: str, save: bool, fused: bool, tiled=None) -> tuple:
-    """The prep's compile key: the pre-session-20 keys are unchanged where ``tiled`` is off."""
-    tiled = prep_mode() == "tiled" if tiled is None else tiled
-    key = (K, V, beta_dtype, save)
-    if tiled:
-        return key + (bool(fused), True)
-    return key + ((True,) if fused else ())
+def prep_key(K: int, V: int, beta_dtype: str, save: bool, fused: bool) -> tuple:
+    """The prep's compile key ``(K, V, beta dtype, save, fused, True)``.  The last entry marks the inverse on
+    register tiles (the only form since session 23; ``FLASHQLA_CUTLASS_PREP=tiled`` then), so that no key of the
+    former scalar-inverse kernels, ``(K, V, beta, save)`` or ``(..., True)`` for the fused form, can match one
+    kept in an on-disk cache."""
+    return (K, V, beta_dtype, save, bool(fused), True)
 
 
 def fwd_mode(options=None) -> str:

@@ -19,11 +19,11 @@ tokens, or TMA zero fill past the tensor end) are zeroed in shared memory before
 
 Inverse: the four 16x16 diagonal blocks are inverted by forward substitution, one column per thread;
 then the off-diagonal blocks by block distance d = 1, 2, 3: ``P = A[i, j:i] T[j:i, j]`` and
-``T[i, j] = -T[i, i] P`` (two barrier-separated phases each).  One output entry per thread and step reads
-A and T as scalars; with ``tiled`` (``FLASHQLA_CUTLASS_PREP=tiled``) a thread owns one row and four columns of
-an output block and reads 128-bit slices, ~3x fewer shared-memory instructions per thread, and only the six
-blocks above the diagonal are cleared first.  That matters because the prep is bound by shared memory (session 20's
-Nsight Compute: L1 pipe 78%, 1.6-way store conflicts, 384 us at 16/32 4x8192 for the tb form).
+``T[i, j] = -T[i, i] P`` (two barrier-separated phases each), where a thread owns one row and four columns of an
+output block and reads 128-bit slices; only the six blocks above the diagonal are cleared first.  Why: the prep is
+bound by shared memory (session 20's Nsight Compute on the former form, one scalar output entry per thread and
+step: L1 pipe 78%, 1.6-way store conflicts, 384 us at 16/32 4x8192 for the tb form); the register tiles issue ~3x
+fewer shared-memory instructions, with bitwise the same T (session 23, H100: 0.391 -> 0.384 ms there).
 
 ``tb`` (the fused inference forward, :mod:`.chunk_fwd_ws_sm90` with ``fused``): no ``-w`` / ``u`` and no v tile;
 instead ``Tb = T diag(beta)`` (bf16 [c, h, 64, 64], row-major, into the ``t`` workspace), from which the recurrence
@@ -56,14 +56,12 @@ AQK_PITCH = 72      # bf16 row pitch of the Aqk staging tile (over the q tile)
 
 
 class ChunkPrepSm90:
-    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False, save: bool = False, tb: bool = False,
-                 tiled: bool = False):
+    def __init__(self, K: int = 128, V: int = 128, beta_fp32: bool = False, save: bool = False, tb: bool = False):
         assert K == 128 and V == 128 and not (save and tb)
         self.K, self.V = K, V
         self.beta_fp32 = beta_fp32
         self.save = save   # training forward: also store T = (I + A)^-1 as bf16 [c, h, 64, 64]
         self.tb = tb       # fused inference forward: store T diag(beta) there instead of -w and u
-        self.tiled = tiled  # the inverse's off-diagonal phases on 1 x 4 register tiles with 128-bit shared accesses
         self.threads = 128
         self.scratch_f32 = 2 * BT * PITCH + 3 * 256
         assert self.scratch_f32 * 4 >= (BT * W_PITCH + V * U_PITCH) * 2
@@ -248,24 +246,13 @@ class ChunkPrepSm90:
                 if r < valid:
                     qv = scale * acc_qk[i] * decay
             rAqk[i] = bf16(qv)
-        if cutlass.const_expr(self.tiled):
-            self._clear_upper_blocks(tidx, sT)
-        else:
-            # T starts as the identity's zero part: every entry not written below stays 0
-            for e in cutlass.range_constexpr(BT * BT // nthr):
-                idx = e * nthr + tidx
-                sT[idx // BT, idx % BT] = f32(0.0)
+        self._clear_upper_blocks(tidx, sT)
         cute.arch.sync_threads()
         # every warp's q k^T wgmma has finished reading q (the barrier above): q's tile becomes Aqk's staging,
         # published by the inverse's first barrier and stored with 128-bit writes at the end (two-byte global
         # stores straight from the fragments took 32 store instructions per thread)
-        if cutlass.const_expr(self.tiled):
-            # (pairs of neighbouring columns as one 32-bit store: 16 instead of 32 per thread, conflict-free at pitch 72)
-            cute.autovec_copy(rAqk, thr_ss.partition_C(sAqk))
-        else:
-            for i in cutlass.range_constexpr(cute.size(rAqk)):
-                r, cc = cC[i]
-                sAqk[r, cc] = rAqk[i]
+        # (pairs of neighbouring columns as one 32-bit store: 16 instead of 32 per thread, conflict-free at pitch 72)
+        cute.autovec_copy(rAqk, thr_ss.partition_C(sAqk))
 
         # ---------------------------------------------------------------- T = (I + A)^-1
         if tidx < BT:
@@ -285,35 +272,7 @@ class ChunkPrepSm90:
             for r in cutlass.range_constexpr(16):
                 sT[16 * b + r, 16 * b + c] = x[r]
         cute.arch.sync_threads()
-        if cutlass.const_expr(self.tiled):
-            self._off_diagonal_tiled(tidx, sAf, sT, sP)
-        else:
-            for d in cutlass.range_constexpr(1, 4):
-                n_el = (4 - d) * 256
-                for e in cutlass.range_constexpr(n_el // nthr):
-                    p = e // 2
-                    i_blk = p + d
-                    j_blk = p
-                    rc = (e % 2) * nthr + tidx
-                    r = rc // 16
-                    cc = rc % 16
-                    acc = f32(0.0)
-                    for xk in cutlass.range_constexpr(16 * j_blk, 16 * i_blk):
-                        acc = acc + sAf[16 * i_blk + r, xk] * sT[xk, 16 * j_blk + cc]
-                    sP[p, r, cc] = acc
-                cute.arch.sync_threads()
-                for e in cutlass.range_constexpr(n_el // nthr):
-                    p = e // 2
-                    i_blk = p + d
-                    j_blk = p
-                    rc = (e % 2) * nthr + tidx
-                    r = rc // 16
-                    cc = rc % 16
-                    acc = f32(0.0)
-                    for y in cutlass.range_constexpr(16):
-                        acc = acc + sT[16 * i_blk + r, 16 * i_blk + y] * sP[p, y, cc]
-                    sT[16 * i_blk + r, 16 * j_blk + cc] = -acc
-                cute.arch.sync_threads()
+        self._off_diagonal_tiled(tidx, sAf, sT, sP)
 
         copy_atom = cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), bf16, num_bits_per_copy=128)
         cp_a = cute.make_tiled_copy_tv(copy_atom, cute.make_layout((nthr // 8, 8), stride=(8, 1)),
@@ -360,7 +319,8 @@ class ChunkPrepSm90:
     @cute.jit
     def _off_diagonal_tiled(self, tidx, sAf: cute.Tensor, sT: cute.Tensor, sP: cute.Tensor):
         """The inverse's off-diagonal blocks by block distance d = 1, 2, 3 (pairs p = 0 .. 3 - d, block i = p + d
-        below block j = p), the same products and summation order as the scalar phases:
+        below block j = p), the same products and summation order as the former scalar phases (one output entry
+        per thread; bitwise the same T on the GPU, session 23):
         ``P_p = A[i, j:i] T[j:i, j]``, then ``T[i, j] = -T[i, i] P_p``.  A task is one row and four consecutive
         columns of a 16 x 16 output block (64 tasks per block; a warp's 32 tasks share the block), so each 128-bit
         row read of A or T[i, i] (8 rows per warp, distinct banks at the 68-word pitch) feeds four k-steps, and each
