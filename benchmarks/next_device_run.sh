@@ -78,6 +78,10 @@
 #   bash benchmarks/next_device_run.sh memwarm membwd    FlashQLA's fwd+bwd kernels for the Step 2 heads, then the
 #                                                 fwd+bwd memory table (MEM_BACKENDS, MEM_FILTER, MEMBWD_S)
 # Several steps may be given in one call (a warm machine keeps /tmp/kcache between calls as well).
+# BENCH_ARGS adds options to the bench steps' `flashqla bench` (bwdbench, flqfwdgrid, cutlassgrid), e.g.
+# "--min-time 0.1 --max-reps 100" to shorten a long grid: session 20's cutlassgrid ran 24 rows in one 470 s step,
+# 185 s of it first-call compiles (up to ~12 s a row beside them), so FlashQLA's 108-row forward grid may need
+# ~21 min of calls, close to a session's 30 min of device time.
 # Each prints a short log and returns $OUT/logs, the bench files and (tilelang steps) $OUT/kcache.tar.xz.
 set -u
 STEPS=${*:-flashqla}
@@ -211,7 +215,7 @@ case "$STEP" in
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32} \
         --seqs "32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8" --no-xz
     TAIL=40 run_step "flashqla-fwd preset ${FLQ_FILTER:-all}" ${FLQGRID_S:-400} python -m flashqla bench \
-        --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla \
+        --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla ${BENCH_ARGS:-} \
         ${FLQ_FILTER:+--filter "$FLQ_FILTER"} --out $OUT/flqfwd ;;
   tritonshared)
     # #3's last open item: the shared suite (tests/test_correctness.py) on the triton backend at the current kernels
@@ -290,7 +294,7 @@ case "$STEP" in
     # it, carrying .gpu_cute.  CGRID_FWD picks the recurrence (FLASHQLA_CUTLASS_FWD), CGRID_FILTER a part of the grid
     TAIL=40 run_step "flashqla-fwd preset, cutlass ${CGRID_FILTER:-all}" \
         ${CGRID_S:-420} env FLASHQLA_CUTLASS_FWD=${CGRID_FWD:-fused} python -m flashqla bench --preset flashqla-fwd --no-progress \
-        --backends ${CGRID_BACKENDS:-cutlass,tilelang} --baselines flashqla,fla \
+        --backends ${CGRID_BACKENDS:-cutlass,tilelang} --baselines flashqla,fla ${BENCH_ARGS:-} \
         ${CGRID_FILTER:+--filter "$CGRID_FILTER"} --out $OUT/cutlass_flqfwd ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
@@ -554,7 +558,7 @@ case "$STEP" in
     save_kcache
     TAIL=45 run_step "flashqla-bwd grid against FlashQLA" 420 python -m flashqla bench \
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
-        --baselines ${BWD_BASELINES:-flashqla} --out $OUT/bwd ;;
+        --baselines ${BWD_BASELINES:-flashqla} ${BENCH_ARGS:-} --out $OUT/bwd ;;
   det)
     # #4 item 4 under the current defaults: 100 forward + backward runs bitwise equal, packed short sequences and
     # one long sequence that the automatic plans split into segments (DET_K picks backends)
