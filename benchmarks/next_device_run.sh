@@ -67,6 +67,8 @@
 #   bash benchmarks/next_device_run.sh newswitches the GPU tests of the three switches written blind (INTRA_COMPACT=1,
 #                                                 TRAIN_FUSED=all, GVA=pair) in one pytest, then one fwd A/B and one
 #                                                 fwd+bwd A/B over them and their combination (#8; session 21)
+#   bash benchmarks/next_device_run.sh halostream FLASHQLA_TILELANG_HALO_STREAM=1 (session 23): the halo searches beside
+#                                                 stage 1 on a side stream: GPU test, wall-clock A/B on #8's rows
 #   bash benchmarks/next_device_run.sh flqgridwarm FlashQLA's kernels for its forward grid, built on the device, and the
 #                                                 cache returned (repack it: PACK_ONLY=1 benchmarks/rebuild_kcache.sh)
 #   bash benchmarks/next_device_run.sh gvapair    FLASHQLA_TILELANG_GVA=pair: the backward kernels sum GVA pairs themselves
@@ -389,6 +391,23 @@ case "$STEP" in
         --backend tilelang --mode fwdbwd --out $OUT/sweep_fwdbwd_train_fused.json \
         --rows ${TF_ROWS:-16/32:4x8192,16/32:8x4096,32/32:8x4096,4/16:8x4096,16/32:1x32768,2/4:1x32768} \
         "--variants=FLASHQLA_TILELANG_TRAIN_FUSED=0;FLASHQLA_TILELANG_TRAIN_FUSED=1;FLASHQLA_TILELANG_BWD_SEGMENTS=auto;FLASHQLA_TILELANG_TRAIN_FUSED=1 FLASHQLA_TILELANG_BWD_SEGMENTS=auto" ;;
+  halostream)
+    # FLASHQLA_TILELANG_HALO_STREAM=1 (session 23, off): the halo searches of a split walk on a side stream beside
+    # stage 1 (~11 us each at 16/32 1x32768).  Its GPU test, then a wall-clock A/B (flashqla bench, CUDA graphs: a
+    # kernel-time sum cannot show an overlap) on the forward grid's one-sequence rows and the backward grid's
+    # 32k-in-1 rows, FlashQLA beside (its kernels should be in the kcache: flqgridwarm / bwdbench warm them)
+    TAIL=8 run_step "halo stream, GPU test" ${HS_TEST_S:-200} $PYT tests/test_tilelang_segments.py -k "halo_stream"
+    case $RUN_RC in 0) ;; *) echo "== halostream: tests did not pass; the A/B skipped"; continue ;; esac
+    for HS in 0 1; do
+      TAIL=14 run_step "halo stream $HS, forward rows" ${HS_FWD_S:-150} env FLASHQLA_TILELANG_HALO_STREAM=$HS \
+          python -m flashqla bench --preset flashqla-fwd --no-progress --backends tilelang \
+          --baselines ${HS_BASELINES:-flashqla} --filter "${HS_FWD_FILTER:-1x32768}" ${BENCH_ARGS:-} \
+          --out $OUT/halo_stream_fwd_$HS
+      TAIL=8 run_step "halo stream $HS, fwd+bwd rows" ${HS_BWD_S:-120} env FLASHQLA_TILELANG_HALO_STREAM=$HS \
+          python -m flashqla bench --preset flashqla-bwd --no-progress --backends tilelang \
+          --baselines ${HS_BASELINES:-flashqla} --filter "${HS_BWD_FILTER:-32k in 1 }" ${BENCH_ARGS:-} \
+          --out $OUT/halo_stream_bwd_$HS
+    done ;;
   intracompact)
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled unpadded A / X tiles, A over
     # the k tile (33 KB of shared memory instead of 53: five CTAs per SM instead of four).  Its GPU test, then the A/B
@@ -565,7 +584,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -417,6 +417,64 @@ def test_gpu_split_forward_agrees_with_unsplit(case, monkeypatch):
         assert rel_l2(h1, h0) <= 2e-3
 
 
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", [_GPU_SEG_CASES[0], _GPU_SEG_CASES[2]], ids=lambda c: c.name)
+def test_gpu_halo_stream_is_bitwise_the_default(case, monkeypatch):
+    # FLASHQLA_TILELANG_HALO_STREAM=1 (session 23): the halo searches on a side stream beside stage 1; o, ht and the
+    # gradients bitwise those of the searches on the caller's stream, eager and replayed from a CUDA graph
+    from flashqla.testing import make_inputs
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "2")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
+    x = make_inputs(case, torch.bfloat16, "cuda", 0)
+    leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+    do = torch.randn_like(x["v"])
+
+    def run():
+        o, ht = flashqla.chunk_gated_delta_rule(
+            *leaves, x["g"], x["beta"], scale=case.scale, initial_state=x["initial_state"], output_final_state=True,
+            cu_seqlens=x["cu_seqlens"], backend="tilelang")
+        return [o, ht, *torch.autograd.grad(o, leaves, do)]
+
+    want = [t.clone() for t in run()]
+    monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STREAM", "1")
+    got = run()
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    from flashqla.testing import warm_up_for_capture
+    warm_up_for_capture(run, reps=2)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        held = run()
+    graph.replay()
+    torch.cuda.synchronize()
+    for a, b in zip(held, want):
+        assert torch.equal(a, b)
+
+
+def test_halo_searches_inline_off_the_gpu(monkeypatch):
+    # the switch only moves the searches to a side stream on CUDA; elsewhere (and off) they run inline, into the
+    # tensors the helper allocates, equal to walk_starts' own
+    from flashqla.backends.tilelang import ops
+    monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STREAM", "1")
+    assert ops.halo_stream()
+    gen = torch.Generator().manual_seed(0)
+    NT, Hqk, Hv = 64 * 9 + 5, 1, 2
+    k = torch.nn.functional.normalize(torch.randn(NT, Hqk, 128, generator=gen), dim=-1)
+    g = torch.nn.functional.logsigmoid(torch.randn(NT, Hv, generator=gen))
+    beta = torch.rand(NT, Hv, generator=gen)
+    fwd, bwd, join = ops._halo_searches(k, g, beta, [NT], 2, 2, False, torch.device("cpu"))
+    join()
+    t = sg.segment_tables([NT], 2, "cpu")
+    assert fwd[0] is t and torch.equal(fwd[1], sg.walk_starts(k, g, beta, t, False))
+    assert torch.equal(bwd[1], sg.walk_starts(k, g, beta, t, False, reverse=True))
+    fwd, bwd, join = ops._halo_searches(k, g, beta, [NT], None, None, False, torch.device("cpu"))
+    assert fwd is None and bwd is None
+    monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STREAM", "2")
+    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_HALO_STREAM"):
+        ops.halo_stream()
+
+
 # ---- the host path with simulated kernels (CPU) -------------------------------------------------------------
 
 from test_backend_tilelang import host_backend_inputs, simulated_kernels  # noqa: E402,F401

@@ -7,6 +7,7 @@ tensors from ``torch.arange`` on the device, so both cases run the same kernels.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from dataclasses import dataclass
@@ -638,6 +639,46 @@ def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = 
     return plan
 
 
+def halo_stream() -> bool:
+    """``FLASHQLA_TILELANG_HALO_STREAM=1`` (session 23; off until measured): the halo searches of a forward that
+    walks segments (``segments.walk_starts``, its own and the backward's: ~11 us each at 16/32 1x32768, 1.7% of the
+    inference forward) run on a side stream beside stage 1 instead of before the recurrence on the caller's stream.
+    Their 4-64 small CTAs fit beside stage 1's; the recurrence waits for them."""
+    return env_choice("FLASHQLA_TILELANG_HALO_STREAM", ("0", "1"), "0") == "1"
+
+
+_HALO_STREAMS: dict = {}
+
+
+def _halo_searches(kf, gf, bf, lengths, fwd_seg_chunks, bwd_seg_chunks, l2norm: bool, dev):
+    """``(fwd, bwd, join)``: the forward's and the backward's ``(segment tables, walk starts)`` (None where that walk
+    is not split), launched before stage 1, and ``join()``, which the caller runs after stage 1's launch and before
+    the recurrence's.  Under :func:`halo_stream` the searches run on a side stream; everything they write (the
+    tables, uploaded once and cached; the starts) is allocated on the caller's stream, which joins the side one
+    before it reads them, and they read only tensors the caller keeps alive past that join: no ``record_stream``
+    is needed."""
+    fwd_t = segments.segment_tables(lengths, fwd_seg_chunks, dev) if fwd_seg_chunks is not None else None
+    bwd_t = segments.segment_tables(lengths, bwd_seg_chunks, dev) if bwd_seg_chunks is not None else None
+    outs = [None if t is None else torch.empty(t.num_segments, gf.shape[1], dtype=torch.int32, device=dev)
+            for t in (fwd_t, bwd_t)]
+    side = main = None
+    if dev.type == "cuda" and halo_stream() and (fwd_t is not None or bwd_t is not None):
+        main = torch.cuda.current_stream(dev)
+        side = _HALO_STREAMS.get(dev.index)
+        if side is None:
+            side = _HALO_STREAMS[dev.index] = torch.cuda.Stream(dev)
+        side.wait_stream(main)          # (the inputs and the tables' uploads come first)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        fwd = None if fwd_t is None else (fwd_t, segments.walk_starts(kf, gf, bf, fwd_t, l2norm, out=outs[0]))
+        bwd = None if bwd_t is None else (bwd_t, segments.walk_starts(kf, gf, bf, bwd_t, l2norm, reverse=True,
+                                                                     out=outs[1]))
+
+    def join():
+        if side is not None:
+            main.wait_stream(side)
+    return fwd, bwd, join
+
+
 def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool, l2norm: bool,
             save: bool) -> FwdResult:
     """q, k [B, T, Hqk, K]; v [B, T, Hv, V]; g, beta [B, T, Hv]; h0 [N, Hv, K, V] or None."""
@@ -685,59 +726,69 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev, fwd_split=split is not None)
     bwd_fixed = "whole" if train_fused_here and bvariant == "whole" else None
     fused = variant == "fused" and (not save or bwd_fixed == "whole")
-    G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
-    scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
-    pscores = False
-    if fused and save:
-        # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores
-        w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        u = vf
-        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
-            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio)
-    elif fused:
-        # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
-        w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        u = vf
-        X = None
-        # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
-        # runs stage 1 every way a V-block can ask for
-        pscores = fwd_pscores(True, bv, walk_seqs, Hv)
-        if dev.type == "meta":
-            choices = sorted({ps for b in _meta_bvs(NS, Hv, V, dev) for ps in _pscores_choices(True, b)})
+    # the halo searches of the walks split into segments (the forward's, and the backward's, which needs g), ahead
+    # of stage 1 so that they may run beside it (halo_stream)
+    fwd_halo, bwd_halo, halo_join = _halo_searches(
+        kf, gf, bf, lengths, split.seg_chunks if split is not None else None,
+        bplan.seg_chunks if split_bwd_here and bplan is not None else None, l2norm, dev)
+    try:
+        G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
+        scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
+        pscores = False
+        if fused and save:
+            # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores
+            w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+            u = vf
+            X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+            intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
+                kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio)
+        elif fused:
+            # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
+            w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+            u = vf
+            X = None
+            # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
+            # runs stage 1 every way a V-block can ask for
+            pscores = fwd_pscores(True, bv, walk_seqs, Hv)
+            if dev.type == "meta":
+                choices = sorted({ps for b in _meta_bvs(NS, Hv, V, dev) for ps in _pscores_choices(True, b)})
+            else:
+                choices = (pscores,)
+            for ps in choices:
+                if ps:
+                    scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+                q_in = qf if ps else dummy((1, 1, K), dt, dev)
+                intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps)(
+                    q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
         else:
-            choices = (pscores,)
-        for ps in choices:
-            if ps:
-                scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-            q_in = qf if ps else dummy((1, 1, K), dt, dev)
-            intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps)(
-                q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
-    else:
-        w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
-        u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev) if save else \
-            dummy((1, 1, CHUNK, CHUNK), dt, dev)
-        intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
-            kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
+            w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
+            u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
+            X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev) if save else \
+                dummy((1, 1, CHUNK, CHUNK), dt, dev)
+            intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
+                kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
 
-    o = torch.empty(NT, Hv, V, dtype=dt, device=dev)
-    has_h0 = h0 is not None
-    h0f = aligned(h0.to(torch.float32)) if has_h0 else dummy((1, 1, K, V), torch.float32, dev)
-    ht = torch.empty(NS, Hv, K, V, dtype=torch.float32, device=dev) if output_final_state else \
-        dummy((1, 1, K, V), torch.float32, dev)
-    if save:
-        hs = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
-        vn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-    else:
-        hs = dummy((1, 1, K, V), dt, dev)
-        vn = dummy((1, 1, CHUNK, V), dt, dev)
-    no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
+        o = torch.empty(NT, Hv, V, dtype=dt, device=dev)
+        has_h0 = h0 is not None
+        h0f = aligned(h0.to(torch.float32)) if has_h0 else dummy((1, 1, K, V), torch.float32, dev)
+        ht = torch.empty(NS, Hv, K, V, dtype=torch.float32, device=dev) if output_final_state else \
+            dummy((1, 1, K, V), torch.float32, dev)
+        if save:
+            hs = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
+            vn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
+        else:
+            hs = dummy((1, 1, K, V), dt, dev)
+            vn = dummy((1, 1, CHUNK, V), dt, dev)
+        no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
+    except BaseException:
+        halo_join()     # (the searches write tensors of this stream: never leave them running past an error)
+        raise
+    halo_join()
     if split is not None:
         # the walk's boundaries are the segments', and each (segment, head) starts where the halo search says
-        tables = segments.segment_tables(lengths, split.seg_chunks, dev)
+        tables, starts = fwd_halo
         walk_cu, walk_co = tables.cu_seqlens, tables.chunk_offsets
-        halo_args = (tables.seg_table, segments.walk_starts(kf, gf, bf, tables, l2norm))
+        halo_args = (tables.seg_table, starts)
     else:
         walk_cu, walk_co, halo_args = meta.cu_seqlens, meta.chunk_offsets, no_halo
     fwd_args = (qf, kf, w, u, G, walk_cu, walk_co, h0f, o, ht, hs, vn, float(scale), ratio)
@@ -766,10 +817,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                 fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo)(
                     qf, kf, Tb, vf, *fwd_args[4:], _trace_arg(dev), scores, *no_halo)
 
-    bwd_split = None
-    if split_bwd_here and bplan is not None:
-        tables = segments.segment_tables(lengths, bplan.seg_chunks, dev)
-        bwd_split = (bvariant, bplan.bv, tables, segments.walk_starts(kf, gf, bf, tables, l2norm, reverse=True))
+    bwd_split = None if bwd_halo is None else (bvariant, bplan.bv, *bwd_halo)
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
                      qf, kf, vf, bf, bwd_split, bwd_fixed)

@@ -358,6 +358,13 @@ def walk_starts_ref(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: i
     return start.to(torch.int32)
 
 
+def _into(out: Optional[torch.Tensor], result: torch.Tensor) -> torch.Tensor:
+    if out is None:
+        return result
+    out.copy_(result)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def _kernel():
     import triton
@@ -446,18 +453,21 @@ def _kernel():
 
 def walk_starts(k, g, beta, tables: SegmentTables, l2norm: bool, max_halo: int = MAX_HALO_CHUNKS,
                 threshold: float = NEGLIGIBLE_LOG_BOUND, force_kernel: bool = False,
-                reverse: bool = False) -> torch.Tensor:
+                reverse: bool = False, out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """:func:`walk_starts_ref` in one Triton launch on CUDA (``force_kernel``: also elsewhere, for the
-    interpreter tests).  ``k [NT, Hqk, K]``, ``g [NT, Hv]`` fp32, ``beta [NT, Hv]``, all with unit last stride."""
+    interpreter tests).  ``k [NT, Hqk, K]``, ``g [NT, Hv]`` fp32, ``beta [NT, Hv]``, all with unit last stride.
+    ``out``: the ``[NSEG, Hv]`` int32 result tensor, allocated by the caller (on the stream that reads it, when
+    this runs on another one); else a new one."""
     K = k.shape[-1]
     if not (k.is_cuda or force_kernel) or K & (K - 1):
-        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold, reverse)
+        return _into(out, walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold, reverse))
     try:
         import triton
     except ImportError:         # (torch's CUDA wheels ship it; the ref runs on the device too)
-        return walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold, reverse)
+        return _into(out, walk_starts_ref(k, g, beta, tables, l2norm, max_halo, threshold, reverse))
     Hqk, Hv = k.shape[1], g.shape[1]
-    out = torch.empty(tables.num_segments, Hv, dtype=torch.int32, device=g.device)
+    if out is None:
+        out = torch.empty(tables.num_segments, Hv, dtype=torch.int32, device=g.device)
     if tables.num_segments == 0:
         return out
     ratio = Hv // Hqk
