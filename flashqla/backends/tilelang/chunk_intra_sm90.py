@@ -88,7 +88,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     ``[NC, Hv, 64, 64]`` in the input dtype, so the recurrence does not compute them (once per V-block CTA).
 
     ``compact`` (with ``tb_only``, no ``scores``; ``FLASHQLA_TILELANG_INTRA_COMPACT=1``, session 20; its GPU test
-    passes, but session 23 measured it slower, 0.226 -> 0.299 ms at 16/32 1x32768 on an H100, so it is off): A and X are unpadded 64 x 64 fp32 tiles whose columns are XOR-swizzled per row, ``j ^ 8 (r & 3)`` (a
+    passes, but session 23 measured it slower, 0.226 -> 0.299 ms at 16/32 1x32768 on an H100, so it is off): A and
+    X are unpadded 64 x 64 fp32 tiles whose columns are XOR-swizzled per row, ``j ^ 8 (r & 3)`` (a
     permutation within each row, applied to every access, so the algebra is unchanged).  The swizzle gives the
     bank spread that the pad of 8 words gave for the inverse's access patterns.  At 16 KB, A then shares the k
     tile's space (k is dead once k k^T is formed) and X shrinks by 2 KB: 33 KB of shared memory instead of 53.  With

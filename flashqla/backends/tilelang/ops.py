@@ -268,9 +268,9 @@ def train_fused_mode() -> str:
     """``FLASHQLA_TILELANG_TRAIN_FUSED``: ``all`` (default since session 23: split forwards too), ``1`` (unsplit
     forwards only) or ``0`` (off).  Session 20 found why the fused walk with its saves was slow over segments: its
     v_new store sat under the chain's halo branch, and ptxas spilled there and serialised all 40 wgmma; the output
-    warpgroup stores them now.  Session 23 (H100, ``benchmarks/results/session23_h100.md``), fwd+bwd with the GVA pair
-    sum: 16/32 1x32768 3.131 -> 2.784 ms, 8/16 1x32768 1.645 -> 1.493, 2/4 1x32768 0.519 -> 0.477, 16/32 4x8192 (no
-    segments, so ``1`` and ``all`` are the same walk there) 2.732 -> 2.737."""
+    warpgroup stores them now.  Session 23 (H100, ``benchmarks/results/h100_2026-12-05_session23_README.md``),
+    fwd+bwd with the GVA pair sum: 16/32 1x32768 3.131 -> 2.784 ms, 8/16 1x32768 1.645 -> 1.493, 2/4 1x32768
+    0.519 -> 0.477, 16/32 4x8192 (no segments, so ``1`` and ``all`` are the same walk there) 2.732 -> 2.737."""
     return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1", "all"), "all")
 
 
@@ -653,10 +653,10 @@ _HALO_STREAMS: dict = {}
 def _halo_searches(kf, gf, bf, lengths, fwd_seg_chunks, bwd_seg_chunks, l2norm: bool, dev):
     """``(fwd, bwd, join)``: the forward's and the backward's ``(segment tables, walk starts)`` (None where that walk
     is not split), launched before stage 1, and ``join()``, which the caller runs after stage 1's launch and before
-    the recurrence's.  Under :func:`halo_stream` the searches run on a side stream; everything they write (the
-    tables, uploaded once and cached; the starts) is allocated on the caller's stream, which joins the side one
-    before it reads them, and they read only tensors the caller keeps alive past that join: no ``record_stream``
-    is needed."""
+    the recurrence's.  Under :func:`halo_stream` the searches run on a side stream: the tables (uploaded once and
+    cached) and the starts are allocated on the caller's stream, which joins the side one before it reads them, and
+    the starts are recorded on the side stream, so that the allocator does not hand their memory out again while
+    a search still writes it (should the caller free them early, on an error before the join)."""
     fwd_t = segments.segment_tables(lengths, fwd_seg_chunks, dev) if fwd_seg_chunks is not None else None
     bwd_t = segments.segment_tables(lengths, bwd_seg_chunks, dev) if bwd_seg_chunks is not None else None
     outs = [None if t is None else torch.empty(t.num_segments, gf.shape[1], dtype=torch.int32, device=dev)
@@ -668,6 +668,9 @@ def _halo_searches(kf, gf, bf, lengths, fwd_seg_chunks, bwd_seg_chunks, l2norm: 
         if side is None:
             side = _HALO_STREAMS[dev.index] = torch.cuda.Stream(dev)
         side.wait_stream(main)          # (the inputs and the tables' uploads come first)
+        for t in outs:
+            if t is not None:
+                t.record_stream(side)
     with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
         fwd = None if fwd_t is None else (fwd_t, segments.walk_starts(kf, gf, bf, fwd_t, l2norm, out=outs[0]))
         bwd = None if bwd_t is None else (bwd_t, segments.walk_starts(kf, gf, bf, bwd_t, l2norm, reverse=True,
@@ -731,58 +734,54 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     fwd_halo, bwd_halo, halo_join = _halo_searches(
         kf, gf, bf, lengths, split.seg_chunks if split is not None else None,
         bplan.seg_chunks if split_bwd_here and bplan is not None else None, l2norm, dev)
-    try:
-        G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
-        scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
-        pscores = False
-        if fused and save:
-            # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores
-            w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-            u = vf
-            X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-            intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
-                kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio)
-        elif fused:
-            # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
-            w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-            u = vf
-            X = None
-            # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
-            # runs stage 1 every way a V-block can ask for
-            pscores = fwd_pscores(True, bv, walk_seqs, Hv)
-            if dev.type == "meta":
-                choices = sorted({ps for b in _meta_bvs(NS, Hv, V, dev) for ps in _pscores_choices(True, b)})
-            else:
-                choices = (pscores,)
-            for ps in choices:
-                if ps:
-                    scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-                q_in = qf if ps else dummy((1, 1, K), dt, dev)
-                intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps)(
-                    q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
+    G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
+    scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
+    pscores = False
+    if fused and save:
+        # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores
+        w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        u = vf
+        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
+            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio)
+    elif fused:
+        # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
+        w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        u = vf
+        X = None
+        # stage 1 and the recurrence must agree on pscores; the meta-device key enumeration (precompile)
+        # runs stage 1 every way a V-block can ask for
+        pscores = fwd_pscores(True, bv, walk_seqs, Hv)
+        if dev.type == "meta":
+            choices = sorted({ps for b in _meta_bvs(NS, Hv, V, dev) for ps in _pscores_choices(True, b)})
         else:
-            w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
-            u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-            X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev) if save else \
-                dummy((1, 1, CHUNK, CHUNK), dt, dev)
-            intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
-                kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
+            choices = (pscores,)
+        for ps in choices:
+            if ps:
+                scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+            q_in = qf if ps else dummy((1, 1, K), dt, dev)
+            intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps)(
+                q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
+    else:
+        w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
+        u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
+        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev) if save else \
+            dummy((1, 1, CHUNK, CHUNK), dt, dev)
+        intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
+            kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
 
-        o = torch.empty(NT, Hv, V, dtype=dt, device=dev)
-        has_h0 = h0 is not None
-        h0f = aligned(h0.to(torch.float32)) if has_h0 else dummy((1, 1, K, V), torch.float32, dev)
-        ht = torch.empty(NS, Hv, K, V, dtype=torch.float32, device=dev) if output_final_state else \
-            dummy((1, 1, K, V), torch.float32, dev)
-        if save:
-            hs = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
-            vn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
-        else:
-            hs = dummy((1, 1, K, V), dt, dev)
-            vn = dummy((1, 1, CHUNK, V), dt, dev)
-        no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
-    except BaseException:
-        halo_join()     # (the searches write tensors of this stream: never leave them running past an error)
-        raise
+    o = torch.empty(NT, Hv, V, dtype=dt, device=dev)
+    has_h0 = h0 is not None
+    h0f = aligned(h0.to(torch.float32)) if has_h0 else dummy((1, 1, K, V), torch.float32, dev)
+    ht = torch.empty(NS, Hv, K, V, dtype=torch.float32, device=dev) if output_final_state else \
+        dummy((1, 1, K, V), torch.float32, dev)
+    if save:
+        hs = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
+        vn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
+    else:
+        hs = dummy((1, 1, K, V), dt, dev)
+        vn = dummy((1, 1, CHUNK, V), dt, dev)
+    no_halo = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
     halo_join()
     if split is not None:
         # the walk's boundaries are the segments', and each (segment, head) starts where the halo search says
