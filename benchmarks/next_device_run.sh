@@ -298,6 +298,11 @@ case "$STEP" in
         ${CGRID_S:-420} env FLASHQLA_CUTLASS_FWD=${CGRID_FWD:-fused} python -m flashqla bench --preset flashqla-fwd --no-progress \
         --backends ${CGRID_BACKENDS:-cutlass,tilelang} --baselines flashqla,fla ${BENCH_ARGS:-} \
         ${CGRID_FILTER:+--filter "$CGRID_FILTER"} --out $OUT/cutlass_flqfwd ;;
+  cutlassshared)
+    # carry [".gpu_cute"]: #5's correctness on the H200 after a cutlass change: the shared suite (float64 oracle,
+    # forward and backward) on cutlass, then the cutlass GPU suite
+    TAIL=10 run_step "shared suite, cutlass" ${CSHARED_S:-300} $PYT tests/test_correctness.py -k cutlass
+    TAIL=12 run_step "cutlass GPU suite" ${CSUITE_S:-300} $PYT tests/test_backend_cutlass.py ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
@@ -584,7 +589,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
