@@ -69,6 +69,9 @@
 #                                                 fwd+bwd A/B over them and their combination (#8; session 21)
 #   bash benchmarks/next_device_run.sh halostream FLASHQLA_TILELANG_HALO_STREAM=1 (session 23): the halo searches beside
 #                                                 stage 1 on a side stream: GPU test, wall-clock A/B on #8's rows
+#   bash benchmarks/next_device_run.sh tlshort    the tilelang forward on FlashQLA's 1x2048 rows with the walk forced into
+#                                                 segments of 8 / 4 chunks against its plan (session 24)
+#   bash benchmarks/next_device_run.sh cutlassshared  carry [".gpu_cute"]: the shared suite and the GPU suite on cutlass (#5)
 #   bash benchmarks/next_device_run.sh flqgridwarm FlashQLA's kernels for its forward grid, built on the device, and the
 #                                                 cache returned (repack it: PACK_ONLY=1 benchmarks/rebuild_kcache.sh)
 #   bash benchmarks/next_device_run.sh gvapair    FLASHQLA_TILELANG_GVA=pair: the backward kernels sum GVA pairs themselves
@@ -300,9 +303,10 @@ case "$STEP" in
         ${CGRID_FILTER:+--filter "$CGRID_FILTER"} --out $OUT/cutlass_flqfwd ;;
   cutlassshared)
     # carry [".gpu_cute"]: #5's correctness on the H200 after a cutlass change: the shared suite (float64 oracle,
-    # forward and backward) on cutlass, then the cutlass GPU suite
-    TAIL=10 run_step "shared suite, cutlass" ${CSHARED_S:-300} $PYT tests/test_correctness.py -k cutlass
-    TAIL=12 run_step "cutlass GPU suite" ${CSUITE_S:-300} $PYT tests/test_backend_cutlass.py ;;
+    # forward and backward) on cutlass, then the cutlass GPU suite, as session 19 ran them (left out: the on-disk cache
+    # test, and the kernel-by-kernel emulation test that cutlassprep runs)
+    TAIL=14 run_step "shared suite and GPU suite, cutlass" ${CSHARED_S:-450} $PYT tests/test_correctness.py \
+        tests/test_backend_cutlass.py -k "cutlass and not disk_cache and not kernels_match_emulation" ;;
   cutlass)
     TAIL=12 run_step "cutlass GPU suite" 300 $PYT tests/test_backend_cutlass.py
     TAIL=12 run_step "cutlass 2^31 and determinism" 200 $PYT -s tests/test_large_tensors.py \
@@ -412,6 +416,15 @@ case "$STEP" in
           python -m flashqla bench --preset flashqla-bwd --no-progress --backends tilelang \
           --baselines ${HS_BASELINES:-flashqla} --filter "${HS_BWD_FILTER:-32k in 1 }" ${BENCH_ARGS:-} \
           --out $OUT/halo_stream_bwd_$HS
+    done ;;
+  tlshort)
+    # tilelang's plan leaves the 32-chunk walks of FlashQLA's 1x2048 rows whole (the split's modelled gain is under
+    # MIN_GAIN_US), where cutlass splits them and wins (session 24's grid): the same rows with the walk forced into
+    # segments of 8 and 4 chunks, wall-clock in CUDA graphs (TLS_FILTER, TLS_SEGS)
+    for S in ${TLS_SEGS:-auto 8 4}; do
+      TAIL=12 run_step "tilelang segments $S, short rows" ${TLS_S:-60} env FLASHQLA_TILELANG_SEGMENTS=$S \
+          python -m flashqla bench --preset flashqla-fwd --no-progress --backends tilelang --baselines none \
+          --filter "${TLS_FILTER:-1x2048}" ${BENCH_ARGS:-} --out $OUT/tlshort_$S
     done ;;
   intracompact)
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled unpadded A / X tiles, A over
@@ -589,7 +602,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | tlshort | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
