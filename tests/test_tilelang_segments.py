@@ -421,8 +421,9 @@ def test_gpu_split_forward_agrees_with_unsplit(case, monkeypatch):
 @needs_sm90
 @pytest.mark.parametrize("case", [_GPU_SEG_CASES[0], _GPU_SEG_CASES[2]], ids=lambda c: c.name)
 def test_gpu_halo_stream_is_bitwise_the_default(case, monkeypatch):
-    # FLASHQLA_TILELANG_HALO_STREAM=1 (session 23): the halo searches on a side stream beside stage 1; o, ht and the
-    # gradients bitwise those of the searches on the caller's stream, eager and replayed from a CUDA graph
+    # FLASHQLA_TILELANG_HALO_STREAM=1 (the default since session 24): the halo searches on a side stream beside
+    # stage 1; o, ht and the gradients bitwise those of the searches on the caller's stream (=0), eager and replayed
+    # from a CUDA graph
     from flashqla.testing import make_inputs
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "2")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "auto")
@@ -439,6 +440,7 @@ def test_gpu_halo_stream_is_bitwise_the_default(case, monkeypatch):
     def new_leaves():
         return [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
 
+    monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STREAM", "0")
     want = [t.clone() for t in run(new_leaves())]
     monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STREAM", "1")
     got = run(new_leaves())
@@ -458,12 +460,37 @@ def test_gpu_halo_stream_is_bitwise_the_default(case, monkeypatch):
         assert torch.equal(a, b)
 
 
+def test_forward_splits_short_walks_of_few_heads(monkeypatch):
+    # session 24 (H100): FlashQLA's 1x2048 rows ran faster split at 8 and 16 heads (modelled gains 13 and 6 us, under
+    # the shared MIN_GAIN_US), and slower or equal at 32-64 heads; the tilelang forward's own threshold splits the
+    # first and leaves the second whole, while the other planners (backward, cutlass, triton) keep MIN_GAIN_US
+    from flashqla.backends.tilelang import ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_BV", raising=False)
+    dev = torch.device("cpu")
+    monkeypatch.setattr(ops, "detect", lambda d: type("S", (), {"sm_count": 132})())
+    monkeypatch.setattr(ops, "fwd_ws_bv", lambda n, Hv, V, d: sg.plain_bv_for(n * Hv, V, 132))
+    for Hv, want in ((8, (4, 64)), (16, (8, 64))):
+        plan = ops.fwd_segment_plan([2048], Hv, 128, dev, variant="ws")
+        assert plan is not None and (plan.seg_chunks, plan.bv) == want, (Hv, plan)
+        assert plan.est_plain_us - plan.est_us < sg.MIN_GAIN_US
+        assert sg.segment_plan([2048], Hv, 128, 132, sg.plain_bv_for(Hv, 128, 132), forced="auto") is None
+    for Hv in (32, 48, 64):
+        assert ops.fwd_segment_plan([2048], Hv, 128, dev, variant="ws") is None
+    # a long walk's plan is the same under either threshold
+    long_plan = ops.fwd_segment_plan([32768], 32, 128, dev, variant="ws")
+    assert long_plan == sg.segment_plan([32768], 32, 128, 132, sg.plain_bv_for(32, 128, 132), forced="auto")
+
+
 def test_halo_searches_inline_off_the_gpu(monkeypatch):
     # the switch only moves the searches to a side stream on CUDA; elsewhere (and off) they run inline, into the
     # tensors the helper allocates, equal to walk_starts' own
     from flashqla.backends.tilelang import ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_HALO_STREAM", raising=False)
+    assert ops.halo_stream()            # (the default since session 24)
+    monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STREAM", "0")
+    assert not ops.halo_stream()
     monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STREAM", "1")
-    assert ops.halo_stream()
     gen = torch.Generator().manual_seed(0)
     NT, Hqk, Hv = 64 * 9 + 5, 1, 2
     k = torch.nn.functional.normalize(torch.randn(NT, Hqk, 128, generator=gen), dim=-1)

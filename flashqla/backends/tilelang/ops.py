@@ -632,7 +632,7 @@ def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = 
     sms = detect(device).sm_count or 132
     meta = ChunkMeta.of_lengths(lengths)
     plain_bv = fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, V, device)
-    plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv)
+    plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv, min_gain_us=segments.FWD_MIN_GAIN_US)
     if plan is not None and bv_forced():
         bv = fwd_ws_bv(plan.num_segments, Hv, V, device)
         plan = dataclasses.replace(plan, bv=bv, reason=f"{plan.reason}; run at BV {bv} (FLASHQLA_TILELANG_BV)")
@@ -640,11 +640,15 @@ def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = 
 
 
 def halo_stream() -> bool:
-    """``FLASHQLA_TILELANG_HALO_STREAM=1`` (session 23; off until measured): the halo searches of a forward that
-    walks segments (``segments.walk_starts``, its own and the backward's: ~11 us each at 16/32 1x32768, 1.7% of the
-    inference forward) run on a side stream beside stage 1 instead of before the recurrence on the caller's stream.
-    Their 4-64 small CTAs fit beside stage 1's; the recurrence waits for them."""
-    return env_choice("FLASHQLA_TILELANG_HALO_STREAM", ("0", "1"), "0") == "1"
+    """``FLASHQLA_TILELANG_HALO_STREAM`` (default 1 since session 24): the halo searches of a forward that walks
+    segments (``segments.walk_starts``, its own and the backward's: ~11 us each at 16/32 1x32768) run on a side
+    stream beside stage 1 instead of before the recurrence on the caller's stream; their 4-64 small CTAs fit beside
+    stage 1's, and the recurrence waits for them.  Measured on an H100 (session 24 run 7, CUDA-graph medians), 0 ->
+    1: forward 1x32768 rows 0.186 -> 0.183 ms (2/8), 0.338 -> 0.332 (4/16), 0.682 -> 0.670 (32/32), the others
+    equal; fwd+bwd 32k in one sequence 0.481 -> 0.468 (2/4), 0.827 -> 0.813 (4/8), 1.495 -> 1.489 (8/16), 2.809 ->
+    2.811 (16/32).  Outputs and gradients bitwise the same, eager and in a CUDA graph (its GPU test).  ``0``: the
+    searches on the caller's stream."""
+    return env_choice("FLASHQLA_TILELANG_HALO_STREAM", ("0", "1"), "1") == "1"
 
 
 _HALO_STREAMS: dict = {}

@@ -56,6 +56,12 @@ WALK_SEARCH_CHUNKS = 4
 PLAN_HALO_CHUNKS = 4
 # the least modelled gain worth a split, microseconds
 MIN_GAIN_US = 15.0
+# the tilelang forward's: its halo search runs beside stage 1 (ops.halo_stream), and the model underprices its
+# short unsplit walks.  Measured (H100, session 24, benchmarks/results/h100_2026-12-05_session24_README.md run 6):
+# FlashQLA's 1x2048 rows, 32-chunk walks, modelled gains of 6-13 us, split / whole 0.036 / 0.050 ms at 2/8,
+# 0.047 / 0.057 at 4/16, 0.048 / 0.061 at 16/16.  The 24-64-head rows stay whole (modelled gains under 10%):
+# forced splits measured 4% faster there at best, and up to 35% slower
+FWD_MIN_GAIN_US = 5.0
 # modelled time of one chunk step of the recurrence, per V-block, in microseconds, with the SMs busy (H200,
 # session 17 run 1, benchmarks/results/h200_2026-12-04_session17_README.md: BV 128 split walks, 0.419 ms for
 # 132 chunk steps at 16/32 1x32768 and 0.117 for ~36 at 2/8; BV 64, 1.007 ms for 512 at 16/64; BV 32, 0.744
@@ -178,14 +184,14 @@ _PLANS: dict = {}
 
 def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: int,
                  forced: Optional[str] = None, backward: bool = False, steps: Optional[dict] = None,
-                 bvs: Optional[tuple] = None) -> Optional[SegmentPlan]:
+                 bvs: Optional[tuple] = None, min_gain_us: float = MIN_GAIN_US) -> Optional[SegmentPlan]:
     """The split of sequences of ``lengths`` tokens for ``Hv`` value heads on ``sms`` SMs, or None (no split).
 
     The model: one CTA per (segment, head, V-block), one CTA per SM, CTAs start in launch order on the first
     free SM (list scheduling), a CTA takes (its chunks + halo) chunk steps of ``STEP_US`` at its V-block.  It
     tries cutting the longest sequence in 2..64 segments (the others in segments of the same length) at each
     V-block (128 or 64; split walks are many, where BV 32 loses) and splits when the best beats the walk as it is
-    (at ``plain_bv``) by 10% and ``MIN_GAIN_US``.  Plans are cached per (lengths, heads, SMs): a new shape costs
+    (at ``plain_bv``) by 10% and ``min_gain_us``.  Plans are cached per (lengths, heads, SMs): a new shape costs
     0.2-1.6 ms of host time here.  ``forced``: :func:`mode`'s value.  ``backward``: the split of the backward's
     gradient walk (``STEP_BWD_US``, V-blocks 64 and 32, one split for both directions' env switch).  ``steps`` /
     ``bvs``: another walk's step times per V-block and its V-blocks, widest first (the whole-V backward: one
@@ -195,7 +201,8 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
     longest = max(chunks, default=0)
     if forced == "off" or longest <= 1 or Hv <= 0:
         return None
-    key = (chunks, Hv, V, sms, plain_bv, forced, backward, tuple(sorted(steps.items())) if steps else None, bvs)
+    key = (chunks, Hv, V, sms, plain_bv, forced, backward, tuple(sorted(steps.items())) if steps else None, bvs,
+           min_gain_us)
     if key in _PLANS:
         return _PLANS[key]
     steps = steps or (STEP_BWD_US if backward else None)
@@ -224,8 +231,8 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
                 est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS, steps) + SPLIT_FIXED_US
                 if best is None or est < best[0]:
                     best = (est, seg, bv)
-        # (and by MIN_GAIN_US: a split adds the halo search's launch and host work)
-        if best is not None and best[0] <= 0.9 * plain and plain - best[0] >= MIN_GAIN_US:
+        # (and by min_gain_us: a split adds the halo search's launch and host work)
+        if best is not None and best[0] <= 0.9 * plain and plain - best[0] >= min_gain_us:
             est, seg, bv = best
             nseg = _segments_of(chunks, seg)
             plan = SegmentPlan(seg, bv, nseg, est, plain,
