@@ -203,8 +203,9 @@ def test_measured_speed_table_orders_sm90_backends(monkeypatch):
 
     order, d = ranked(None, (4000,))
     assert order.index("triton") < order.index("tilelang") and "measured speed" in str(d)
-    order, _ = ranked(None, (128,) * 8)
+    order, d = ranked(None, (128,) * 8)
     assert order.index("tilelang") < order.index("triton")
+    assert "measured speed at the nearest shape 16/32 8x1024" in str(d) and "priorities agree" in str(d)
     monkeypatch.setenv("FLASHQLA_SPEED_TABLE", "0")
     order, d = ranked(None, (4000,))
     assert order.index("tilelang") < order.index("triton") and "measured speed" not in str(d)

@@ -317,6 +317,9 @@ def _ranking(spec: CallSpec) -> tuple:
         if [prios[n] for n in present] != slots:
             prios.update(zip(present, slots))
             why = reason
+        elif len(present) > 1:
+            # (explain() says why the winner won either way)
+            why = f"{reason}; the declared priorities agree"
     ranked = [(prios[name], name, b) for name, b in _REGISTRY.items()]
     ranked.sort(key=lambda x: (x[0] is None, -(x[0] or 0), x[1]))
     if len(_RANKINGS) > 4096:
