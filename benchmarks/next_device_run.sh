@@ -71,6 +71,8 @@
 #                                                 stage 1 on a side stream: GPU test, wall-clock A/B on #8's rows
 #   bash benchmarks/next_device_run.sh tlshort    the tilelang forward on FlashQLA's 1x2048 rows with the walk forced into
 #                                                 segments of 8 / 4 chunks against its plan (session 24)
+#   bash benchmarks/next_device_run.sh fewwaves   FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): forward A/B on the rows whose
+#                                                 walks fill the SMs in two uneven waves (16/48 4x8192, 8/24 4x8192)
 #   bash benchmarks/next_device_run.sh cutlassshared  carry [".gpu_cute"]: the shared suite and the GPU suite on cutlass (#5)
 #   bash benchmarks/next_device_run.sh flqgridwarm FlashQLA's kernels for its forward grid, built on the device, and the
 #                                                 cache returned (repack it: PACK_ONLY=1 benchmarks/rebuild_kcache.sh)
@@ -426,6 +428,17 @@ case "$STEP" in
           python -m flashqla bench --preset flashqla-fwd --no-progress --backends tilelang --baselines none \
           --filter "${TLS_FILTER:-1x2048}" ${BENCH_ARGS:-} --out $OUT/tlshort_$S
     done ;;
+  fewwaves)
+    # FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): the forward's planner also splits walks that fill the SMs in
+    # at most two waves (16/48 4x8192: 192 whole walks -> 384 of 64 chunks).  Forward rows 0 / 1, wall-clock in CUDA
+    # graphs (FW_FILTER), then (FW_TEST=1) the segment GPU tests under it
+    for W in 0 1; do
+      TAIL=12 run_step "few waves $W" ${FW_S:-45} env FLASHQLA_TILELANG_FEW_WAVES=$W python -m flashqla bench \
+          --preset flashqla-fwd --no-progress --backends tilelang --baselines none ${BENCH_ARGS:-} \
+          --filter "${FW_FILTER:-16/48 4x8192|16/48 2x16384|16/48 1x32768|8/24 4x8192|8/24 8x4096}" --out $OUT/fewwaves_$W
+    done
+    [ "${FW_TEST:-0}" = 1 ] && TAIL=8 run_step "few waves, segment GPU tests" ${FW_TEST_S:-200} env \
+        FLASHQLA_TILELANG_FEW_WAVES=1 $PYT tests/test_tilelang_segments.py ;;
   intracompact)
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled unpadded A / X tiles, A over
     # the k tile (33 KB of shared memory instead of 53: five CTAs per SM instead of four).  Its GPU test, then the A/B
@@ -602,7 +615,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | tlshort | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

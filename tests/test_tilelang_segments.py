@@ -482,6 +482,29 @@ def test_forward_splits_short_walks_of_few_heads(monkeypatch):
     assert long_plan == sg.segment_plan([32768], 32, 128, 132, sg.plain_bv_for(32, 128, 132), forced="auto")
 
 
+def test_few_waves_search_splits_two_uneven_waves(monkeypatch):
+    # FLASHQLA_TILELANG_FEW_WAVES=1: 192 whole 128-chunk walks at BV 128 (16/48 4x8192) are two waves on 132 SMs;
+    # the planner then takes 64-chunk segments (three waves of short walks, the plan 16/48 1x32768 runs), and it
+    # leaves batches past two waves (16/64 4x8192: 256 CTAs at a whole wave and a bit) and short walks alone
+    from flashqla.backends.tilelang import ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_SEGMENTS", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_BV", raising=False)
+    dev = torch.device("cpu")
+    monkeypatch.setattr(ops, "detect", lambda d: type("S", (), {"sm_count": 132})())
+    monkeypatch.setenv("FLASHQLA_TILELANG_FEW_WAVES", "0")
+    assert ops.fwd_segment_plan([8192] * 4, 48, 128, dev, variant="ws") is None
+    monkeypatch.setenv("FLASHQLA_TILELANG_FEW_WAVES", "1")
+    for lengths in ([8192] * 4, [16384] * 2):
+        plan = ops.fwd_segment_plan(lengths, 48, 128, dev, variant="ws")
+        assert plan is not None and (plan.seg_chunks, plan.bv, plan.num_segments) == (64, 128, 8), plan
+        assert plan.est_us < 0.9 * plan.est_plain_us
+    assert ops.fwd_segment_plan([8192] * 4, 64, 128, dev, variant="ws") is None
+    assert ops.fwd_segment_plan([1024] * 8, 32, 128, dev, variant="ws") is None
+    monkeypatch.setenv("FLASHQLA_TILELANG_FEW_WAVES", "2")
+    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_FEW_WAVES"):
+        ops.fwd_few_waves()
+
+
 def test_halo_searches_inline_off_the_gpu(monkeypatch):
     # the switch only moves the searches to a side stream on CUDA; elsewhere (and off) they run inline, into the
     # tensors the helper allocates, equal to walk_starts' own

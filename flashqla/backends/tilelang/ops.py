@@ -624,6 +624,16 @@ def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bo
     return variant, plan, why
 
 
+def fwd_few_waves() -> bool:
+    """``FLASHQLA_TILELANG_FEW_WAVES`` (session 24, off until measured): the forward's planner also tries
+    splitting walks that already fill the SMs, while they take at most two waves (``segments.segment_plan``'s
+    ``few_waves``).  The model's case: FlashQLA's 16/48 4x8192 and 2x16384 rows run 192 / 96 whole 128- / 256-chunk
+    walks at BV 128 (1.112 and 1.114 ms on the H200, session 24) where 16/48 1x32768, split into 384 walks of 64
+    chunks, took 0.970; the plan for those rows becomes that same split (modelled 819 -> 661 us).  It also splits
+    8/24 4x8192 and 8x4096 (410 -> 354 us modelled)."""
+    return env_choice("FLASHQLA_TILELANG_FEW_WAVES", ("0", "1"), "0") == "1"
+
+
 def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = None):
     """The in-kernel split of :mod:`.segments` for this call, or None; the serial forward has none.  A V-block
     forced by ``FLASHQLA_TILELANG_BV`` replaces the plan's."""
@@ -632,7 +642,8 @@ def fwd_segment_plan(lengths, Hv: int, V: int, device, variant: Optional[str] = 
     sms = detect(device).sm_count or 132
     meta = ChunkMeta.of_lengths(lengths)
     plain_bv = fwd_ws_bv(meta.busy_seqs or meta.num_seqs, Hv, V, device)
-    plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv, min_gain_us=segments.FWD_MIN_GAIN_US)
+    plan = segments.segment_plan(lengths, Hv, V, sms, plain_bv, min_gain_us=segments.FWD_MIN_GAIN_US,
+                                 few_waves=fwd_few_waves())
     if plan is not None and bv_forced():
         bv = fwd_ws_bv(plan.num_segments, Hv, V, device)
         plan = dataclasses.replace(plan, bv=bv, reason=f"{plan.reason}; run at BV {bv} (FLASHQLA_TILELANG_BV)")

@@ -184,7 +184,8 @@ _PLANS: dict = {}
 
 def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: int,
                  forced: Optional[str] = None, backward: bool = False, steps: Optional[dict] = None,
-                 bvs: Optional[tuple] = None, min_gain_us: float = MIN_GAIN_US) -> Optional[SegmentPlan]:
+                 bvs: Optional[tuple] = None, min_gain_us: float = MIN_GAIN_US,
+                 few_waves: bool = False) -> Optional[SegmentPlan]:
     """The split of sequences of ``lengths`` tokens for ``Hv`` value heads on ``sms`` SMs, or None (no split).
 
     The model: one CTA per (segment, head, V-block), one CTA per SM, CTAs start in launch order on the first
@@ -195,14 +196,16 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
     0.2-1.6 ms of host time here.  ``forced``: :func:`mode`'s value.  ``backward``: the split of the backward's
     gradient walk (``STEP_BWD_US``, V-blocks 64 and 32, one split for both directions' env switch).  ``steps`` /
     ``bvs``: another walk's step times per V-block and its V-blocks, widest first (the whole-V backward: one
-    V-block of V, ``ops.WHOLE_STEP_US``)."""
+    V-block of V, ``ops.WHOLE_STEP_US``).  ``few_waves``: a forward whose walks already fill the SMs is searched
+    too while it takes at most two waves (its CTAs <= 2 x SMs): 192 CTAs on 132 SMs are two waves of whole walks,
+    which shorter walks in three waves beat."""
     forced = mode(backward) if forced is None else forced
     chunks = tuple(-(-int(n) // CHUNK) for n in lengths)
     longest = max(chunks, default=0)
     if forced == "off" or longest <= 1 or Hv <= 0:
         return None
     key = (chunks, Hv, V, sms, plain_bv, forced, backward, tuple(sorted(steps.items())) if steps else None, bvs,
-           min_gain_us)
+           min_gain_us, few_waves)
     if key in _PLANS:
         return _PLANS[key]
     steps = steps or (STEP_BWD_US if backward else None)
@@ -218,8 +221,10 @@ def segment_plan(lengths: Sequence[int], Hv: int, V: int, sms: int, plain_bv: in
         est = _estimate(chunks, seg, Hv, V, bv, sms, PLAN_HALO_CHUNKS, steps) + SPLIT_FIXED_US
         plan = SegmentPlan(seg, bv, nseg, est, plain, f"forced: segments of {seg} chunks, {nseg} "
                            f"segments at BV {bv}")
-    elif backward or Hv * len(chunks) * V / 128 < 0.7 * sms or plain_bv < 128:
-        # (a forward with a walk per SM at whole V-blocks already has nothing to gain)
+    elif (backward or Hv * len(chunks) * V / 128 < 0.7 * sms or plain_bv < 128
+          or (few_waves and Hv * len(chunks) * (V // plain_bv) <= 2 * sms)):
+        # (a forward with a walk per SM at whole V-blocks has nothing to gain, unless its waves are few and
+        # uneven; the bound also keeps the search's host time off large batches)
         best = None
         for bv in bvs:
             if V % bv:
