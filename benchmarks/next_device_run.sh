@@ -73,6 +73,10 @@
 #                                                 segments of 8 / 4 chunks against its plan (session 24)
 #   bash benchmarks/next_device_run.sh fewwaves   FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): forward A/B on the rows whose
 #                                                 walks fill the SMs in two uneven waves (16/48 4x8192, 8/24 4x8192)
+#   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off): the forward's TMA stores wait for their
+#                                                 shared reads a chunk later: GPU tests, fwd and fwd+bwd A/B (#8)
+#   bash benchmarks/next_device_run.sh h0split    the split walks' start state as a select (session 24): the segment GPU
+#                                                 tests, then the forward with / without h0 (benchmarks/h0_split.py)
 #   bash benchmarks/next_device_run.sh cutlassshared  carry [".gpu_cute"]: the shared suite and the GPU suite on cutlass (#5)
 #   bash benchmarks/next_device_run.sh flqgridwarm FlashQLA's kernels for its forward grid, built on the device, and the
 #                                                 cache returned (repack it: PACK_ONLY=1 benchmarks/rebuild_kcache.sh)
@@ -428,6 +432,27 @@ case "$STEP" in
           python -m flashqla bench --preset flashqla-fwd --no-progress --backends tilelang --baselines none \
           --filter "${TLS_FILTER:-1x2048}" ${BENCH_ARGS:-} --out $OUT/tlshort_$S
     done ;;
+  astore)
+    # WS option astore (session 24, off): the o stores and the chain's state / v_new saves wait for their shared
+    # reads a chunk later.  Its GPU tests (bitwise the waiting stores, and the oracle), then the wall-clock A/B in
+    # CUDA graphs, both arms with the options named (so pscores is off in both)
+    TAIL=8 run_step "astore GPU tests" ${AS_TEST_S:-240} $PYT tests/test_backend_tilelang.py -k async_store
+    case $RUN_RC in 0) ;; *) echo "== astore: tests did not pass; the A/B skipped"; continue ;; esac
+    for A in 0 1; do
+      OPTS=fastexp,psplit,ostage; [ $A = 1 ] && OPTS=$OPTS,astore
+      TAIL=14 run_step "astore $A, forward rows" ${AS_FWD_S:-60} env FLASHQLA_TILELANG_WS_OPTS=$OPTS python -m flashqla \
+          bench --preset flashqla-fwd --no-progress --backends tilelang --baselines none ${BENCH_ARGS:-} \
+          --filter "${AS_FWD_FILTER:-1x32768|4x8192}" --out $OUT/astore_fwd_$A
+      TAIL=8 run_step "astore $A, fwd+bwd rows" ${AS_BWD_S:-60} env FLASHQLA_TILELANG_WS_OPTS=$OPTS python -m flashqla \
+          bench --preset flashqla-bwd --no-progress --backends tilelang --baselines none ${BENCH_ARGS:-} \
+          --filter "${AS_BWD_FILTER:-32k in 1 }" --out $OUT/astore_bwd_$A
+    done ;;
+  h0split)
+    # session 24: the split walks' start state is a select (an if / else serialised the BV-128 forward's wgmma).  The
+    # segment GPU tests (their cases carry h0), then the forward with and without h0 on split rows
+    TAIL=8 run_step "segment GPU tests" ${H0_TEST_S:-240} $PYT tests/test_tilelang_segments.py
+    TAIL=8 run_step "h0 on split rows" ${H0_S:-90} python benchmarks/h0_split.py \
+        --rows "${H0_ROWS:-16/32:1x32768,8/32:1x32768,2/8:1x32768,16/32:4x8192}" --out $OUT/h0_split.json ;;
   fewwaves)
     # FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): the forward's planner also splits walks that fill the SMs in
     # at most two waves (16/48 4x8192: 192 whole walks -> 384 of 64 chunks).  Forward rows 0 / 1, wall-clock in CUDA
@@ -615,7 +640,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

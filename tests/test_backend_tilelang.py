@@ -458,7 +458,54 @@ def _fwd_variants():
     out.append(("intra", ("float16", "float32", 128, 128, False, True, True)))
     for dt, bv, h0, ht in [("bfloat16", 128, True, True), ("bfloat16", 64, False, True), ("float16", 32, True, False)]:
         out.append(("fwd_ws", (dt, 128, 128, bv, False, h0, ht, True, 0, 0, True, True, False, False, True, True)))
+    # the stores that wait for their shared reads a chunk later (async_store, session 24): inference and training,
+    # over segments and not
+    for dt, bv, l2, save, halo in [("bfloat16", 128, False, False, True), ("bfloat16", 32, True, False, False),
+                                   ("bfloat16", 128, False, True, True), ("float16", 64, False, True, False)]:
+        out.append(("fwd_ws", (dt, 128, 128, bv, l2, True, True, save, 0, 0, True, True, False, False, True, True,
+                               False, False, halo, True)))
     return out
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("bv,save,halo", [(32, False, False), (128, False, True), (64, True, False),
+                                          (128, True, True)])
+def test_async_store_waits_before_rewriting(bv, save, halo):
+    # async_store: no o store (nor, where the chain stores them, state / v_new save) waits right after it; each
+    # role's standalone wait is followed by its own named barrier before the tile is written again (TileLang's
+    # partial barrier alone was once placed before the wait, at BV 32), and each role waits once after its loop
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import (ASTORE_BARRIER_CHAIN, ASTORE_BARRIER_OUTPUT,
+                                                                build_fwd_ws)
+
+    def source(async_store):
+        kern = tilelang.compile(build_fwd_ws("bfloat16", 128, 128, bv, False, False, True, save, fast_exp=True,
+                                             psplit=True, fused=True, ostage=True, halo=halo,
+                                             async_store=async_store), out_idx=None, target=TARGET)
+        return kern.get_kernel_source()
+
+    src = source(True)
+    lines = [ln.strip() for ln in src.splitlines()]
+    # stores waited for at once: only the v_new saves of the walk over segments (by the output warpgroup)
+    immediate = sum(1 for a, b in zip(lines, lines[1:]) if a == "tl::tma_store_arrive();" and
+                    b.startswith("tl::tma_store_wait"))
+    assert immediate == (1 if save and halo else 0)
+    assert src.count("tl::tma_store(") == source(False).count("tl::tma_store(")
+    standalone = [i for i, ln in enumerate(lines) if ln.startswith("tl::tma_store_wait") and
+                  lines[i - 1] != "tl::tma_store_arrive();"]
+    barriers = [int(re.match(r"tl::__sync_thread_partial\((\d+), 128\);", lines[i + 1]).group(1))
+                for i in standalone if lines[i + 1].startswith("tl::__sync_thread_partial(")]
+    in_loop = len(barriers)
+    # the output's wait before o_s, the chain's before S_s and (unless the output saves it) v_new; one after
+    # each role's loop, with no barrier behind it
+    want_output, want_chain = 1, (1 if not save else (1 if halo else 2))
+    if not save:
+        want_chain = 0
+    assert sorted(barriers) == sorted([ASTORE_BARRIER_OUTPUT] * want_output + [ASTORE_BARRIER_CHAIN] * want_chain)
+    assert len(standalone) - in_loop == 1 + (1 if save else 0)
 
 
 def _bwd_ws_variants():
@@ -709,6 +756,42 @@ def test_gpu_forward_ostage_matches_oracle(case, bv, monkeypatch):
     monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
     _gpu_case(case, torch.bfloat16)
     _gpu_case(case, torch.bfloat16, grads=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("seg", ["off", "2"])
+@pytest.mark.parametrize("bv", ["32", "64", "128"])
+@pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_len1_tail",
+                                                                         "varlen_l2norm")], ids=lambda c: c.name)
+def test_gpu_async_store_is_bitwise_the_waiting_one(case, bv, seg, monkeypatch):
+    # WS option astore (session 24): the o stores and the chain's saves wait for their shared reads a chunk later;
+    # the inference forward, and the training forward with its backward, bitwise those of the waiting stores, whole
+    # walks and walks over segments of two chunks (the halo path)
+    from flashqla.testing import make_inputs
+    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", seg)
+    x = make_inputs(case, torch.bfloat16, "cuda", 0)
+    do = torch.randn_like(x["v"])
+
+    def run():
+        kw = dict(scale=case.scale, initial_state=x["initial_state"], output_final_state=True,
+                  use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"], backend="tilelang")
+        o, ht = flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+        o2, ht2 = flashqla.chunk_gated_delta_rule(*leaves, x["g"], x["beta"], **kw)
+        return [o, ht, o2.detach(), ht2.detach(), *torch.autograd.grad(o2, leaves, do)]
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
+    want = run()
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage,astore")
+    got = run()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("o", "ht", "o (training)", "ht (training)", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    from flashqla.backends.tilelang import _compile
+    assert any(n == "fwd_recurrent_ws_sm90" and len(k) >= 20 and k[19] for n, k in _compile.cached_kernels())
+    _gpu_case(case, torch.bfloat16)
 
 
 @pytest.mark.gpu

@@ -280,11 +280,17 @@ def test_halo_walk_reaches_the_true_state(gate, reverse):
     # serialised every wgmma (40 waits for 40) until the output warpgroup took them over (session 20)
     ("fwd", ("bfloat16", 128, 128, 128, False, False, True, True, 0, 0, True, True, False, False, True, True, False,
              False, True)),
+    # both at BV 128 with h0: an if / else around the start state's load serialised all 40 wgmma (a 512-byte stack)
+    # until it became a select (session 24)
+    ("fwd", ("bfloat16", 128, 128, 128, False, True, True, False, 0, 0, True, True, False, False, True, True, False,
+             False, True)),
+    ("fwd", ("bfloat16", 128, 128, 128, False, True, True, True, 0, 0, True, True, False, False, True, True, False,
+             False, True)),
     # the backward's gradient walk, with dht at BV 64 and with the L2 norm at BV 32
     ("bwd", ("bfloat16", 128, 128, 64, False, True, True, True)),
     ("bwd", ("float16", 128, 128, 32, True, False, True, True)),
-], ids=["fwd-fused-bv128", "fwd-pscores-bv32-l2-h0", "fwd-train-bv64-fp16", "fwd-fused-train-bv128", "bwd-bv64-dht",
-         "bwd-bv32-l2"])
+], ids=["fwd-fused-bv128", "fwd-pscores-bv32-l2-h0", "fwd-train-bv64-fp16", "fwd-fused-train-bv128",
+         "fwd-fused-bv128-h0", "fwd-fused-train-bv128-h0", "bwd-bv64-dht", "bwd-bv32-l2"])
 def test_halo_kernels_lower_for_sm90a(kind, args):
     if not HAVE_TILELANG:
         pytest.skip("tilelang is not importable here")

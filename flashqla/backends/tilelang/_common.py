@@ -46,8 +46,8 @@ def make_start_state(has_src: bool, halo: bool):
     """A ``T.macro`` ``(src, dst_f, seq, h, v0, from_src)``: a walk's start state ``dst_f [K, BV]``, columns
     ``v0 ..`` of ``src[seq, h]`` (h0 for the forward's walk, dht for the state gradient's), or zeros: without
     ``src``, or (``halo``) where the walk starts in a halo, not at its sequence's edge (``from_src`` false; with
-    ``halo`` off, ``seq`` is the grid's sequence and ``from_src`` is not read).  The whole-V backward takes a select
-    instead (an if / else here made ptxas serialise its wgmma: ``chunk_bwd_whole_sm90``)."""
+    ``halo`` off, ``seq`` is the grid's sequence and ``from_src`` is not read).  Under ``halo`` the start is a select
+    after the load, as in the whole-V backward (``chunk_bwd_whole_sm90``): an if / else serialised the wgmma."""
     import tilelang.language as T
 
     # (a macro parameter may rename the variable bound to it in the TIR, which is part of the compile cache's key;
@@ -56,11 +56,12 @@ def make_start_state(has_src: bool, halo: bool):
     def start_state(src, dst_f, seq, h, v0, from_src):
         if has_src:
             if halo:
-                # a halo that reaches the sequence's edge walks from src (no approximation at all)
-                if from_src:
-                    T.copy(src[seq, h, :, v0:v0 + dst_f.shape[1]], dst_f)
-                else:
-                    T.clear(dst_f)
+                # a halo that reaches the sequence's edge walks from src (no approximation at all).  A select after
+                # an unconditional load (seq is a real sequence), not an if / else around the copy: at BV 128 that
+                # branch made ptxas serialise all 40 wgmma of the fused forward (a 512-byte stack; session 24)
+                T.copy(src[seq, h, :, v0:v0 + dst_f.shape[1]], dst_f)
+                for a, j in T.Parallel(dst_f.shape[0], dst_f.shape[1]):
+                    dst_f[a, j] = T.if_then_else(from_src, dst_f[a, j], 0.0)
             else:
                 T.copy(src[seq, h, :, v0:v0 + dst_f.shape[1]], dst_f)
         else:

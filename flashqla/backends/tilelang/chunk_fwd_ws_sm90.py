@@ -54,6 +54,10 @@ causal mask) and ``G_r`` are exponentiated, so g = -1e4 underflows to 0 and neve
 
 CHUNK = 64
 L2_EPS = 1e-6
+# named barriers (bar.sync id, 128) of async_store: after the issuing thread's wait, before a role rewrites a tile
+# its TMA store read.  TileLang's own partial barriers take the low ids (3-6 here); the hardware has 16
+ASTORE_BARRIER_CHAIN = 13
+ASTORE_BARRIER_OUTPUT = 14
 
 
 # (event, role): what has just happened when the role's first thread stamps it
@@ -77,7 +81,7 @@ def ws_layout(BV: int) -> tuple:
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
                  tchain: bool = False, trace: bool = False, fused: bool = False, ostage: bool = False,
-                 pscores: bool = False, hw_ex2: bool = False, halo: bool = False):
+                 pscores: bool = False, hw_ex2: bool = False, halo: bool = False, async_store: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -133,7 +137,15 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     before its segment (the *halo*) from a zero state, or from ``h0`` when the halo reaches the sequence
     start, and publishes nothing for them; the other roles only hand the halo's ring slots back (the row
     factors of the L2 norm are still built: the chain needs nk).  ``h0`` / ``ht`` keep one entry per
-    sequence; only a sequence's last segment writes ``ht``."""
+    sequence; only a sequence's last segment writes ``ht``.
+
+    ``async_store`` (session 24, off until measured): the TMA stores of a chunk's o (``ostage``) and of the saved
+    state and v_new (``save_states``, where the chain stores them) are issued without waiting for them to read
+    shared memory; the issuing role waits (``cp.async.bulk.wait_group.read 0``) just before it next writes that
+    tile, a chunk later, and once after its loop.  ``T.copy`` waits right after the store, which puts the store's
+    shared-memory read on the role's cycle: the output warpgroup's, whose ``q Sb`` of the next chunk releases Sb to
+    the chain, and the chain's own.  The v_new saves of the fused walk over segments (stored by the output
+    warpgroup, whose ``vnew_free`` arrival must follow the read) keep the waiting copy."""
     import tilelang.language as T
 
     from ._common import EX2_APPROX_SRC, ex2_approx, make_l2_row_factors_ring, make_start_state, symbolic_sizes
@@ -365,13 +377,21 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         if real:
                             T.barrier_wait(state_free[b], (jc // nb + 1) % 2)
                         stamp(trace_out, 1, i, tx, 0, bv, h, n)
+                        if async_store and save_states:
+                            # the last chunk's state save has read S_s once its issuing thread is through; the
+                            # named barrier holds the warpgroup's other threads until then
+                            T.tma_store_wait(0)
+                            T.sync_threads(ASTORE_BARRIER_CHAIN, 128)
                         # (in the halo nobody else reads S_s: the output warpgroup starts at the first own chunk)
                         T.copy(S_f, S_s[b, :, :])
                         T.fence_proxy_async()
                         if real:
                             T.barrier_arrive(state_ready[b])
                             if save_states:
-                                T.copy(S_s[b, :, :], h_out[c0 + jc, h, :, v0:v0 + BV])
+                                if async_store:
+                                    T.tma_copy(S_s[b, :, :], h_out[c0 + jc, h, :, v0:v0 + BV])
+                                else:
+                                    T.copy(S_s[b, :, :], h_out[c0 + jc, h, :, v0:v0 + BV])
                         if fused:
                             # Y = v - exp(G) nk (k Sb) -> vd_s (free: the last chunk's update has read it), then
                             # v_new = Tb Y.  Y is formed in place, then stored by a loop of its own: a loop
@@ -398,13 +418,19 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                                 vn_f[r, j] = T.if_then_else(bos + r < eos, T.cast(u_s[s, r, j], acc) - vn_f[r, j], 0.0)
                         stamp(trace_out, 2, i, tx, 0, bv, h, n)
                         if real:
+                            if async_store and save_states and not vn_save_by_output:
+                                T.tma_store_wait(0)
+                                T.sync_threads(ASTORE_BARRIER_CHAIN, 128)
                             T.barrier_wait(vnew_free[b], (jc // nb + 1) % 2)
                             T.copy(vn_f, vn_s[b, :, :])
                             T.fence_proxy_async()
                             T.barrier_arrive(vnew_ready[b])
                             stamp(trace_out, 3, i, tx, 0, bv, h, n)
                             if save_states and not vn_save_by_output:
-                                T.copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
+                                if async_store:
+                                    T.tma_copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
+                                else:
+                                    T.copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
                         if l2norm:
                             if not fused:       # (the fused chain waited for the row factors already)
                                 T.barrier_wait(norm_ready[s], (i // R) % 2)
@@ -422,6 +448,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         T.gemm(k_s[s, :, :], vd_s, S_f, transpose_A=True)
                         stamp(trace_out, 4, i, tx, 0, bv, h, n)
                         T.barrier_arrive(free[s])
+                    if async_store and save_states:
+                        T.tma_store_wait(0)
                     if store_ht:
                         if halo:
                             if is_last:
@@ -493,10 +521,17 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             T.barrier_arrive(free[s])
                         if ostage:
                             if bos + C <= eos:
+                                if async_store:
+                                    # (the last chunk's o store has read o_s, for every thread: see above)
+                                    T.tma_store_wait(0)
+                                    T.sync_threads(ASTORE_BARRIER_OUTPUT, 128)
                                 for r, j in T.Parallel(C, BV):
                                     o_s[r, j] = o_f[r, j] * scale
                                 T.fence_proxy_async()
-                                T.copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
+                                if async_store:
+                                    T.tma_copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
+                                else:
+                                    T.copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
                             else:
                                 for r, j in T.Parallel(C, BV):
                                     if bos + r < eos:
@@ -506,6 +541,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                                 if bos + r < eos:
                                     o[bos + r, h, v0 + j] = o_f[r, j] * scale
                         stamp(trace_out, 11, i, tx, 128, bv, h, n)
+                if async_store and ostage:
+                    T.tma_store_wait(0)
             elif psplit and tx < 384:
                 # ---- scores (psplit): row factors and P, up to two chunks ahead of the output ----
                 for i in T.serial(nwalk):

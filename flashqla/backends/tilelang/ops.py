@@ -172,7 +172,7 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=
     """``pscores``: the caller's :func:`fwd_pscores` choice (stage 1 must have written the scores); ``halo``:
     the grid runs over segments (:mod:`.segments`)."""
     ring, nbuf = fwd_ws_layout(BV)
-    fast_exp, psplit, tchain, ostage, _ = fwd_ws_options()
+    fast_exp, psplit, tchain, ostage, _, astore = fwd_ws_options()
     pscores = pscores and fused         # stage 1 writes the scores in its Tb-only form only
     psplit = psplit and not pscores     # with the scores from stage 1 there is no scores warpgroup
     key = (_tl_dtype(dtype), K, V, BV, bool(l2norm), bool(has_h0), bool(store_ht), bool(save_states), ring, nbuf,
@@ -180,25 +180,29 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=
     # (tchain, trace, fused, ostage, pscores, hw_ex2): the register-only state chain exists at BV = 64 and unfused
     # only (see build_fwd_ws)
     flags = (bool(tchain and BV == 64 and not fused and not halo), TRACE_BUFFER is not None, bool(fused),
-             bool(ostage), bool(pscores), bool(fast_exp and hw_ex2()), bool(halo))
+             bool(ostage), bool(pscores), bool(fast_exp and hw_ex2()), bool(halo),
+             bool(astore and (ostage or save_states)))
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, _key(key, *((f, False) for f in flags)))
 
 
-_WS_OPTS = ("fastexp", "psplit", "tchain", "ostage", "pscores")
+_WS_OPTS = ("fastexp", "psplit", "tchain", "ostage", "pscores", "astore")
 # H200, 16/32 (results/h200_2026-12-03_s3run1_README.md): fastexp and psplit both on cut the recurrence
 # 1.653 -> 1.442 ms at 1x32768 and 0.648 -> 0.617 ms at 4x8192; either alone gained less.  ostage (session 7,
 # results/h200_2026-12-03_s7run2_sweep_fused.json): faster on all six rows, e.g. 16/32 4x8192 0.756 -> 0.670 ms,
 # 16/64 4x8192 1.522 -> 1.344, 2/8 1x32768 0.866 -> 0.813.
 _WS_OPTS_DEFAULT = "fastexp,psplit,ostage"
+# astore (session 24, off until measured; build_fwd_ws's async_store): the o stores and the chain's state / v_new
+# saves wait for their shared-memory reads a chunk later instead of at once
 
 
 def fwd_ws_options() -> tuple:
-    """(fast_exp, psplit, tchain, ostage, pscores) of the warp-specialised forward (see ``build_fwd_ws``):
-    fastexp, psplit and ostage (the TMA-stored output) on by default, pscores chosen per call by
+    """(fast_exp, psplit, tchain, ostage, pscores, astore) of the warp-specialised forward (see ``build_fwd_ws``):
+    fastexp, psplit and ostage (the TMA-stored output) on by default, astore off, pscores chosen per call by
     :func:`fwd_pscores`; ``FLASHQLA_TILELANG_WS_OPTS`` (comma separated, ``none`` or empty for none)
     overrides, and then pscores is on exactly when it is listed."""
     opts = env_options("FLASHQLA_TILELANG_WS_OPTS", _WS_OPTS, _WS_OPTS_DEFAULT)
-    return "fastexp" in opts, "psplit" in opts, "tchain" in opts, "ostage" in opts, "pscores" in opts
+    return ("fastexp" in opts, "psplit" in opts, "tchain" in opts, "ostage" in opts, "pscores" in opts,
+            "astore" in opts)
 
 
 # pscores (stage 1 writes the scores, the recurrence has no scores warpgroup) against psplit, both with ostage
