@@ -452,7 +452,11 @@ case "$STEP" in
     # segment GPU tests (their cases carry h0), then the forward with and without h0 on split rows
     TAIL=8 run_step "segment GPU tests" ${H0_TEST_S:-240} $PYT tests/test_tilelang_segments.py
     TAIL=8 run_step "h0 on split rows" ${H0_S:-90} python benchmarks/h0_split.py \
-        --rows "${H0_ROWS:-16/32:1x32768,8/32:1x32768,2/8:1x32768,16/32:4x8192}" --out $OUT/h0_split.json ;;
+        --rows "${H0_ROWS:-16/32:1x32768,8/32:1x32768,2/8:1x32768,16/32:4x8192}" --out $OUT/h0_split.json
+    # and against the baselines with an initial state (a continued prefill), FlashQLA's kernels warmed first
+    TAIL=14 run_step "forward rows with h0 against the baselines" ${H0_BENCH_S:-150} python -m flashqla bench \
+        --preset flashqla-fwd --no-progress --backends tilelang --baselines ${H0_BASELINES:-flashqla,fla} \
+        --initial-state --filter "${H0_FILTER:-1x32768}" ${BENCH_ARGS:-} --out $OUT/h0_fwd ;;
   fewwaves)
     # FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): the forward's planner also splits walks that fill the SMs in
     # at most two waves (16/48 4x8192: 192 whole walks -> 384 of 64 chunks).  Forward rows 0 / 1, wall-clock in CUDA

@@ -218,6 +218,42 @@ def test_bench_fwdbwd_speedups_and_baseline(tmp_path, capsys, monkeypatch):
     assert row["flops"] == pytest.approx(3.5 * fwd_flops)
 
 
+def test_bench_initial_state_reaches_every_implementation(tmp_path, capsys, monkeypatch):
+    # --initial-state: each call starts from the row's random h0 (a baseline that dropped it would disagree with
+    # the backend, which the agree column shows), the bytes count h0 (and dh0 in fwd+bwd), and the state changes o
+    calls = []
+    real = bench_mod._flashqla_op
+
+    def spying(name):
+        op = real(name)
+
+        def wrapped(*a, h0=None, **kw):
+            calls.append(h0 is not None)
+            return op(*a, h0=h0, **kw)
+        return wrapped
+    monkeypatch.setattr(bench_mod, "_flashqla_op", spying)
+    for mode in ("fwd", "fwdbwd"):
+        rc, out = _bench(tmp_path, "--backends", "cpu", "--baselines", "reference", "--mode", mode, "--max-rows",
+                         "2", "--initial-state")
+        assert rc == 0, capsys.readouterr().out
+        doc = json.loads((out / f"bench_quick_{mode}.json").read_text())
+        assert doc["meta"]["initial_state"] is True
+        for r in doc["rows"]:
+            assert r["results"]["cpu"]["status"] == "ok" and r["results"]["reference"]["agree"] < 1e-4
+            state = r["num_seqs"] * r["Hv"] * 128 * 128 * 4
+            plain = roofline.gdn_bytes(r["tokens"], r["Hqk"], r["Hv"], num_seqs=r["num_seqs"], mode=mode,
+                                       dtype=torch.float32, ht=(mode == "fwd"))
+            assert r["bytes"] == pytest.approx(plain + state * (1 if mode == "fwd" else 2))
+    assert calls and all(calls)
+    # the state is used: o differs from the call without it
+    row = bench_mod.presets("cpu")["quick"].rows[0]
+    x = bench_mod._inputs_for(row, torch.float32, torch.device("cpu"), "fwd", seed=1, h0=True)
+    op = real("reference")
+    with_h0 = bench_mod.make_call(op, x, "fwd")()[0]
+    x.pop("h0")
+    assert not torch.allclose(with_h0, bench_mod.make_call(op, x, "fwd")()[0])
+
+
 def test_bench_records_a_failing_backend_and_goes_on(toys, tmp_path, capsys):
     rc, out = _bench(tmp_path, "--backends", "toy_raises,reference,toy_refuses", "--baselines", "none")
     assert rc == 0

@@ -94,10 +94,10 @@ def _flashqla_op(name: str):
     import flashqla
     backend, cp = split_cp_name(name)
 
-    def op(q, k, v, g, beta, cu, meta, output_final_state):
-        return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, output_final_state=output_final_state,
-                                               cu_seqlens=cu, backend=backend, varlen_meta=meta,
-                                               context_parallel=cp)
+    def op(q, k, v, g, beta, cu, meta, output_final_state, h0=None):
+        return flashqla.chunk_gated_delta_rule(q, k, v, g, beta, initial_state=h0,
+                                               output_final_state=output_final_state, cu_seqlens=cu,
+                                               backend=backend, varlen_meta=meta, context_parallel=cp)
     return op
 
 
@@ -133,8 +133,8 @@ def _load_fla():
             prepared[id(cu)] = hit
         return hit[1]
 
-    def op(q, k, v, g, beta, cu, meta, output_final_state):
-        return fn(q=q, k=k, v=v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, initial_state=None,
+    def op(q, k, v, g, beta, cu, meta, output_final_state, h0=None):
+        return fn(q=q, k=k, v=v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
                   output_final_state=output_final_state, cu_seqlens=cu, use_qk_l2norm_in_kernel=False,
                   **extras(cu))
     return op, version
@@ -145,8 +145,8 @@ def _load_flash_qla():
     from flash_qla import chunk_gated_delta_rule as fn
     version = getattr(flash_qla, "__version__", "")
 
-    def op(q, k, v, g, beta, cu, meta, output_final_state):
-        return fn(q=q, k=k, v=v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, initial_state=None,
+    def op(q, k, v, g, beta, cu, meta, output_final_state, h0=None):
+        return fn(q=q, k=k, v=v, g=g, beta=beta, scale=q.shape[-1] ** -0.5, initial_state=h0,
                   output_final_state=output_final_state, cu_seqlens=cu, use_qk_l2norm_in_kernel=False)
     return op, version
 
@@ -250,21 +250,28 @@ def default_backends(device: torch.device) -> list:
 
 
 def make_call(op, x: dict, mode: str):
-    """A zero-argument callable that runs the op once on inputs ``x`` (fwd, or fwd + bwd)."""
+    """A zero-argument callable that runs the op once on inputs ``x`` (fwd, or fwd + bwd).  With ``x["h0"]``
+    (``--initial-state``) the call starts from that state, and fwd + bwd also takes its gradient."""
     q, k, v, g, beta, cu, meta = x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"], x["meta"]
+    h0 = x.get("h0")
     if mode == "fwd":
         def fwd():
             with torch.no_grad():
-                o, ht = op(q, k, v, g, beta, cu, meta, True)
+                o, ht = (op(q, k, v, g, beta, cu, meta, True) if h0 is None
+                         else op(q, k, v, g, beta, cu, meta, True, h0=h0))
             return [o, ht]
         return fwd
     leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
+    h0_leaf = None if h0 is None else h0.detach().clone().requires_grad_()
     do = x["do"]
 
     def fwdbwd():
         with torch.enable_grad():
-            o, _ = op(*leaves, cu, meta, False)
-            return list(torch.autograd.grad(o, leaves, do, allow_unused=True))
+            if h0_leaf is None:
+                o, _ = op(*leaves, cu, meta, False)
+                return list(torch.autograd.grad(o, leaves, do, allow_unused=True))
+            o, _ = op(*leaves, cu, meta, False, h0=h0_leaf)
+            return list(torch.autograd.grad(o, leaves + [h0_leaf], do, allow_unused=True))
     return fwdbwd
 
 
@@ -474,7 +481,9 @@ def _metadata(args, device, dtype, preset, mode, impls, ceil) -> dict:
         "ceilings": ceil,
         "flops": f"per token per value head 10*C*d + 6*d^2 + (2/3)*C^2 (C=64, d=128); fwdbwd = "
                  f"{1 + roofline.BWD_FLOP_FACTOR} x fwd",
-        "bytes": "q,k,v,o (dtype) + g fp32 + beta, + ht fp32 (fwd); fwdbwd adds do,dq,dk,dv,dg,dbeta",
+        "bytes": "q,k,v,o (dtype) + g fp32 + beta, + ht fp32 (fwd); fwdbwd adds do,dq,dk,dv,dg,dbeta"
+                 + ("; + h0 fp32 (and dh0 in fwdbwd)" if getattr(args, "initial_state", False) else ""),
+        "initial_state": bool(getattr(args, "initial_state", False)),
         "timing": "CUDA graph replay, median of CUDA-event-timed replays (eager* when capture fails); "
                   "cpu: wall-clock median",
         "speedup": "baseline_ms / backend_ms",
@@ -482,11 +491,18 @@ def _metadata(args, device, dtype, preset, mode, impls, ceil) -> dict:
     }
 
 
-def _inputs_for(row, dtype, device, mode, seed, shared=None, g_scale: float = 1.0):
+def _inputs_for(row, dtype, device, mode, seed, shared=None, g_scale: float = 1.0, h0: bool = False):
     """One input copy.  Copies of a row share one cu_seqlens tensor and one VarlenMeta: caches keyed on
-    the cu_seqlens object (FLA's chunk-index cache) then hit on every copy, also during graph capture."""
+    the cu_seqlens object (FLA's chunk-index cache) then hit on every copy, also during graph capture.
+    ``h0``: a random fp32 initial state ``[N, Hv, K, V]`` (``x["h0"]``) as well."""
     import flashqla
     x = make_inputs(row.seqlens, row.Hqk, row.Hv, dtype=dtype, device=device, seed=seed, g_scale=g_scale)
+    if h0:
+        gen = torch.Generator(device=device)
+        gen.manual_seed(seed + 4242)
+        K, V = x["q"].shape[-1], x["v"].shape[-1]
+        x["h0"] = 0.1 * torch.randn(len(row.seqlens), row.Hv, K, V, generator=gen, device=device,
+                                    dtype=torch.float32)
     if shared is not None:
         x["cu_seqlens"], x["meta"] = shared["cu_seqlens"], shared["meta"]
     else:
@@ -502,8 +518,9 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
     import flashqla
     tokens, nseq = row.tokens, len(row.seqlens)
     flops = roofline.gdn_flops(tokens, row.Hv, mode=mode)
+    with_h0 = bool(getattr(args, "initial_state", False))
     nbytes = roofline.gdn_bytes(tokens, row.Hqk, row.Hv, num_seqs=nseq, dtype=dtype, mode=mode,
-                                ht=(mode == "fwd"))
+                                h0=with_h0, ht=(mode == "fwd"))
     floor = roofline.floor_ms(flops, nbytes, ceil)
     n_rot = 1 if args.no_rotate else rotation_count(nbytes, device)
     rec = {"label": row.name(), "Hqk": row.Hqk, "Hv": row.Hv, "seqlens": list(row.seqlens), "tokens": tokens,
@@ -511,8 +528,9 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
            "results": {}, "speedup": {}}
     try:
         gs = getattr(args, "g_scale", 1.0)
-        xs = [_inputs_for(row, dtype, device, mode, seed=1, g_scale=gs)]
-        xs += [_inputs_for(row, dtype, device, mode, seed=1 + i, shared=xs[0], g_scale=gs) for i in range(1, n_rot)]
+        xs = [_inputs_for(row, dtype, device, mode, seed=1, g_scale=gs, h0=with_h0)]
+        xs += [_inputs_for(row, dtype, device, mode, seed=1 + i, shared=xs[0], g_scale=gs, h0=with_h0)
+               for i in range(1, n_rot)]
     except Exception as exc:  # e.g. out of memory: the whole row fails, the run goes on
         for im in runnable:
             rec["results"][im.name] = {"status": "error", "error": f"inputs: {type(exc).__name__}: {exc}"}
@@ -528,9 +546,9 @@ def _run_row(row, runnable, impls, mode, dtype, device, ceil, min_time, max_reps
             base = split_cp_name(im.name)[0] if im.kind != "baseline" else im.name
             if im.kind != "baseline" or im.name in flashqla.list_backends():
                 x = xs[0]
-                d = flashqla.explain(x["q"], x["k"], x["v"], x["g"], x["beta"], output_final_state=(mode == "fwd"),
-                                     cu_seqlens=x["cu_seqlens"], varlen_meta=x["meta"], backend=base,
-                                     needs_grad=(mode == "fwdbwd"))
+                d = flashqla.explain(x["q"], x["k"], x["v"], x["g"], x["beta"], initial_state=x.get("h0"),
+                                     output_final_state=(mode == "fwd"), cu_seqlens=x["cu_seqlens"],
+                                     varlen_meta=x["meta"], backend=base, needs_grad=(mode == "fwdbwd"))
                 if d.chosen != base:
                     why = next((c.reason for c in d.candidates if c.name == base), "cannot serve")
                     rec["results"][im.name] = {"status": "n/a", "error": why}
@@ -805,6 +823,9 @@ def add_parser(sub) -> None:
     p.add_argument("--eager-too", action="store_true",
                    help="also time every graph-timed implementation eagerly (columns 'NAME eager ms' and "
                         "'A eager vs B x' against eagerly timed baselines): what a caller without graphs gets")
+    p.add_argument("--initial-state", action="store_true",
+                   help="every call starts from a random fp32 initial state [N, Hv, K, V] (a continued prefill); "
+                        "fwd+bwd also takes its gradient")
     p.add_argument("--g-scale", type=float, default=1.0,
                    help="gates g = logsigmoid(randn) x this (default 1; e.g. 0.01 for slowly decaying heads, "
                         "where windowed CP finds no negligible map and runs its fixed structure)")
