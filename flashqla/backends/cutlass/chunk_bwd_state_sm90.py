@@ -229,6 +229,10 @@ class ChunkBwdStateSm90:
                 for i in cutlass.range_constexpr(cute.size(acc_h)):
                     vv, kk = cH[i]
                     acc_h[i] = mDht[seq, head, kk, v0 + vv]
+            # (the two wgmma fences, after dht's load and before dh0's store, order those register accesses for
+            # ptxas: without them it inserted the fence itself on a divergent path and, at one consumer warpgroup,
+            # serialised all 20 wgmma; C7520, session 24)
+            warpgroup.fence()
             h_op = acc_as_a_operand(acc_h, mma_kb, bf16)
 
             acc1 = thr_mb.make_fragment_C(thr_mb.partition_shape_C((vblk, BT)))
@@ -320,6 +324,7 @@ class ChunkBwdStateSm90:
                 # the save staging is rewritten next chunk: everyone must be done reading it
                 cute.arch.barrier(barrier_id=1, number_of_threads=self.n_consumer)
 
+            warpgroup.fence()
             if store_dh0 != 0:
                 for i in cutlass.range_constexpr(cute.size(acc_h)):
                     vv, kk = cH[i]
