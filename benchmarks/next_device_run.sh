@@ -76,7 +76,7 @@
 #   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off): the forward's TMA stores wait for their
 #                                                 shared reads a chunk later: GPU tests, fwd and fwd+bwd A/B (#8)
 #   bash benchmarks/next_device_run.sh h0split    the split walks' start state as a select (session 24): the segment GPU
-#                                                 tests, then the forward with / without h0 (benchmarks/h0_split.py)
+#                                                 tests, then the forward with / without h0 (bench --initial-state)
 #   bash benchmarks/next_device_run.sh cutlassshared  carry [".gpu_cute"]: the shared suite and the GPU suite on cutlass (#5)
 #   bash benchmarks/next_device_run.sh flqgridwarm FlashQLA's kernels for its forward grid, built on the device, and the
 #                                                 cache returned (repack it: PACK_ONLY=1 benchmarks/rebuild_kcache.sh)
@@ -449,11 +449,12 @@ case "$STEP" in
     done ;;
   h0split)
     # session 24: the split walks' start state is a select (an if / else serialised the BV-128 forward's wgmma).  The
-    # segment GPU tests (their cases carry h0), then the forward with and without h0 on split rows
+    # segment GPU tests (their cases carry h0), then FlashQLA's 1x32768 forward rows without and with an initial
+    # state (a continued prefill), the second against the baselines (their kernels should be warm: flqgridwarm)
     TAIL=8 run_step "segment GPU tests" ${H0_TEST_S:-240} $PYT tests/test_tilelang_segments.py
-    TAIL=8 run_step "h0 on split rows" ${H0_S:-90} python benchmarks/h0_split.py \
-        --rows "${H0_ROWS:-16/32:1x32768,8/32:1x32768,2/8:1x32768,16/32:4x8192}" --out $OUT/h0_split.json
-    # and against the baselines with an initial state (a continued prefill), FlashQLA's kernels warmed first
+    TAIL=12 run_step "forward rows without h0" ${H0_S:-60} python -m flashqla bench --preset flashqla-fwd \
+        --no-progress --backends tilelang --baselines none --filter "${H0_FILTER:-1x32768}" ${BENCH_ARGS:-} \
+        --out $OUT/h0_none
     TAIL=14 run_step "forward rows with h0 against the baselines" ${H0_BENCH_S:-150} python -m flashqla bench \
         --preset flashqla-fwd --no-progress --backends tilelang --baselines ${H0_BASELINES:-flashqla,fla} \
         --initial-state --filter "${H0_FILTER:-1x32768}" ${BENCH_ARGS:-} --out $OUT/h0_fwd ;;

@@ -239,33 +239,6 @@ KERNELS = [
 ]
 
 
-# ptxas serialises every wgmma of a kernel it cannot pipeline (its C7520 / C7512 notes, which the DSL's build does
-# not show): each HGMMA then waits alone.  The one-warpgroup backward state kernel did until session 24 (C7520,
-# "compiler-inserted WG.AR in divergent path"); two wgmma fences around its dht load / dh0 store mended it.  A kernel
-# listed here is a known, recorded exception (none now)
-_SERIALISED: set = set()
-
-
-def _assert_cubin_pipelined(cubin, kind, key):
-    from test_backend_tilelang import _cuobjdump
-    tool = _cuobjdump()
-    if tool is None or not cubin:
-        return
-    import subprocess
-    import tempfile
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
-    mma, waits = sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR")
-    serial = mma > 0 and waits >= mma
-    if (kind, tuple(key)) in _SERIALISED:
-        if not serial:
-            pytest.fail(f"{kind} {key} now pipelines ({mma} HGMMA, {waits} waits): take it off _SERIALISED")
-        pytest.xfail(f"{kind} {key}: wgmma serialised by ptxas ({mma} HGMMA, {waits} waits), known (session 24)")
-    assert not serial, f"{kind} {key}: wgmma serialised by ptxas ({mma} HGMMA, {waits} waits)"
-
-
 @pytest.mark.compile
 @needs_dsl
 @pytest.mark.parametrize("kind,key,n_wgmma", KERNELS, ids=lambda x: str(x))
@@ -278,7 +251,10 @@ def test_kernel_cross_compiles_for_sm90a(kind, key, n_wgmma, tmp_path, monkeypat
 
     if (kind in ("fwd", "bwd_state") and key[2] == 2) or kind == "fwd_ws":
         assert "setmaxnreg" in ptx
-    _assert_cubin_pipelined(_compile(kind, key, tmp_path).__cubin__, kind, key)
+    # every wgmma pipelined (the one-warpgroup backward state kernel was serialised until session 24: C7520,
+    # "compiler-inserted WG.AR in divergent path"; two wgmma fences around its dht load / dh0 store mended it)
+    from test_backend_tilelang import assert_cubin_pipelined
+    assert_cubin_pipelined(_compile(kind, key, tmp_path).__cubin__, f"{kind} {key}")
     import shutil
     if shutil.which("cc") or shutil.which("gcc"):
         # the on-disk cache: the same kernel through TVM-FFI, exported and linked by a detached child process

@@ -350,10 +350,10 @@ def _embedded_cubin(kernel):
     return blob[offs[0]:] if offs else None
 
 
-def kernel_sass(kernel):
-    """The SASS of a compiled kernel's embedded cubin (``cuobjdump -sass``), or None where no cuobjdump / cubin."""
-    tool, cubin = _cuobjdump(), _embedded_cubin(kernel)
-    if tool is None or cubin is None:
+def cubin_sass(cubin):
+    """The SASS of a cubin (``cuobjdump -sass``), or None where no cuobjdump / cubin."""
+    tool = _cuobjdump()
+    if tool is None or not cubin:
         return None
     import tempfile
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
@@ -362,22 +362,31 @@ def kernel_sass(kernel):
         return subprocess.run([tool, "-sass", f.name], capture_output=True, text=True).stdout
 
 
-def wgmma_waits(kernel):
-    """(wgmma instructions, wgmma waits) in the SASS of a compiled kernel, or None where no cuobjdump / cubin.
-    ptxas serialises every wgmma of a function it cannot give registers enough (its C7512 "Potential Performance
-    Loss" note, which TileLang's build does not show): each HGMMA is then followed by its own wait, where a
-    pipelined GEMM issues its k-steps back to back and waits once (session 16: the whole backward's key role at
-    160 registers)."""
-    sass = kernel_sass(kernel)
+def kernel_sass(kernel):
+    """The SASS of a compiled TileLang kernel's embedded cubin, or None where no cuobjdump / cubin."""
+    return cubin_sass(_embedded_cubin(kernel))
+
+
+def cubin_wgmma_waits(cubin):
+    """(wgmma instructions, wgmma waits) in the SASS of a cubin, or None where no cuobjdump / cubin.
+    ptxas serialises every wgmma of a function it cannot pipeline (its C7512 / C7520 "Potential Performance Loss"
+    notes, which neither TileLang's build nor the CuTe DSL's shows): each HGMMA is then followed by its own wait,
+    where a pipelined GEMM issues its k-steps back to back and waits once (session 16: the whole backward's key
+    role at 160 registers; session 24: an if / else around a start state's load)."""
+    sass = cubin_sass(cubin)
     return None if sass is None else (sass.count("HGMMA."), sass.count("WARPGROUP.DEPBAR"))
 
 
-def assert_wgmma_pipelined(kernel, label: str) -> None:
-    counts = wgmma_waits(kernel)
+def assert_cubin_pipelined(cubin, label: str) -> None:
+    counts = cubin_wgmma_waits(cubin)
     if counts is None:
         return
     mma, waits = counts
     assert mma == 0 or waits < mma, f"{label}: wgmma serialised by ptxas ({mma} HGMMA, {waits} waits)"
+
+
+def assert_wgmma_pipelined(kernel, label: str) -> None:
+    assert_cubin_pipelined(_embedded_cubin(kernel), label)
 
 
 def resource_usage(kernel) -> str:

@@ -253,25 +253,22 @@ def make_call(op, x: dict, mode: str):
     """A zero-argument callable that runs the op once on inputs ``x`` (fwd, or fwd + bwd).  With ``x["h0"]``
     (``--initial-state``) the call starts from that state, and fwd + bwd also takes its gradient."""
     q, k, v, g, beta, cu, meta = x["q"], x["k"], x["v"], x["g"], x["beta"], x["cu_seqlens"], x["meta"]
-    h0 = x.get("h0")
+    # (h0 goes by keyword, and only when there is one: an op written before --initial-state still serves)
+    state = {} if x.get("h0") is None else {"h0": x["h0"]}
     if mode == "fwd":
         def fwd():
             with torch.no_grad():
-                o, ht = (op(q, k, v, g, beta, cu, meta, True) if h0 is None
-                         else op(q, k, v, g, beta, cu, meta, True, h0=h0))
+                o, ht = op(q, k, v, g, beta, cu, meta, True, **state)
             return [o, ht]
         return fwd
-    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)]
-    h0_leaf = None if h0 is None else h0.detach().clone().requires_grad_()
+    state = {name: t.detach().clone().requires_grad_() for name, t in state.items()}
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v, g, beta)] + list(state.values())
     do = x["do"]
 
     def fwdbwd():
         with torch.enable_grad():
-            if h0_leaf is None:
-                o, _ = op(*leaves, cu, meta, False)
-                return list(torch.autograd.grad(o, leaves, do, allow_unused=True))
-            o, _ = op(*leaves, cu, meta, False, h0=h0_leaf)
-            return list(torch.autograd.grad(o, leaves + [h0_leaf], do, allow_unused=True))
+            o, _ = op(*leaves[:5], cu, meta, False, **state)
+            return list(torch.autograd.grad(o, leaves, do, allow_unused=True))
     return fwdbwd
 
 

@@ -207,6 +207,22 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 trace_out[event, i] = T.call_extern("int64", "clock64")
 
     @T.macro
+    def store_tile(src, dst):
+        # a TMA store of a shared tile; under async_store without its wait (the role calls wait_for_store before it
+        # next writes ``src``)
+        if async_store:
+            T.tma_copy(src, dst)
+        else:
+            T.copy(src, dst)
+
+    @T.macro
+    def wait_for_store(barrier_id):
+        # the issuing thread's last store has read its shared tile; the role's named barrier holds the warpgroup's
+        # other threads until then (TileLang's own partial barrier was once placed before the wait)
+        T.tma_store_wait(0)
+        T.sync_threads(barrier_id, 128)
+
+    @T.macro
     def build_scores(P_f, P_s, pb, s, nq_s, nk_s, G_s, gr_f, gc_f):
         # P = (q k^T) nq_r nk_j exp(G_r - G_j) for j <= r, else 0, into P buffer pb (16-bit).  The row and
         # column gates go to registers first (gr_f, gc_f: a thread's own rows / columns of P_f), and the
@@ -378,20 +394,14 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             T.barrier_wait(state_free[b], (jc // nb + 1) % 2)
                         stamp(trace_out, 1, i, tx, 0, bv, h, n)
                         if async_store and save_states:
-                            # the last chunk's state save has read S_s once its issuing thread is through; the
-                            # named barrier holds the warpgroup's other threads until then
-                            T.tma_store_wait(0)
-                            T.sync_threads(ASTORE_BARRIER_CHAIN, 128)
+                            wait_for_store(ASTORE_BARRIER_CHAIN)        # (the last chunk's state save)
                         # (in the halo nobody else reads S_s: the output warpgroup starts at the first own chunk)
                         T.copy(S_f, S_s[b, :, :])
                         T.fence_proxy_async()
                         if real:
                             T.barrier_arrive(state_ready[b])
                             if save_states:
-                                if async_store:
-                                    T.tma_copy(S_s[b, :, :], h_out[c0 + jc, h, :, v0:v0 + BV])
-                                else:
-                                    T.copy(S_s[b, :, :], h_out[c0 + jc, h, :, v0:v0 + BV])
+                                store_tile(S_s[b, :, :], h_out[c0 + jc, h, :, v0:v0 + BV])
                         if fused:
                             # Y = v - exp(G) nk (k Sb) -> vd_s (free: the last chunk's update has read it), then
                             # v_new = Tb Y.  Y is formed in place, then stored by a loop of its own: a loop
@@ -419,18 +429,14 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         stamp(trace_out, 2, i, tx, 0, bv, h, n)
                         if real:
                             if async_store and save_states and not vn_save_by_output:
-                                T.tma_store_wait(0)
-                                T.sync_threads(ASTORE_BARRIER_CHAIN, 128)
+                                wait_for_store(ASTORE_BARRIER_CHAIN)    # (the last chunk's v_new save)
                             T.barrier_wait(vnew_free[b], (jc // nb + 1) % 2)
                             T.copy(vn_f, vn_s[b, :, :])
                             T.fence_proxy_async()
                             T.barrier_arrive(vnew_ready[b])
                             stamp(trace_out, 3, i, tx, 0, bv, h, n)
                             if save_states and not vn_save_by_output:
-                                if async_store:
-                                    T.tma_copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
-                                else:
-                                    T.copy(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
+                                store_tile(vn_s[b, :, :], vn_out[c0 + jc, h, :, v0:v0 + BV])
                         if l2norm:
                             if not fused:       # (the fused chain waited for the row factors already)
                                 T.barrier_wait(norm_ready[s], (i // R) % 2)
@@ -522,16 +528,11 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         if ostage:
                             if bos + C <= eos:
                                 if async_store:
-                                    # (the last chunk's o store has read o_s, for every thread: see above)
-                                    T.tma_store_wait(0)
-                                    T.sync_threads(ASTORE_BARRIER_OUTPUT, 128)
+                                    wait_for_store(ASTORE_BARRIER_OUTPUT)   # (the last chunk's o store)
                                 for r, j in T.Parallel(C, BV):
                                     o_s[r, j] = o_f[r, j] * scale
                                 T.fence_proxy_async()
-                                if async_store:
-                                    T.tma_copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
-                                else:
-                                    T.copy(o_s, o[bos:bos + C, h, v0:v0 + BV])
+                                store_tile(o_s, o[bos:bos + C, h, v0:v0 + BV])
                             else:
                                 for r, j in T.Parallel(C, BV):
                                     if bos + r < eos:
