@@ -598,12 +598,19 @@ case "$STEP" in
     ls -la $OUT/ncu_whole*
     TAIL=60 run_step "hottest instructions" 60 python benchmarks/ncu_lines.py $OUT/ncu_whole_sass.csv ;;
   ncuintra)
-    # the fused forward's stage 1 (0.28 ms at 16/32 x 32k tokens, over a third of the forward at 16/64 4x8192):
-    # where its per-CTA latency goes (stall reasons, occupancy) before rewriting its inverse (#4)
-    TAIL=80 run_step "ncu stage 1 (Tb only)" 200 ncu --clock-control none -k regex:gdn_fwd_intra_tb --launch-skip 2 \
-        --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-        --section Occupancy --section LaunchStats --section MemoryWorkloadAnalysis \
-        python benchmarks/profile_kernels.py --impls tilelang --rows 16/64:4x8192 --modes fwd --iters 3 ;;
+    # the fused forward's stage 1 (0.225 ms of the 0.648 at 16/32 1x32768 on the H200, over three times its
+    # bandwidth floor): stall reasons, pipes, bank conflicts and the hottest SASS (session 25: before rewriting it, #8)
+    TAIL=${NCUI_TAIL:-120} run_step "ncu stage 1 (Tb only)" ${NCUI_S:-200} ncu --clock-control none \
+        -k regex:gdn_fwd_intra_tb --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+        --section SchedulerStats --section Occupancy --section LaunchStats --section ComputeWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section InstructionStats --section SourceCounters \
+        --import-source yes -f -o $OUT/ncu_intra \
+        python benchmarks/profile_kernels.py --impls tilelang --rows ${NCUI_ROW:-16/32:1x32768} --modes fwd --iters 3
+    ncu -i $OUT/ncu_intra.ncu-rep --page details > $OUT/ncu_intra_details.txt 2> $OUT/logs/ncu_intra_details.err
+    head -c 20000 $OUT/ncu_intra_details.txt
+    ncu -i $OUT/ncu_intra.ncu-rep --page source --csv --print-source sass > $OUT/ncu_intra_sass.csv \
+        2> $OUT/logs/ncu_intra_sass.err
+    TAIL=50 run_step "stage 1 hottest instructions" 60 python benchmarks/ncu_lines.py $OUT/ncu_intra_sass.csv ;;
   cpw)
     # windowed exact CP (session 7, not measured yet): the CP GPU tests, then the rows where FlashQLA runs its
     # CP (one long sequence), plain tilelang against tilelang with windowed CP, both against FlashQLA (#8, #4)
