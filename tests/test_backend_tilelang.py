@@ -726,6 +726,43 @@ def test_gpu_forward_fused_matches_oracle(case, bv, monkeypatch):
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
+def test_gpu_forward_intra_inv_mma_matches_oracle(case, monkeypatch):
+    # FLASHQLA_TILELANG_INTRA_INV=mma (session 25): stage 1's inverse as 3xTF32 mma.sync products.  The inference
+    # forward (Tb), the fused training forward (Tb and X, ahead of the whole-V backward) and the unfused one (w, u
+    # and X) against the oracle; and its outputs against the CUDA-core inverse's, which they should match to about
+    # the bf16 rounding of Tb
+    from flashqla.backends.tilelang import _compile
+    from flashqla.testing import make_inputs
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
+
+    def forward():
+        x = make_inputs(case, torch.bfloat16, "cuda", 0)
+        return flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], scale=case.scale,
+                                               initial_state=x["initial_state"], output_final_state=True,
+                                               use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"],
+                                               backend="tilelang")
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")
+    o_fma, _ = forward()
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "mma")
+    o_mma, _ = forward()
+    torch.cuda.synchronize()
+    assert bool(torch.isfinite(o_mma).all())
+    diff = float((o_mma.float() - o_fma.float()).norm() / o_fma.float().norm().clamp_min(1e-30))
+    assert diff < 5e-3, diff
+    _gpu_inference_builds(case, monkeypatch, "fwd_intra_tb_sm90", FLASHQLA_TILELANG_FWD="fused")
+    # (inv_mma is the last key entry, ops.intra_tb_kernel / intra_kernel)
+    assert any(n == "fwd_intra_tb_sm90" and k[-1] is True and len(k) == 13 for n, k in _compile.cached_kernels())
+    _gpu_case(case, torch.bfloat16, grads=True)
+    if not case.l2norm:
+        monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
+        _gpu_case(case, torch.bfloat16, grads=True)
+        assert any(n == "fwd_intra_sm90" and len(k) == 13 for n, k in _compile.cached_kernels())
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
 def test_gpu_forward_intra_compact_matches_oracle(case, monkeypatch):
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled, unpadded A and X tiles
     # (A over the k tile), inference (Tb) and the fused training forward (Tb and X, ahead of the whole-V backward)

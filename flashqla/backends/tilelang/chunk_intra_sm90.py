@@ -70,7 +70,7 @@ PAD = 72
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
                 tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128,
-                hw_ex2: bool = False, compact: bool = False):
+                hw_ex2: bool = False, compact: bool = False, inv_mma: bool = False):
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
@@ -99,6 +99,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     import tilelang.language as T
 
     from ._common import EX2_APPROX_SRC, ex2_approx, symbolic_sizes
+    from .intra_inverse_mma import INVERSE_MMA_SRC
 
     assert threads == 128, "the inverse's thread mapping is written for one warpgroup"
     C = CHUNK
@@ -110,6 +111,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     XH = Hv if save_x else T.dynamic("XH")
     LOG2E = 1.4426950408889634
     assert not compact or (tb_only and not scores), "compact: the Tb-only forms without the scores"
+    assert not (compact and inv_mma), "inv_mma: the padded tiles (row pitch 72)"
     APAD = C if compact else PAD
 
     def sw(r, j):
@@ -159,11 +161,12 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         for r in T.Parallel(C):
             g_s[r] = T.if_then_else(bos + r < eos, g[bos + r, h], 0.0)
             b_s[r] = T.if_then_else(bos + r < eos, T.cast(beta[bos + r, h], acc), 0.0)
-        T.clear(X_s)
+        if not inv_mma:     # (flq_inv64_mma writes X's zero blocks itself)
+            T.clear(X_s)
         T.cumsum(g_s, dim=0)
 
     @T.macro
-    def invert(A_s, X_s):
+    def invert_fma(A_s, X_s):
         # step 5, X = (I + A)^-1 (see the module docstring); X_s was cleared up front
         tx = T.get_thread_binding()
         warp = tx // 32
@@ -250,6 +253,14 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             X_s[48 + warp + 4 * i, sw(48 + warp + 4 * i, lane)] = zb[i]
         T.sync_threads()
 
+    @T.macro
+    def invert(A_s, X_s):
+        if inv_mma:
+            # step 5 on the tensor cores (intra_inverse_mma.py); it ends with a __syncthreads
+            T.call_extern("handle", "flq_inv64_mma", A_s.access_ptr("rw"), X_s.access_ptr("w"))
+        else:
+            invert_fma(A_s, X_s)
+
     def make_prologue(with_v: bool, with_q: bool = False):
         # steps 1-5 for one chunk (k, v when w / u follow, q when the scores do): loads, gates, A and
         # X = (I + A)^-1
@@ -296,6 +307,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         ratio: T.int32,
     ):
         with T.Kernel(*grid(), threads=threads) as bx:
+            if inv_mma:
+                T.import_source(INVERSE_MMA_SRC)
             c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             v_s = T.alloc_shared((C, V), dtype)
@@ -357,6 +370,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         with T.Kernel(*grid(), threads=threads) as bx:
             if hw_ex2:
                 T.import_source(EX2_APPROX_SRC)
+            if inv_mma:
+                T.import_source(INVERSE_MMA_SRC)
             c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             g_s = T.alloc_shared((C,), acc)
@@ -427,6 +442,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         with T.Kernel(*grid(), threads=threads) as bx:
             if hw_ex2:
                 T.import_source(EX2_APPROX_SRC)
+            if inv_mma:
+                T.import_source(INVERSE_MMA_SRC)
             c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             g_s = T.alloc_shared((C,), acc)

@@ -118,6 +118,16 @@ def intra_compact() -> bool:
     return env_choice("FLASHQLA_TILELANG_INTRA_COMPACT", ("0", "1"), "0") == "1"
 
 
+def intra_inv_mma() -> bool:
+    """``FLASHQLA_TILELANG_INTRA_INV``: how stage 1 forms ``X = (I + A)^-1``.  ``fma`` (default until measured):
+    the blocked inverse on the CUDA cores (``chunk_intra_sm90``'s P1-P3); ``mma`` (session 25): its products on the
+    tensor cores as 3xTF32 ``mma.sync`` fragments (``intra_inverse_mma.py``).  Why: Nsight Compute (H100, 16/32
+    1x32768, session 25) has stage 1's shared-memory pipe at 89%, 1828 of its 2618 wavefronts per (chunk, head) in
+    the inverse; the tensor-core form reads each operand once per warp (~750).  Takes precedence over
+    ``FLASHQLA_TILELANG_INTRA_COMPACT`` (whose swizzled tiles it does not read)."""
+    return env_choice("FLASHQLA_TILELANG_INTRA_INV", ("fma", "mma"), "fma") == "mma"
+
+
 def _key(base: tuple, *options) -> tuple:
     """A compile key: ``base`` and the builder's optional arguments as ``(value, default)`` pairs in its order, up
     to the last one that is not at its default.  An option added later leaves the keys of the calls that do not
@@ -130,9 +140,10 @@ def _key(base: tuple, *options) -> tuple:
 
 def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm), bool(save_x))
-    # (tb_only, scores, head_major)
+    # (tb_only, scores, head_major, threads, hw_ex2, compact, inv_mma)
     return get_kernel("fwd_intra_sm90", build_intra, _key(key, (False, False), (False, False),
-                                                           (intra_head_major(), False)))
+                                                           (intra_head_major(), False), (128, 128), (False, False),
+                                                           (False, False), (intra_inv_mma(), False)))
 
 
 def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False):
@@ -140,9 +151,10 @@ def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False):
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option; with ``save_x`` (the
     fused training forward) also X, for the whole-V backward."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), bool(save_x), True)
-    # (scores, head_major, threads, hw_ex2, compact)
+    # (scores, head_major, threads, hw_ex2, compact, inv_mma)
+    inv = intra_inv_mma()
     key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False),
-               (intra_compact() and not scores, False))
+               (intra_compact() and not scores and not inv, False), (inv, False))
     name = "fwd_intra_tbx_sm90" if save_x else "fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90"
     return get_kernel(name, build_intra, key)
 
