@@ -60,6 +60,8 @@
 #                                                 then the A/B against the unsplit walk, inference and training (#8)
 #   bash benchmarks/next_device_run.sh trainfused the fused training forward ahead of the whole-V backward (session 19,
 #                                                 FLASHQLA_TILELANG_TRAIN_FUSED): GPU tests, then the fwd+bwd A/B (#4)
+#   bash benchmarks/next_device_run.sh intrainv   FLASHQLA_TILELANG_INTRA_INV=mma: stage 1's inverse on the tensor cores (session 25):
+#                                                 GPU test, kernel-time A/B on #8's rows (IV_ROWS, IV_MODES), IV_NCU=1
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
@@ -469,6 +471,27 @@ case "$STEP" in
     done
     [ "${FW_TEST:-0}" = 1 ] && TAIL=8 run_step "few waves, segment GPU tests" ${FW_TEST_S:-200} env \
         FLASHQLA_TILELANG_FEW_WAVES=1 $PYT tests/test_tilelang_segments.py ;;
+  intrainv)
+    # FLASHQLA_TILELANG_INTRA_INV=mma (session 25, off until measured): stage 1's inverse as 3xTF32 mma.sync products
+    # (its shared-memory pipe was at 89%, 1828 of 2618 wavefronts per CTA in the CUDA-core inverse: ncuintra).  Its
+    # GPU test (oracle; against the fma inverse), then the kernel-time A/B on #8's rows (IV_ROWS, IV_MODES), then
+    # (IV_NCU=1) Nsight Compute on the mma form
+    TAIL=10 run_step "tensor-core inverse, GPU tests" ${IV_TEST_S:-220} $PYT tests/test_backend_tilelang.py \
+        -k "intra_inv_mma"
+    case $RUN_RC in 0) ;; *) echo "== intrainv: tests did not pass; the A/B skipped"; continue ;; esac
+    for M in ${IV_MODES:-fwd fwdbwd}; do
+      TAIL=30 run_step "stage 1 inverse fma / mma, $M" ${IV_SWEEP_S:-120} python benchmarks/sweep_variants.py \
+          --backend tilelang --mode $M --out $OUT/sweep_intra_inv_$M.json \
+          --rows ${IV_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768,16/32:4x8192,2/8:1x32768} \
+          "--variants=FLASHQLA_TILELANG_INTRA_INV=fma;FLASHQLA_TILELANG_INTRA_INV=mma"
+    done
+    if [ "${IV_NCU:-0}" = 1 ]; then
+      FLASHQLA_TILELANG_INTRA_INV=mma TAIL=60 run_step "ncu stage 1, mma inverse" 120 ncu --clock-control none \
+          -k regex:gdn_fwd_intra_tb --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+          --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
+          env FLASHQLA_TILELANG_INTRA_INV=mma python benchmarks/profile_kernels.py --impls tilelang \
+          --rows 16/32:1x32768 --modes fwd --iters 3
+    fi ;;
   intracompact)
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled unpadded A / X tiles, A over
     # the k tile (33 KB of shared memory instead of 53: five CTAs per SM instead of four).  Its GPU test, then the A/B
@@ -652,7 +675,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
