@@ -477,13 +477,13 @@ case "$STEP" in
     # GPU test (oracle; against the fma inverse), then the kernel-time A/B on #8's rows (IV_ROWS, IV_MODES), then
     # (IV_NCU=1) Nsight Compute on the mma form
     TAIL=10 run_step "tensor-core inverse, GPU tests" ${IV_TEST_S:-220} $PYT tests/test_backend_tilelang.py \
-        -k "intra_inv_mma"
+        -k "${IV_K:-intra_inv_mma}"
     case $RUN_RC in 0) ;; *) echo "== intrainv: tests did not pass; the A/B skipped"; continue ;; esac
     for M in ${IV_MODES:-fwd fwdbwd}; do
       TAIL=30 run_step "stage 1 inverse fma / mma, $M" ${IV_SWEEP_S:-120} python benchmarks/sweep_variants.py \
           --backend tilelang --mode $M --out $OUT/sweep_intra_inv_$M.json \
           --rows ${IV_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768,16/32:4x8192,2/8:1x32768} \
-          "--variants=FLASHQLA_TILELANG_INTRA_INV=fma;FLASHQLA_TILELANG_INTRA_INV=mma"
+          "--variants=${IV_VARIANTS:-FLASHQLA_TILELANG_INTRA_INV=fma;FLASHQLA_TILELANG_INTRA_INV=mma}"
     done
     if [ "${IV_NCU:-0}" = 1 ]; then
       FLASHQLA_TILELANG_INTRA_INV=mma TAIL=60 run_step "ncu stage 1, mma inverse" 120 ncu --clock-control none \

@@ -762,6 +762,33 @@ def test_gpu_forward_intra_inv_mma_matches_oracle(case, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.seqlens is None], ids=lambda c: c.name)
+def test_gpu_uniform_rows_are_bitwise_the_table_lookup(case, monkeypatch):
+    # FLASHQLA_TILELANG_INTRA_UNIFORM (session 25, default 1): dense calls' stage 1 finds its rows from the chunk
+    # number; inference and training forward and the backward, bitwise those of the table lookup
+    from flashqla.testing import make_inputs
+    x = make_inputs(case, torch.bfloat16, "cuda", 0)
+    do = torch.randn_like(x["v"])
+
+    def run():
+        kw = dict(scale=case.scale, initial_state=x["initial_state"], output_final_state=True,
+                  use_qk_l2norm_in_kernel=case.l2norm, backend="tilelang")
+        o, ht = flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+        o2, _ = flashqla.chunk_gated_delta_rule(*leaves, x["g"], x["beta"], **kw)
+        return [o, ht, o2.detach(), *torch.autograd.grad(o2, leaves, do)]
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_UNIFORM", "0")
+    want = run()
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_UNIFORM", "1")
+    got = run()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("o", "ht", "o (training)", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
 def test_gpu_forward_intra_compact_matches_oracle(case, monkeypatch):
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled, unpadded A and X tiles

@@ -358,6 +358,7 @@ def test_compact_key_only_when_asked(monkeypatch):
     monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: seen.append((name, key)))
     monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_COMPACT", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_EX2", raising=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")      # (the compact tiles are the CUDA-core inverse's)
     ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False)
     ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, save_x=True)
     assert [len(k) for _, k in seen] == [7, 7]

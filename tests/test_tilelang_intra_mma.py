@@ -205,22 +205,47 @@ def test_inv_mma_stage1_lowers(form):
         assert shared(sass) < 0.8 * shared(sass_base), (shared(sass), shared(sass_base))
 
 
-def test_inv_mma_key_only_when_asked(monkeypatch):
-    """The tensor-core inverse is a compile-key option at the end: default keys (and carried caches) unchanged; it
-    takes the place of the compact form where both are asked for."""
+def test_inv_mma_and_uniform_keys(monkeypatch):
+    """The tensor-core inverse and the uniform row lookup are compile-key options at the end: with both off the keys
+    are the former ones (carried caches keep matching); ``mma`` is the default and takes the place of the compact
+    form where both are asked for; ``uniform`` only where the caller says so."""
     from flashqla.backends.tilelang import ops
     seen = []
     monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: seen.append((name, key)))
     for var in ("FLASHQLA_TILELANG_INTRA_COMPACT", "FLASHQLA_TILELANG_EX2", "FLASHQLA_TILELANG_INTRA_INV",
                 "FLASHQLA_TILELANG_INTRA_ORDER"):
         monkeypatch.delenv(var, raising=False)
+    assert ops.intra_inv_mma()
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")
     ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False)
     ops.intra_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, True)
     assert [len(k) for _, k in seen] == [7, 6]
-    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "mma")
+    monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_INV")
     monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_COMPACT", "1")
     ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False)
     ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, scores=True)
     ops.intra_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, True)
     assert [k[-2:] for _, k in seen[2:]] == [(False, True)] * 3
     assert [len(k) for _, k in seen[2:]] == [13, 13, 13]
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, save_x=True, uniform=True)
+    ops.intra_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, True, uniform=True)
+    assert [k[-3:] for _, k in seen[5:]] == [(False, True, True)] * 2
+
+
+@pytest.mark.compile
+def test_uniform_rows_lower_without_the_chunk_table():
+    """``build_intra(uniform=True)``: a CTA's rows come from its chunk number and ``cu_seqlens[1]``; the kernels
+    never read ``chunk_indices`` (the table form reads it for every CTA)."""
+    pytest.importorskip("tilelang")
+    import re
+    import tilelang
+    from flashqla.backends.tilelang import chunk_intra_sm90 as m
+    from flashqla.backends.tilelang._compile import TARGET
+    for save_x, tb_only in ((False, True), (True, True), (True, False)):
+        srcs = [tilelang.compile(m.build_intra("bfloat16", "bfloat16", 128, 128, False, save_x, tb_only=tb_only,
+                                               uniform=u), out_idx=None, target=TARGET).get_kernel_source()
+                for u in (False, True)]
+        body = lambda s: s[s.index("{", s.index("__launch_bounds__")):]      # noqa: E731
+        assert re.search(r"chunk_indices\[", body(srcs[0])), (save_x, tb_only)
+        assert not re.search(r"chunk_indices\[", body(srcs[1])), (save_x, tb_only)
+        assert re.search(r"cu_seqlens\[\(?(\(int64_t\))?1\)?\]", body(srcs[1])), (save_x, tb_only)

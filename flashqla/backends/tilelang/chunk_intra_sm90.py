@@ -70,7 +70,7 @@ PAD = 72
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
                 tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128,
-                hw_ex2: bool = False, compact: bool = False, inv_mma: bool = False):
+                hw_ex2: bool = False, compact: bool = False, inv_mma: bool = False, uniform: bool = False):
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
@@ -281,6 +281,18 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             invert(A_s, X_s)
         return prologue
 
+    def chunk_bounds(c, cu_seqlens, chunk_indices):
+        # chunk c's first row and its sequence's end.  ``uniform`` (every sequence T = cu_seqlens[1] tokens, chunks
+        # numbered sequence by sequence): from c alone, after one load that every CTA shares (an L1 hit), where
+        # the table lookup is two dependent loads (chunk_indices, then cu_seqlens) ahead of the tile loads
+        if uniform:
+            tlen = cu_seqlens[1]
+            cps = (tlen + C - 1) // C
+            first = (c // cps) * tlen
+            return first + (c % cps) * C, first + tlen
+        seq = chunk_indices[c, 0]
+        return cu_seqlens[seq] + chunk_indices[c, 1] * C, cu_seqlens[seq + 1]
+
     def grid():
         return (Hv, NC) if head_major else (NC, Hv)
 
@@ -325,9 +337,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             u_f = T.alloc_fragment((C, V), acc)
             bar = T.alloc_barrier(threads)
 
-            seq = chunk_indices[c, 0]
-            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
-            eos = cu_seqlens[seq + 1]
+            bos, eos = chunk_bounds(c, cu_seqlens, chunk_indices)
             hq = h // ratio
 
             prologue_wu(k, v, g, beta, k_s, v_s, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
@@ -393,9 +403,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                     sq_f = T.alloc_fragment((C, K), acc)
                     ss_f = T.alloc_fragment((C,), acc)
 
-            seq = chunk_indices[c, 0]
-            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
-            eos = cu_seqlens[seq + 1]
+            bos, eos = chunk_bounds(c, cu_seqlens, chunk_indices)
             hq = h // ratio
 
             if scores:
@@ -457,9 +465,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             kk_f = T.alloc_fragment((C, C), acc)
             bar = T.alloc_barrier(threads)
 
-            seq = chunk_indices[c, 0]
-            bos = cu_seqlens[seq] + chunk_indices[c, 1] * C
-            eos = cu_seqlens[seq + 1]
+            bos, eos = chunk_bounds(c, cu_seqlens, chunk_indices)
             hq = h // ratio
             prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
             # Tb for the fused recurrence (as gdn_fwd_intra_tb), X for the whole-V backward (as gdn_fwd_intra)

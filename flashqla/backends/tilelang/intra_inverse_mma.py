@@ -1,4 +1,4 @@
-"""Stage 1's ``X = (I + A)^-1`` on the tensor cores (``FLASHQLA_TILELANG_INTRA_INV=mma``, session 25).
+"""Stage 1's ``X = (I + A)^-1`` on the tensor cores (``FLASHQLA_TILELANG_INTRA_INV=mma``, the default since session 25).
 
 Why: Nsight Compute on stage 1's Tb form (H100, 16/32 1x32768, session 25 run 1) puts its L1 / shared-memory pipe
 at 89% of peak: 2618 shared wavefronts per (chunk, head), 1828 of them in the CUDA-core inverse (P3a / P3b alone

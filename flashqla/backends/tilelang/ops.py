@@ -119,13 +119,24 @@ def intra_compact() -> bool:
 
 
 def intra_inv_mma() -> bool:
-    """``FLASHQLA_TILELANG_INTRA_INV``: how stage 1 forms ``X = (I + A)^-1``.  ``fma`` (default until measured):
-    the blocked inverse on the CUDA cores (``chunk_intra_sm90``'s P1-P3); ``mma`` (session 25): its products on the
-    tensor cores as 3xTF32 ``mma.sync`` fragments (``intra_inverse_mma.py``).  Why: Nsight Compute (H100, 16/32
-    1x32768, session 25) has stage 1's shared-memory pipe at 89%, 1828 of its 2618 wavefronts per (chunk, head) in
-    the inverse; the tensor-core form reads each operand once per warp (~750).  Takes precedence over
-    ``FLASHQLA_TILELANG_INTRA_COMPACT`` (whose swizzled tiles it does not read)."""
-    return env_choice("FLASHQLA_TILELANG_INTRA_INV", ("fma", "mma"), "fma") == "mma"
+    """``FLASHQLA_TILELANG_INTRA_INV``: how stage 1 forms ``X = (I + A)^-1``.  ``mma`` (default since session 25): its
+    products on the tensor cores as 3xTF32 ``mma.sync`` fragments (``intra_inverse_mma.py``); ``fma``: the blocked
+    inverse on the CUDA cores (``chunk_intra_sm90``'s P1-P3).  Why: Nsight Compute (H100, 16/32 1x32768, session 25
+    run 1) had stage 1's shared-memory pipe at 89%, 1828 of its 2618 wavefronts per (chunk, head) in the inverse;
+    with ``mma`` 1642 wavefronts in all, the pipe at 66%.  Measured (H100, run 2, kernel times; GPU test passed):
+    the Tb form 0.224 -> 0.208 ms at 16/32 1x32768 (forward 0.639 -> 0.621), 0.226 -> 0.206 at 8/32 (0.642 ->
+    0.621), 0.226 -> 0.213 at 32/32, 0.225 -> 0.209 at 16/32 4x8192; the training form (Tb and X) unchanged, 0.252.
+    Outputs within 1e-6 (relative L2) of ``fma``'s.  Takes precedence over ``FLASHQLA_TILELANG_INTRA_COMPACT``
+    (whose swizzled tiles it does not read)."""
+    return env_choice("FLASHQLA_TILELANG_INTRA_INV", ("fma", "mma"), "mma") == "mma"
+
+
+def intra_uniform() -> bool:
+    """``FLASHQLA_TILELANG_INTRA_UNIFORM`` (default 1, session 25): where every sequence of a call has one length,
+    stage 1's CTAs find their rows from their chunk number (``build_intra(uniform=True)``) instead of two dependent
+    table loads ahead of their tile loads (Nsight Compute, session 25: a third of stage 1's stall samples sit in the
+    CTA's prologue, waiting on those loads).  ``0``: the table lookup always."""
+    return env_choice("FLASHQLA_TILELANG_INTRA_UNIFORM", ("0", "1"), "1") == "1"
 
 
 def _key(base: tuple, *options) -> tuple:
@@ -138,23 +149,27 @@ def _key(base: tuple, *options) -> tuple:
     return base + tuple(values)
 
 
-def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x):
+def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x, uniform=False):
+    """Stage 1 of the unfused forward (w, u, G and, for the backward, X).  ``uniform``: every sequence has the same
+    length and the chunks are numbered sequence by sequence (a dense ``[B, T]`` call), so a CTA finds its rows from
+    its chunk number (``build_intra(uniform=True)``)."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(l2norm), bool(save_x))
-    # (tb_only, scores, head_major, threads, hw_ex2, compact, inv_mma)
+    # (tb_only, scores, head_major, threads, hw_ex2, compact, inv_mma, uniform)
     return get_kernel("fwd_intra_sm90", build_intra, _key(key, (False, False), (False, False),
                                                            (intra_head_major(), False), (128, 128), (False, False),
-                                                           (False, False), (intra_inv_mma(), False)))
+                                                           (False, False), (intra_inv_mma(), False),
+                                                           (bool(uniform), False)))
 
 
-def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False):
+def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, uniform=False):
     """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option; with ``save_x`` (the
-    fused training forward) also X, for the whole-V backward."""
+    fused training forward) also X, for the whole-V backward.  ``uniform``: see :func:`intra_kernel`."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), bool(save_x), True)
     # (scores, head_major, threads, hw_ex2, compact, inv_mma)
     inv = intra_inv_mma()
     key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False),
-               (intra_compact() and not scores and not inv, False), (inv, False))
+               (intra_compact() and not scores and not inv, False), (inv, False), (bool(uniform), False))
     name = "fwd_intra_tbx_sm90" if save_x else "fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90"
     return get_kernel(name, build_intra, key)
 
@@ -766,6 +781,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         kf, gf, bf, lengths, split.seg_chunks if split is not None else None,
         bplan.seg_chunks if split_bwd_here and bplan is not None else None, l2norm, dev)
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
+    # (stage 1 finds a chunk's rows without the chunk table where every sequence has one length)
+    uni = intra_uniform() and (varlen is None or len(set(varlen.seqlens)) == 1)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
     if fused and save:
@@ -773,7 +790,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni)(
             kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio)
     elif fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
@@ -791,14 +808,14 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
             if ps:
                 scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
             q_in = qf if ps else dummy((1, 1, K), dt, dev)
-            intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps)(
+            intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps, uniform=uni)(
                 q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
     else:
         w = torch.empty(NC, Hv, CHUNK, K, dtype=dt, device=dev)
         u = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
         X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev) if save else \
             dummy((1, 1, CHUNK, CHUNK), dt, dev)
-        intra_kernel(dt, bf.dtype, K, V, l2norm, save)(
+        intra_kernel(dt, bf.dtype, K, V, l2norm, save, uniform=uni)(
             kf, vf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, u, G, X, ratio)
 
     o = torch.empty(NT, Hv, V, dtype=dt, device=dev)
@@ -840,7 +857,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         # device from the backward's plan)
         Tb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         Xm = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True)(
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni)(
             kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb, Xm, G, ratio)
         for b in _meta_bvs(NS, Hv, V, dev):
             for halo in (False, True):
