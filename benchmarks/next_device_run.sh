@@ -62,6 +62,8 @@
 #                                                 FLASHQLA_TILELANG_TRAIN_FUSED): GPU tests, then the fwd+bwd A/B (#4)
 #   bash benchmarks/next_device_run.sh intrainv   FLASHQLA_TILELANG_INTRA_INV=mma: stage 1's inverse on the tensor cores (session 25):
 #                                                 GPU test, kernel-time A/B on #8's rows (IV_ROWS, IV_MODES), IV_NCU=1
+#   bash benchmarks/next_device_run.sh intrapersist FLASHQLA_TILELANG_INTRA_PERSIST=1: persistent stage-1 CTAs that prefetch their next
+#                                                 chunk (session 25): GPU test, kernel-time A/B (IP_ROWS, IP_MODES), IP_NCU=1
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
@@ -492,6 +494,26 @@ case "$STEP" in
           env FLASHQLA_TILELANG_INTRA_INV=mma python benchmarks/profile_kernels.py --impls tilelang \
           --rows 16/32:1x32768 --modes fwd --iters 3
     fi ;;
+  intrapersist)
+    # FLASHQLA_TILELANG_INTRA_PERSIST=1 (session 25, off until measured): stage 1's Tb forms as persistent CTAs that
+    # load the next chunk while forming this one (run 3's Nsight Compute: a third of the stall samples wait on each
+    # CTA's prologue loads).  GPU test (bitwise the per-chunk CTAs, and the oracle), then the kernel-time A/B (fwd and
+    # fwd+bwd), then (IP_NCU=1) Nsight Compute on it
+    TAIL=10 run_step "persistent stage 1, GPU tests" ${IP_TEST_S:-200} $PYT tests/test_backend_tilelang.py \
+        -k "intra_persist"
+    case $RUN_RC in 0) ;; *) echo "== intrapersist: tests did not pass; the A/B skipped"; continue ;; esac
+    for M in ${IP_MODES:-fwd fwdbwd}; do
+      TAIL=30 run_step "stage 1 per-chunk / persistent, $M" ${IP_SWEEP_S:-100} python benchmarks/sweep_variants.py \
+          --backend tilelang --mode $M --out $OUT/sweep_intra_persist_$M.json \
+          --rows ${IP_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768,16/32:4x8192} \
+          "--variants=-;FLASHQLA_TILELANG_INTRA_PERSIST=1"
+    done
+    if [ "${IP_NCU:-0}" = 1 ]; then
+      TAIL=60 run_step "ncu persistent stage 1" 120 ncu --clock-control none -k regex:gdn_fwd_intra_tb --launch-skip 2 \
+          --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+          --section MemoryWorkloadAnalysis_Tables --section Occupancy env FLASHQLA_TILELANG_INTRA_PERSIST=1 \
+          python benchmarks/profile_kernels.py --impls tilelang --rows 16/32:1x32768 --modes fwd --iters 3
+    fi ;;
   intracompact)
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled unpadded A / X tiles, A over
     # the k tile (33 KB of shared memory instead of 53: five CTAs per SM instead of four).  Its GPU test, then the A/B
@@ -675,7 +697,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

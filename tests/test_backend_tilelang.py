@@ -762,6 +762,39 @@ def test_gpu_forward_intra_inv_mma_matches_oracle(case, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
+def test_gpu_intra_persist_is_bitwise_the_per_chunk_ctas(case, monkeypatch):
+    # FLASHQLA_TILELANG_INTRA_PERSIST=1 (session 25, off until measured): stage 1's Tb forms as persistent CTAs that
+    # prefetch their next chunk; the same formulas, so the inference forward and the fused training forward with
+    # its backward are bitwise those of one CTA per chunk (dense calls: the uniform row lookup; varlen: the table)
+    from flashqla.backends.tilelang import _compile
+    from flashqla.testing import make_inputs
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
+    x = make_inputs(case, torch.bfloat16, "cuda", 0)
+    do = torch.randn_like(x["v"])
+
+    def run():
+        kw = dict(scale=case.scale, initial_state=x["initial_state"], output_final_state=True,
+                  use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"], backend="tilelang")
+        o, ht = flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
+        leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
+        o2, _ = flashqla.chunk_gated_delta_rule(*leaves, x["g"], x["beta"], **kw)
+        return [o, ht, o2.detach(), *torch.autograd.grad(o2, leaves, do)]
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "0")
+    want = run()
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "1")
+    got = run()
+    torch.cuda.synchronize()
+    for name, a, b in zip(("o", "ht", "o (training)", "dq", "dk", "dv"), got, want):
+        assert torch.equal(a, b), name
+    # (persist is the last key entry of ops.intra_tb_kernel)
+    assert any(n == "fwd_intra_tb_sm90" and len(k) == 15 and k[-1] is True for n, k in _compile.cached_kernels())
+    _gpu_case(case, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@needs_sm90
 @pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.seqlens is None], ids=lambda c: c.name)
 def test_gpu_uniform_rows_are_bitwise_the_table_lookup(case, monkeypatch):
     # FLASHQLA_TILELANG_INTRA_UNIFORM (session 25, default 1): dense calls' stage 1 finds its rows from the chunk
@@ -1473,8 +1506,33 @@ def _sim_fwd_halo(key, q, k, w, u, G, cu, coff, h0, o, ht, h_out, vn_out, scale,
             ht[seq] = S
 
 
-_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb, "fwd_intra_tbs_sm90": _sim_intra_tb,
-               "fwd_intra_tbx_sm90": _sim_intra_tbx,
+def _sim_intra_persist(key, k, g, beta, cu, cidx, Tb_out, X_out, G_out, ratio, nprog):
+    # build_intra(persist=True) (key entry 15): the Tb form's outputs, and X where saved; CTA (p, h) walks chunks p,
+    # p + nprog, ... so every chunk is written once as long as 1 <= nprog <= NC
+    dt, _, K, V, l2norm, save_x, tb_only = key[:7]
+    assert tb_only and key[14] and 1 <= nprog <= max(cidx.shape[0], 1), (key, nprog)
+    written = torch.zeros(cidx.shape[0], dtype=torch.int64)
+    for p in range(nprog):
+        for c in range(p, cidx.shape[0], nprog):
+            _, _, bc, _, G, X = _sim_chunk_inverse(k, g, beta, cu, cidx[c], ratio, l2norm)
+            Tb_out[c] = (X * bc[:, None, :]).to(Tb_out.dtype)
+            if save_x:
+                X_out[c] = X.to(X_out.dtype)
+            G_out[c] = G
+            written[c] += 1
+    assert bool((written == 1).all())
+
+
+def _sim_intra_tb_any(key, *args):
+    return (_sim_intra_persist if len(key) > 14 and key[14] else _sim_intra_tb)(key, *args)
+
+
+def _sim_intra_tbx_any(key, *args):
+    return (_sim_intra_persist if len(key) > 14 and key[14] else _sim_intra_tbx)(key, *args)
+
+
+_SIMULATORS = {"fwd_intra_sm90": _sim_intra, "fwd_intra_tb_sm90": _sim_intra_tb_any,
+               "fwd_intra_tbs_sm90": _sim_intra_tb, "fwd_intra_tbx_sm90": _sim_intra_tbx_any,
                "fwd_recurrent_sm90": _sim_fwd, "fwd_recurrent_ws_sm90": _sim_fwd_ws,
                "bwd_state_sm90": _sim_bwd_state, "bwd_state_ws_sm90": _sim_bwd_state_ws,
                "bwd_dqk_v2_sm90": _sim_bwd_dqk, "bwd_wy_v2_sm90": _sim_bwd_wy,
@@ -1572,6 +1630,40 @@ def test_host_path_inference_forward(case, fwd, simulated_kernels, monkeypatch):
     assert rel_l2(o, ref["o"]) <= tol["o"], rel_l2(o, ref["o"])
     if case.ht:
         assert rel_l2(ht, ref["ht"]) <= tol["ht"], rel_l2(ht, ref["ht"])
+
+
+@pytest.mark.parametrize("case", _HOST_CASES, ids=lambda c: c.name)
+def test_host_path_intra_persist(case, simulated_kernels, monkeypatch):
+    # FLASHQLA_TILELANG_INTRA_PERSIST=1: the inference forward's and the fused training forward's stage 1 take the
+    # persistent kernel (its signature and CTAs per head checked against the simulated kernel), the rest unchanged
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "1")
+    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", "fused")
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "host")
+    from flashqla.testing import poisoned_outputs
+    tol = TOLERANCES["bfloat16"]
+    be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=False)
+    with poisoned_outputs("cpu"):
+        o, ht, saved, aux = be.forward(spec, x)
+    assert simulated_kernels == ["fwd_intra_tb_sm90", "fwd_recurrent_ws_sm90"]
+    assert simulated_kernels.keys[0][1][14:] == (True,)
+    assert rel_l2(o, ref["o"]) <= tol["o"], rel_l2(o, ref["o"])
+    if case.l2norm:
+        return      # (the whole-V backward, which the fused training forward needs, takes no L2 norm)
+    simulated_kernels.clear()
+    simulated_kernels.keys.clear()
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
+    be, inp, ref, spec, x = host_backend_inputs(case, needs_grad=True)
+    with poisoned_outputs("cpu"):
+        o, ht, saved, aux = be.forward(spec, x)
+        monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
+        grads = be.backward(spec, saved, aux, inp["do"], inp["dht"] if case.ht else None)
+    assert simulated_kernels == ["fwd_intra_tbx_sm90", "fwd_recurrent_ws_sm90", "bwd_whole_sm90"]
+    assert simulated_kernels.keys[0][1][14:] == (True,)
+    assert rel_l2(o, ref["o"]) <= tol["o"], rel_l2(o, ref["o"])
+    for name, gr in zip(("dq", "dk", "dv"), grads[:3]):
+        assert rel_l2(gr, ref[name]) <= tol[name], (name, rel_l2(gr, ref[name]))
 
 
 @pytest.mark.parametrize("variant", ["ws", "serial", "ws-noopts", "fused", "whole-bwd", "whole-bwd-gvapair",

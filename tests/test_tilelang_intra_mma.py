@@ -249,3 +249,60 @@ def test_uniform_rows_lower_without_the_chunk_table():
         assert re.search(r"chunk_indices\[", body(srcs[0])), (save_x, tb_only)
         assert not re.search(r"chunk_indices\[", body(srcs[1])), (save_x, tb_only)
         assert re.search(r"cu_seqlens\[\(?(\(int64_t\))?1\)?\]", body(srcs[1])), (save_x, tb_only)
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("save_x,uniform", [(False, True), (True, True), (False, False)],
+                         ids=["tb-uniform", "tbx-uniform", "tb-table"])
+def test_intra_persist_lowers_for_four_ctas_per_sm(save_x, uniform):
+    """``build_intra(persist=True)``: one loop over the CTA's chunks with the next k tile's TMA load inside it, at most
+    128 registers (``__launch_bounds__(128, 4)``) with no local memory, at most 54 KB of shared memory (four CTAs per
+    SM), and Tb / X / G written straight from the X tile (no TMA store)."""
+    pytest.importorskip("tilelang")
+    import re
+    import tilelang
+    from flashqla.backends.tilelang import chunk_intra_sm90 as m
+    from flashqla.backends.tilelang._compile import TARGET
+    from test_backend_tilelang import assert_wgmma_pipelined, kernel_sass, resource_usage
+    kern = tilelang.compile(m.build_intra("bfloat16", "bfloat16", 128, 128, False, save_x, tb_only=True, inv_mma=True,
+                                          uniform=uniform, persist=True), out_idx=None, target=TARGET)
+    src = kern.get_kernel_source()
+    assert "__launch_bounds__(128, 4)" in src
+    loop = src[src.index("for (int it = 0;"):]
+    assert loop.count("tl::tma_load(") == 1 and "tma_store" not in src
+    assert "bar[0].wait((it & 1))" in loop
+    usage = resource_usage(kern)
+    print(usage)
+    assert "LOCAL:0" in usage or "unavailable" in usage, usage
+    regs = re.search(r"REG:(\d+)", usage)
+    assert regs is None or int(regs.group(1)) <= 128, usage
+    smem = re.search(r"DYN_SMEM:(\d+)KB", usage)
+    assert smem is None or int(smem.group(1)) <= 54, usage
+    assert_wgmma_pipelined(kern, "persist")
+    sass = kernel_sass(kern)
+    if sass is not None:
+        assert sass.count("HMMA.1688.F32.TF32") == 54
+
+
+def test_intra_persist_key_and_programs(monkeypatch):
+    """The persistent form is asked for by name, needs the tensor-core inverse, and launches one wave of four CTAs
+    per SM over the value heads (never more CTAs per head than chunks)."""
+    from flashqla.backends.tilelang import ops
+    from flashqla.dispatch.device import fake_device
+    monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_PERSIST", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_INV", raising=False)
+    assert not ops.intra_persist()
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "1")
+    assert ops.intra_persist()
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")
+    assert not ops.intra_persist()
+    seen = []
+    monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: seen.append((name, key)))
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, save_x=True, uniform=True, persist=True)
+    assert seen[0][1][-3:] == (False, True, True) and len(seen[0][1]) == 15
+    dev = torch.device("cpu")
+    with fake_device(sm_count=132):
+        assert ops.intra_persist_programs(512, 32, dev) == 16
+        assert ops.intra_persist_programs(512, 8, dev) == 66
+        assert ops.intra_persist_programs(3, 8, dev) == 3
+        assert ops.intra_persist_programs(512, 1024, dev) == 1

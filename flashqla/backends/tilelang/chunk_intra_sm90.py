@@ -66,11 +66,14 @@ CHUNK = 64
 L2_EPS = 1e-6
 # Row stride (fp32 words) of the A and X tiles in shared memory (see the module docstring).
 PAD = 72
+# CTAs per SM of the persistent Tb forms (``persist``): 52 KB of shared memory each
+PERSIST_CTAS_PER_SM = 4
 
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
                 tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128,
-                hw_ex2: bool = False, compact: bool = False, inv_mma: bool = False, uniform: bool = False):
+                hw_ex2: bool = False, compact: bool = False, inv_mma: bool = False, uniform: bool = False,
+                persist: bool = False):
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
@@ -112,6 +115,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     LOG2E = 1.4426950408889634
     assert not compact or (tb_only and not scores), "compact: the Tb-only forms without the scores"
     assert not (compact and inv_mma), "inv_mma: the padded tiles (row pitch 72)"
+    assert not persist or (tb_only and inv_mma and not scores and not head_major), \
+        "persist: the Tb forms (with or without X) with the tensor-core inverse"
     APAD = C if compact else PAD
 
     def sw(r, j):
@@ -129,9 +134,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         return T.exp2(x * LOG2E) if tb_only else T.exp(x)
 
     @T.macro
-    def gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h):
-        # steps 2-4 (the k tile's TMA load is in flight; the caller waits for it before calling)
-        T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+    def form_A(g_s, b_s, n_s, cw_s, A_s, kk_f):
+        # step 4 from k k^T in kk_f
         if l2norm:
             for r, j in T.Parallel(C, C):
                 if r == j:
@@ -155,6 +159,12 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             for r in T.Parallel(C):
                 cw_s[r] = b_s[r] * T.exp(g_s[r]) * n_s[r]
         T.sync_threads()
+
+    @T.macro
+    def gates_and_A(k_s, g_s, b_s, n_s, cw_s, A_s, kk_f, g, beta, bos, eos, h):
+        # steps 2-4 (the k tile's TMA load is in flight; the caller waits for it before calling)
+        T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+        form_A(g_s, b_s, n_s, cw_s, A_s, kk_f)
 
     @T.macro
     def load_gates(g_s, b_s, X_s, g, beta, bos, eos, h):
@@ -476,6 +486,84 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             T.copy(Xb_s, X_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
+    @T.prim_func
+    def gdn_fwd_intra_tb_persist(
+        k: T.Tensor((NT, Hqk, K), dtype),
+        g: T.Tensor((NT, Hv), acc),
+        beta: T.Tensor((NT, Hv), beta_dtype),
+        cu_seqlens: T.Tensor((NS + 1,), "int32"),
+        chunk_indices: T.Tensor((NC, 2), "int32"),
+        Tb_out: T.Tensor((NC, Hv, C, C), dtype),
+        X_out: T.Tensor((XN, XH, C, C), dtype),
+        G_out: T.Tensor((NC, Hv, C), acc),
+        ratio: T.int32,
+        nprog: T.int32,
+    ):
+        # ``persist`` (see the docstring): CTA (p, h) takes chunks p, p + nprog, ... of value head h, and loads the
+        # next chunk's k tile, gates and beta while it computes this one
+        with T.Kernel(nprog, Hv, threads=threads) as (bp, h):
+            # (four CTAs per SM, as shared memory allows: ptxas would otherwise take 148 registers, three CTAs)
+            T.annotate_min_blocks_per_sm(PERSIST_CTAS_PER_SM)
+            if hw_ex2:
+                T.import_source(EX2_APPROX_SRC)
+            T.import_source(INVERSE_MMA_SRC)
+            k_s = T.alloc_shared((C, K), dtype)
+            g_s = T.alloc_shared((C,), acc)
+            b_s = T.alloc_shared((C,), acc)
+            n_s = T.alloc_shared((C,), acc)
+            cw_s = T.alloc_shared((C,), acc)
+            A_s = T.alloc_shared((C, APAD), acc)
+            X_s = T.alloc_shared((C, APAD), acc)
+            kk_f = T.alloc_fragment((C, C), acc)
+            g_next = T.alloc_local((1,), acc)
+            b_next = T.alloc_local((1,), acc)
+            bar = T.alloc_barrier(threads)
+            tx = T.get_thread_binding()
+            hq = h // ratio
+            niter = T.ceildiv(NC - bp, nprog)
+
+            # the first chunk's loads
+            bos0, eos0 = chunk_bounds(bp, cu_seqlens, chunk_indices)
+            T.tma_copy(k[bos0:bos0 + C, hq, :], k_s, barrier=bar)
+            if tx < C:
+                g_next[0] = T.if_then_else(bos0 + tx < eos0, g[bos0 + tx, h], 0.0)
+                b_next[0] = T.if_then_else(bos0 + tx < eos0, T.cast(beta[bos0 + tx, h], acc), 0.0)
+            for it in T.serial(niter):
+                c = bp + it * nprog
+                # (the gates and beta of this chunk, loaded during the last one; every thread arrives once per
+                # chunk on the k tile's barrier, whose transaction count the tile's TMA load posted)
+                T.mbarrier_arrive(bar)
+                if tx < C:
+                    g_s[tx] = g_next[0]
+                    b_s[tx] = b_next[0]
+                T.sync_threads()
+                T.cumsum(g_s, dim=0)
+                T.mbarrier_wait_parity(bar, it % 2)
+                T.gemm(k_s, k_s, kk_f, transpose_B=True, clear_accum=True)
+                T.sync_threads()
+                # k k^T is in registers and k_s is free: the next chunk's loads fly while this one's A, inverse
+                # and Tb are formed
+                if it + 1 < niter:
+                    bos1, eos1 = chunk_bounds(c + nprog, cu_seqlens, chunk_indices)
+                    T.tma_copy(k[bos1:bos1 + C, hq, :], k_s, barrier=bar)
+                    if tx < C:
+                        g_next[0] = T.if_then_else(bos1 + tx < eos1, g[bos1 + tx, h], 0.0)
+                        b_next[0] = T.if_then_else(bos1 + tx < eos1, T.cast(beta[bos1 + tx, h], acc), 0.0)
+                form_A(g_s, b_s, n_s, cw_s, A_s, kk_f)
+                invert(A_s, X_s)
+                # straight to global memory (coalesced rows): a staging tile would take shared memory that four
+                # CTAs per SM do not have beside k, A and X
+                for r, j in T.Parallel(C, C):
+                    Tb_out[c, h, r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
+                if save_x:
+                    for r, j in T.Parallel(C, C):
+                        X_out[c, h, r, j] = T.cast(X_s[r, j], dtype)
+                for r in T.Parallel(C):
+                    G_out[c, h, r] = g_s[r]
+                T.sync_threads()
+
+    if persist:
+        return gdn_fwd_intra_tb_persist
     if tb_only:
         if save_x:
             assert not scores, "save_x with tb_only: no scores"

@@ -164,15 +164,36 @@ def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x, uniform=False):
                                                            (bool(uniform), False)))
 
 
-def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, uniform=False):
+def intra_persist() -> bool:
+    """``FLASHQLA_TILELANG_INTRA_PERSIST=1`` (session 25, off until measured): stage 1's Tb forms (inference, and the
+    fused training forward's Tb and X) as persistent CTAs, ``build_intra(persist=True)``: four per SM, each walking
+    every ``nprog``-th chunk of its value head and loading the next chunk's k tile (TMA), gates and beta while it
+    forms this one's A, inverse and Tb.  Why: with the tensor-core inverse, a third of stage 1's stall samples wait
+    in each CTA's prologue for exactly those loads (Nsight Compute, H100, session 25 run 3), and with four CTAs per
+    SM nothing hides them.  Tb and X go to global memory from the X tile directly (no staging tile: shared memory
+    stays at 52 KB, four CTAs per SM).  Needs the tensor-core inverse (``FLASHQLA_TILELANG_INTRA_INV=mma``)."""
+    return env_choice("FLASHQLA_TILELANG_INTRA_PERSIST", ("0", "1"), "0") == "1" and intra_inv_mma()
+
+
+def intra_persist_programs(num_chunks: int, Hv: int, device) -> int:
+    """The persistent stage 1's CTAs per value head: one wave at ``PERSIST_CTAS_PER_SM`` per SM, at most one per
+    chunk."""
+    from .chunk_intra_sm90 import PERSIST_CTAS_PER_SM
+    sms = detect(device).sm_count or 132
+    return max(1, min(num_chunks, PERSIST_CTAS_PER_SM * sms // max(Hv, 1)))
+
+
+def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, uniform=False, persist=False):
     """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option; with ``save_x`` (the
-    fused training forward) also X, for the whole-V backward.  ``uniform``: see :func:`intra_kernel`."""
+    fused training forward) also X, for the whole-V backward.  ``uniform``: see :func:`intra_kernel`; ``persist``:
+    :func:`intra_persist` (the kernel then takes the CTAs per head, :func:`intra_persist_programs`, last)."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), bool(save_x), True)
     # (scores, head_major, threads, hw_ex2, compact, inv_mma)
     inv = intra_inv_mma()
     key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False),
-               (intra_compact() and not scores and not inv, False), (inv, False), (bool(uniform), False))
+               (intra_compact() and not scores and not inv, False), (inv, False), (bool(uniform), False),
+               (bool(persist), False))
     name = "fwd_intra_tbx_sm90" if save_x else "fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90"
     return get_kernel(name, build_intra, key)
 
@@ -793,8 +814,10 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni)(
-            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio)
+        persist = intra_persist()
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni, persist=persist)(
+            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio,
+            *((intra_persist_programs(NC, Hv, dev),) if persist else ()))
     elif fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
@@ -811,6 +834,12 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
             if ps:
                 scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
             q_in = qf if ps else dummy((1, 1, K), dt, dev)
+            if not ps and intra_persist():
+                # (the persistent form has the training form's signature: no q, X a placeholder)
+                intra_tb_kernel(dt, bf.dtype, K, l2norm, uniform=uni, persist=True)(
+                    kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, dummy((1, 1, CHUNK, CHUNK), dt, dev), G,
+                    ratio, intra_persist_programs(NC, Hv, dev))
+                continue
             intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps, uniform=uni)(
                 q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
     else:
