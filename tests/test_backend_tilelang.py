@@ -750,14 +750,14 @@ def test_gpu_forward_intra_inv_mma_matches_oracle(case, monkeypatch):
     diff = float((o_mma.float() - o_fma.float()).norm() / o_fma.float().norm().clamp_min(1e-30))
     assert diff < 5e-3, diff
     _gpu_inference_builds(case, monkeypatch, "fwd_intra_tb_sm90", FLASHQLA_TILELANG_FWD="fused")
-    # (inv_mma is the last key entry, ops.intra_tb_kernel / intra_kernel)
-    assert any(n == "fwd_intra_tb_sm90" and k[-1] is True and len(k) == 13 for n, k in _compile.cached_kernels())
+    # (key entry 13, ops.intra_tb_kernel / intra_kernel; a dense call's key also ends in its uniform flag)
+    assert any(n == "fwd_intra_tb_sm90" and k[12:13] == (True,) for n, k in _compile.cached_kernels())
     _gpu_case(case, torch.bfloat16, grads=True)
     if not case.l2norm:
         monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
         monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
         _gpu_case(case, torch.bfloat16, grads=True)
-        assert any(n == "fwd_intra_sm90" and len(k) == 13 for n, k in _compile.cached_kernels())
+        assert any(n == "fwd_intra_sm90" and k[12:13] == (True,) for n, k in _compile.cached_kernels())
 
 
 @pytest.mark.gpu
@@ -827,6 +827,7 @@ def test_gpu_forward_intra_compact_matches_oracle(case, monkeypatch):
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled, unpadded A and X tiles
     # (A over the k tile), inference (Tb) and the fused training forward (Tb and X, ahead of the whole-V backward)
     monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_COMPACT", "1")
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")    # (the compact tiles are the CUDA-core inverse's)
     _gpu_inference_builds(case, monkeypatch, "fwd_intra_tb_sm90", FLASHQLA_TILELANG_FWD="fused",
                           FLASHQLA_TILELANG_WS_OPTS="fastexp,psplit,ostage")
     from flashqla.backends.tilelang import _compile

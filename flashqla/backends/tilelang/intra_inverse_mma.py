@@ -3,7 +3,9 @@
 Why: Nsight Compute on stage 1's Tb form (H100, 16/32 1x32768, session 25 run 1) puts its L1 / shared-memory pipe
 at 89% of peak: 2618 shared wavefronts per (chunk, head), 1828 of them in the CUDA-core inverse (P3a / P3b alone
 1040: every FMA there reads an operand from shared memory, at 8 outputs per thread).  The same products as
-``mma.sync.m16n8k8`` TF32 fragments read each operand once per warp: the inverse below needs ~750 wavefronts.
+``mma.sync.m16n8k8`` TF32 fragments read each operand once per warp.  Measured (H100, session 25 run 3): the inverse
+848 wavefronts (zero blocks and P1 304, P2 140, P3 404), the kernel 1642 (was 2618), the L1 pipe 66% (was 89%),
+the Tb form 0.224 -> 0.208 ms at 16/32 1x32768 (``benchmarks/results/h100_2026-12-05_session25_README.md``).
 
 Precision: each product is "3xTF32": ``x = hi + lo`` with ``hi = tf32(x)`` and ``lo = x - hi`` (read as TF32), and
 ``a b ~ a_lo b_hi + a_hi b_lo + a_hi b_hi`` (the ``a_lo b_lo`` term, ~2^-22 relative, dropped), accumulated in fp32:
