@@ -814,7 +814,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        persist = intra_persist()
+        persist = intra_persist() and NC > 0
         intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni, persist=persist)(
             kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio,
             *((intra_persist_programs(NC, Hv, dev),) if persist else ()))
@@ -834,7 +834,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
             if ps:
                 scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
             q_in = qf if ps else dummy((1, 1, K), dt, dev)
-            if not ps and intra_persist():
+            if not ps and NC > 0 and intra_persist():
                 # (the persistent form has the training form's signature: no q, X a placeholder)
                 intra_tb_kernel(dt, bf.dtype, K, l2norm, uniform=uni, persist=True)(
                     kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, dummy((1, 1, CHUNK, CHUNK), dt, dev), G,
