@@ -60,10 +60,11 @@
 #                                                 then the A/B against the unsplit walk, inference and training (#8)
 #   bash benchmarks/next_device_run.sh trainfused the fused training forward ahead of the whole-V backward (session 19,
 #                                                 FLASHQLA_TILELANG_TRAIN_FUSED): GPU tests, then the fwd+bwd A/B (#4)
-#   bash benchmarks/next_device_run.sh intrainv   FLASHQLA_TILELANG_INTRA_INV=mma: stage 1's inverse on the tensor cores (session 25):
-#                                                 GPU test, kernel-time A/B on #8's rows (IV_ROWS, IV_MODES), IV_NCU=1
-#   bash benchmarks/next_device_run.sh intrapersist FLASHQLA_TILELANG_INTRA_PERSIST=1: persistent stage-1 CTAs that prefetch their next
-#                                                 chunk (session 25): GPU test, kernel-time A/B (IP_ROWS, IP_MODES), IP_NCU=1
+#   bash benchmarks/next_device_run.sh intrainv   FLASHQLA_TILELANG_INTRA_INV=mma: stage 1's inverse on the tensor cores (session 25,
+#                                                 the default now): GPU test, kernel-time A/B on #8's rows (S1_ROWS, S1_MODES,
+#                                                 S1_VARIANTS, S1_K), S1_NCU=1
+#   bash benchmarks/next_device_run.sh intrapersist FLASHQLA_TILELANG_INTRA_PERSIST=1: persistent stage-1 CTAs that prefetch their
+#                                                 next chunk (session 25, off): the same steps
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
@@ -473,45 +474,32 @@ case "$STEP" in
     done
     [ "${FW_TEST:-0}" = 1 ] && TAIL=8 run_step "few waves, segment GPU tests" ${FW_TEST_S:-200} env \
         FLASHQLA_TILELANG_FEW_WAVES=1 $PYT tests/test_tilelang_segments.py ;;
-  intrainv)
-    # FLASHQLA_TILELANG_INTRA_INV=mma (session 25, off until measured): stage 1's inverse as 3xTF32 mma.sync products
-    # (its shared-memory pipe was at 89%, 1828 of 2618 wavefronts per CTA in the CUDA-core inverse: ncuintra).  Its
-    # GPU test (oracle; against the fma inverse), then the kernel-time A/B on #8's rows (IV_ROWS, IV_MODES), then
-    # (IV_NCU=1) Nsight Compute on the mma form
-    TAIL=10 run_step "tensor-core inverse, GPU tests" ${IV_TEST_S:-220} $PYT tests/test_backend_tilelang.py \
-        -k "${IV_K:-intra_inv_mma}"
-    case $RUN_RC in 0) ;; *) echo "== intrainv: tests did not pass; the A/B skipped"; continue ;; esac
-    for M in ${IV_MODES:-fwd fwdbwd}; do
-      TAIL=30 run_step "stage 1 inverse fma / mma, $M" ${IV_SWEEP_S:-120} python benchmarks/sweep_variants.py \
-          --backend tilelang --mode $M --out $OUT/sweep_intra_inv_$M.json \
-          --rows ${IV_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768,16/32:4x8192,2/8:1x32768} \
-          "--variants=${IV_VARIANTS:-FLASHQLA_TILELANG_INTRA_INV=fma;FLASHQLA_TILELANG_INTRA_INV=mma}"
+  intrainv|intrapersist)
+    # stage-1 switches of session 25, each: its GPU tests, then the kernel-time A/B on #8's rows (S1_ROWS, S1_MODES,
+    # S1_VARIANTS), then (S1_NCU=1) Nsight Compute on the switched form at 16/32 1x32768.
+    # intrainv: FLASHQLA_TILELANG_INTRA_INV=mma, the inverse as 3xTF32 mma.sync products (its shared-memory pipe was
+    #   at 89%, 1828 of 2618 wavefronts per CTA in the CUDA-core inverse: ncuintra; the default since run 2)
+    # intrapersist: FLASHQLA_TILELANG_INTRA_PERSIST=1 (off until measured), persistent CTAs that load the next chunk
+    #   while forming this one (run 3: a third of the stall samples wait on each CTA's prologue loads)
+    if [ "$STEP" = intrainv ]; then
+      S1_VAR=FLASHQLA_TILELANG_INTRA_INV=mma; S1_DEF_K=intra_inv_mma
+      S1_DEF_VARIANTS="FLASHQLA_TILELANG_INTRA_INV=fma;FLASHQLA_TILELANG_INTRA_INV=mma"
+    else
+      S1_VAR=FLASHQLA_TILELANG_INTRA_PERSIST=1; S1_DEF_K=intra_persist
+      S1_DEF_VARIANTS="-;FLASHQLA_TILELANG_INTRA_PERSIST=1"
+    fi
+    TAIL=10 run_step "$STEP, GPU tests" ${S1_TEST_S:-220} $PYT tests/test_backend_tilelang.py -k "${S1_K:-$S1_DEF_K}"
+    case $RUN_RC in 0) ;; *) echo "== $STEP: tests did not pass; the A/B skipped"; continue ;; esac
+    for M in ${S1_MODES:-fwd fwdbwd}; do
+      TAIL=30 run_step "$STEP A/B, $M" ${S1_SWEEP_S:-120} python benchmarks/sweep_variants.py \
+          --backend tilelang --mode $M --out $OUT/sweep_${STEP}_$M.json \
+          --rows ${S1_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768,16/32:4x8192,2/8:1x32768} \
+          "--variants=${S1_VARIANTS:-$S1_DEF_VARIANTS}"
     done
-    if [ "${IV_NCU:-0}" = 1 ]; then
-      FLASHQLA_TILELANG_INTRA_INV=mma TAIL=60 run_step "ncu stage 1, mma inverse" 120 ncu --clock-control none \
-          -k regex:gdn_fwd_intra_tb --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
-          --section SchedulerStats --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis \
-          env FLASHQLA_TILELANG_INTRA_INV=mma python benchmarks/profile_kernels.py --impls tilelang \
-          --rows 16/32:1x32768 --modes fwd --iters 3
-    fi ;;
-  intrapersist)
-    # FLASHQLA_TILELANG_INTRA_PERSIST=1 (session 25, off until measured): stage 1's Tb forms as persistent CTAs that
-    # load the next chunk while forming this one (run 3's Nsight Compute: a third of the stall samples wait on each
-    # CTA's prologue loads).  GPU test (bitwise the per-chunk CTAs, and the oracle), then the kernel-time A/B (fwd and
-    # fwd+bwd), then (IP_NCU=1) Nsight Compute on it
-    TAIL=10 run_step "persistent stage 1, GPU tests" ${IP_TEST_S:-200} $PYT tests/test_backend_tilelang.py \
-        -k "intra_persist"
-    case $RUN_RC in 0) ;; *) echo "== intrapersist: tests did not pass; the A/B skipped"; continue ;; esac
-    for M in ${IP_MODES:-fwd fwdbwd}; do
-      TAIL=30 run_step "stage 1 per-chunk / persistent, $M" ${IP_SWEEP_S:-100} python benchmarks/sweep_variants.py \
-          --backend tilelang --mode $M --out $OUT/sweep_intra_persist_$M.json \
-          --rows ${IP_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768,16/32:4x8192} \
-          "--variants=-;FLASHQLA_TILELANG_INTRA_PERSIST=1"
-    done
-    if [ "${IP_NCU:-0}" = 1 ]; then
-      TAIL=60 run_step "ncu persistent stage 1" 120 ncu --clock-control none -k regex:gdn_fwd_intra_tb --launch-skip 2 \
-          --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
-          --section MemoryWorkloadAnalysis_Tables --section Occupancy env FLASHQLA_TILELANG_INTRA_PERSIST=1 \
+    if [ "${S1_NCU:-0}" = 1 ]; then
+      TAIL=60 run_step "ncu stage 1, $S1_VAR" 120 env $S1_VAR ncu --clock-control none -k regex:gdn_fwd_intra_tb \
+          --launch-skip 2 --launch-count 1 --section SpeedOfLight --section WarpStateStats --section SchedulerStats \
+          --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section Occupancy \
           python benchmarks/profile_kernels.py --impls tilelang --rows 16/32:1x32768 --modes fwd --iters 3
     fi ;;
   intracompact)

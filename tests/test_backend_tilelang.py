@@ -768,26 +768,8 @@ def test_gpu_intra_persist_is_bitwise_the_per_chunk_ctas(case, monkeypatch):
     # prefetch their next chunk; the same formulas, so the inference forward and the fused training forward with
     # its backward are bitwise those of one CTA per chunk (dense calls: the uniform row lookup; varlen: the table)
     from flashqla.backends.tilelang import _compile
-    from flashqla.testing import make_inputs
     monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
-    x = make_inputs(case, torch.bfloat16, "cuda", 0)
-    do = torch.randn_like(x["v"])
-
-    def run():
-        kw = dict(scale=case.scale, initial_state=x["initial_state"], output_final_state=True,
-                  use_qk_l2norm_in_kernel=case.l2norm, cu_seqlens=x["cu_seqlens"], backend="tilelang")
-        o, ht = flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
-        leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
-        o2, _ = flashqla.chunk_gated_delta_rule(*leaves, x["g"], x["beta"], **kw)
-        return [o, ht, o2.detach(), *torch.autograd.grad(o2, leaves, do)]
-
-    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "0")
-    want = run()
-    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "1")
-    got = run()
-    torch.cuda.synchronize()
-    for name, a, b in zip(("o", "ht", "o (training)", "dq", "dk", "dv"), got, want):
-        assert torch.equal(a, b), name
+    _assert_bitwise_under(case, monkeypatch, "FLASHQLA_TILELANG_INTRA_PERSIST", "0", "1")
     # (persist is the last key entry of ops.intra_tb_kernel)
     assert any(n == "fwd_intra_tb_sm90" and len(k) == 15 and k[-1] is True for n, k in _compile.cached_kernels())
     _gpu_case(case, torch.bfloat16)
@@ -799,25 +781,7 @@ def test_gpu_intra_persist_is_bitwise_the_per_chunk_ctas(case, monkeypatch):
 def test_gpu_uniform_rows_are_bitwise_the_table_lookup(case, monkeypatch):
     # FLASHQLA_TILELANG_INTRA_UNIFORM (session 25, default 1): dense calls' stage 1 finds its rows from the chunk
     # number; inference and training forward and the backward, bitwise those of the table lookup
-    from flashqla.testing import make_inputs
-    x = make_inputs(case, torch.bfloat16, "cuda", 0)
-    do = torch.randn_like(x["v"])
-
-    def run():
-        kw = dict(scale=case.scale, initial_state=x["initial_state"], output_final_state=True,
-                  use_qk_l2norm_in_kernel=case.l2norm, backend="tilelang")
-        o, ht = flashqla.chunk_gated_delta_rule(x["q"], x["k"], x["v"], x["g"], x["beta"], **kw)
-        leaves = [x[n].detach().clone().requires_grad_() for n in ("q", "k", "v")]
-        o2, _ = flashqla.chunk_gated_delta_rule(*leaves, x["g"], x["beta"], **kw)
-        return [o, ht, o2.detach(), *torch.autograd.grad(o2, leaves, do)]
-
-    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_UNIFORM", "0")
-    want = run()
-    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_UNIFORM", "1")
-    got = run()
-    torch.cuda.synchronize()
-    for name, a, b in zip(("o", "ht", "o (training)", "dq", "dk", "dv"), got, want):
-        assert torch.equal(a, b), name
+    _assert_bitwise_under(case, monkeypatch, "FLASHQLA_TILELANG_INTRA_UNIFORM", "0", "1")
 
 
 @pytest.mark.gpu
@@ -865,19 +829,10 @@ def test_gpu_forward_ostage_matches_oracle(case, bv, monkeypatch):
     _gpu_case(case, torch.bfloat16, grads=True)
 
 
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("seg", ["off", "2"])
-@pytest.mark.parametrize("bv", ["32", "64", "128"])
-@pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_len1_tail",
-                                                                         "varlen_l2norm")], ids=lambda c: c.name)
-def test_gpu_async_store_is_bitwise_the_waiting_one(case, bv, seg, monkeypatch):
-    # WS option astore (session 24): the o stores and the chain's saves wait for their shared reads a chunk later;
-    # the inference forward, and the training forward with its backward, bitwise those of the waiting stores, whole
-    # walks and walks over segments of two chunks (the halo path)
+def _assert_bitwise_under(case, monkeypatch, var: str, off: str, on: str) -> None:
+    """An inference forward, a training forward and its backward under ``var=off`` and then ``var=on``: every output
+    and gradient bitwise the same (for switches that reorganise kernels without changing their arithmetic)."""
     from flashqla.testing import make_inputs
-    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
-    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", seg)
     x = make_inputs(case, torch.bfloat16, "cuda", 0)
     do = torch.randn_like(x["v"])
 
@@ -889,13 +844,29 @@ def test_gpu_async_store_is_bitwise_the_waiting_one(case, bv, seg, monkeypatch):
         o2, ht2 = flashqla.chunk_gated_delta_rule(*leaves, x["g"], x["beta"], **kw)
         return [o, ht, o2.detach(), ht2.detach(), *torch.autograd.grad(o2, leaves, do)]
 
-    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")
+    monkeypatch.setenv(var, off)
     want = run()
-    monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage,astore")
+    monkeypatch.setenv(var, on)
     got = run()
     torch.cuda.synchronize()
     for name, a, b in zip(("o", "ht", "o (training)", "ht (training)", "dq", "dk", "dv"), got, want):
-        assert torch.equal(a, b), name
+        assert torch.equal(a, b), f"{var}={on}: {name}"
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("seg", ["off", "2"])
+@pytest.mark.parametrize("bv", ["32", "64", "128"])
+@pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.name in ("dense_h0_ht", "varlen_len1_tail",
+                                                                         "varlen_l2norm")], ids=lambda c: c.name)
+def test_gpu_async_store_is_bitwise_the_waiting_one(case, bv, seg, monkeypatch):
+    # WS option astore (session 24): the o stores and the chain's saves wait for their shared reads a chunk later;
+    # the inference forward, and the training forward with its backward, bitwise those of the waiting stores, whole
+    # walks and walks over segments of two chunks (the halo path)
+    monkeypatch.setenv("FLASHQLA_TILELANG_BV", bv)
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", seg)
+    _assert_bitwise_under(case, monkeypatch, "FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage",
+                          "fastexp,psplit,ostage,astore")
     from flashqla.backends.tilelang import _compile
     assert any(n == "fwd_recurrent_ws_sm90" and len(k) >= 20 and k[19] for n, k in _compile.cached_kernels())
     _gpu_case(case, torch.bfloat16)
