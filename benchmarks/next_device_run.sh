@@ -63,8 +63,9 @@
 #   bash benchmarks/next_device_run.sh intrainv   FLASHQLA_TILELANG_INTRA_INV=mma: stage 1's inverse on the tensor cores (session 25,
 #                                                 the default now): GPU test, kernel-time A/B on #8's rows (S1_ROWS, S1_MODES,
 #                                                 S1_VARIANTS, S1_K), S1_NCU=1
-#   bash benchmarks/next_device_run.sh intrapersist FLASHQLA_TILELANG_INTRA_PERSIST=1: persistent stage-1 CTAs that prefetch their
-#                                                 next chunk (session 25, off): the same steps
+#   bash benchmarks/next_device_run.sh intrapersist FLASHQLA_TILELANG_INTRA_PERSIST=1 (persistent stage-1 CTAs that prefetch their
+#                                                 next chunk) and FLASHQLA_TILELANG_INTRA_COMPACT=1 with the mma inverse (five CTAs
+#                                                 per SM), session 25, both off: the same steps
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
@@ -479,14 +480,16 @@ case "$STEP" in
     # S1_VARIANTS), then (S1_NCU=1) Nsight Compute on the switched form at 16/32 1x32768.
     # intrainv: FLASHQLA_TILELANG_INTRA_INV=mma, the inverse as 3xTF32 mma.sync products (its shared-memory pipe was
     #   at 89%, 1828 of 2618 wavefronts per CTA in the CUDA-core inverse: ncuintra; the default since run 2)
-    # intrapersist: FLASHQLA_TILELANG_INTRA_PERSIST=1 (off until measured), persistent CTAs that load the next chunk
-    #   while forming this one (run 3: a third of the stall samples wait on each CTA's prologue loads)
+    # intrapersist: the two answers to run 3's Nsight Compute (a third of the stall samples wait on each CTA's
+    #   prologue loads, four CTAs per SM), both off until measured: FLASHQLA_TILELANG_INTRA_PERSIST=1, persistent CTAs
+    #   that load the next chunk while forming this one; FLASHQLA_TILELANG_INTRA_COMPACT=1 with the tensor-core
+    #   inverse, five CTAs per SM (A over the k tile, swizzled tiles)
     if [ "$STEP" = intrainv ]; then
       S1_VAR=FLASHQLA_TILELANG_INTRA_INV=mma; S1_DEF_K=intra_inv_mma
       S1_DEF_VARIANTS="FLASHQLA_TILELANG_INTRA_INV=fma;FLASHQLA_TILELANG_INTRA_INV=mma"
     else
-      S1_VAR=FLASHQLA_TILELANG_INTRA_PERSIST=1; S1_DEF_K=intra_persist
-      S1_DEF_VARIANTS="-;FLASHQLA_TILELANG_INTRA_PERSIST=1"
+      S1_VAR=FLASHQLA_TILELANG_INTRA_PERSIST=1; S1_DEF_K="intra_persist or intra_compact"
+      S1_DEF_VARIANTS="-;FLASHQLA_TILELANG_INTRA_PERSIST=1;FLASHQLA_TILELANG_INTRA_COMPACT=1"
     fi
     TAIL=10 run_step "$STEP, GPU tests" ${S1_TEST_S:-220} $PYT tests/test_backend_tilelang.py -k "${S1_K:-$S1_DEF_K}"
     case $RUN_RC in 0) ;; *) echo "== $STEP: tests did not pass; the A/B skipped"; continue ;; esac

@@ -786,12 +786,14 @@ def test_gpu_uniform_rows_are_bitwise_the_table_lookup(case, monkeypatch):
 
 @pytest.mark.gpu
 @needs_sm90
+@pytest.mark.parametrize("inv", ["fma", "mma"])
 @pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
-def test_gpu_forward_intra_compact_matches_oracle(case, monkeypatch):
+def test_gpu_forward_intra_compact_matches_oracle(case, inv, monkeypatch):
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled, unpadded A and X tiles
-    # (A over the k tile), inference (Tb) and the fused training forward (Tb and X, ahead of the whole-V backward)
+    # (A over the k tile), inference (Tb) and the fused training forward (Tb and X, ahead of the whole-V backward);
+    # with either inverse (session 25: the tensor-core one reads the swizzled tiles through flq_inv64_mma_sw)
     monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_COMPACT", "1")
-    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")    # (the compact tiles are the CUDA-core inverse's)
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", inv)
     _gpu_inference_builds(case, monkeypatch, "fwd_intra_tb_sm90", FLASHQLA_TILELANG_FWD="fused",
                           FLASHQLA_TILELANG_WS_OPTS="fastexp,psplit,ostage")
     from flashqla.backends.tilelang import _compile

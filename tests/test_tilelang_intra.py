@@ -304,9 +304,10 @@ def test_kernel_source_matches_emulated_mapping():
     assert math.gcd(PAD, 32) == 8      # neighbouring rows start 8 banks apart
 
 
+@pytest.mark.parametrize("inv_mma", [False, True], ids=["fma", "mma"])
 @pytest.mark.parametrize("save_x,l2norm", [(False, False), (True, False), (False, True)],
                          ids=["tb", "tbx", "tb-l2norm"])
-def test_compact_stage1_lowers_with_a_over_k(save_x, l2norm):
+def test_compact_stage1_lowers_with_a_over_k(save_x, l2norm, inv_mma):
     """``build_intra(compact=True)`` (FLASHQLA_TILELANG_INTRA_COMPACT): lowers for sm_90a with its wgmma and TMA, A
     shares the k tile's space, ~33 KB of shared memory (53 unpadded), no local memory; and every A / X access of the
     builder goes through the swizzle (a missed one would read another entry of the row)."""
@@ -324,9 +325,11 @@ def test_compact_stage1_lowers_with_a_over_k(save_x, l2norm):
     unswizzled = [ln for ln in code if re.search(r"\b[AX]_s\[", ln) and "sw(" not in ln]
     assert not unswizzled, unswizzled
     kern = tilelang.compile(m.build_intra("bfloat16", "bfloat16", 128, 128, l2norm, save_x, tb_only=True,
-                                         compact=True), out_idx=None, target=TARGET)
+                                         compact=True, inv_mma=inv_mma), out_idx=None, target=TARGET)
     src = kern.get_kernel_source()
     assert "wgmma" in src and "tma_load" in src
+    # (the tensor-core inverse reads the swizzled tiles through its own index helper, flq_at<true>)
+    assert ("flq_inv64_mma_sw((&(((float*)A_s)[0])), (&(((float*)X_s)[0])));" in src) == inv_mma
     offs = dict(re.findall(r"void\* (\w+_s) = \(\(void\*\)\(\(char\*\)buf_dyn_shmem \+ (\d+)\)\)", src))
     assert offs.get("A_s") == offs.get("k_s"), offs
     usage = resource_usage(kern)
@@ -334,6 +337,8 @@ def test_compact_stage1_lowers_with_a_over_k(save_x, l2norm):
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
     smem = re.search(r"DYN_SMEM:(\d+)KB", usage)
     assert smem is None or int(smem.group(1)) <= 36, usage
+    regs = re.search(r"REG:(\d+)", usage)
+    assert regs is None or int(regs.group(1)) <= 102, usage     # (five CTAs of 128 threads per SM)
 
 
 def test_compact_swizzle_is_a_row_permutation_that_keeps_the_banks_apart():

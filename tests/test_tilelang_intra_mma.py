@@ -87,28 +87,35 @@ static inline void flq_mma_tf32(float* d, const unsigned* a, const unsigned* b) 
 """
 
 MAIN = r"""
+template <bool SW>
+static void run_chunk(const float* in, float* out) {
+  std::vector<float> A(64 * FLQ_INV_PITCH, std::nanf("")), X(64 * FLQ_INV_PITCH, std::nanf(""));
+  // (words outside the tile's entries -- the pad columns -- hold garbage, as shared memory would)
+  for (int r = 0; r < 64; ++r)
+    for (int j = 0; j < 64; ++j) A[flq_at<SW>(r, j)] = in[r * 64 + j];
+  std::barrier<> block(128);
+  std::barrier<> w0(32), w1(32), w2(32), w3(32);
+  g_block = &block;
+  g_warp[0] = &w0; g_warp[1] = &w1; g_warp[2] = &w2; g_warp[3] = &w3;
+  std::vector<std::thread> th;
+  for (int i = 0; i < 128; ++i)
+    th.emplace_back([&, i] {
+      threadIdx.x = i;
+      if (SW) flq_inv64_mma_sw(A.data(), X.data()); else flq_inv64_mma(A.data(), X.data());
+    });
+  for (auto& x : th) x.join();
+  for (int r = 0; r < 64; ++r)
+    for (int j = 0; j < 64; ++j) out[r * 64 + j] = X[flq_at<SW>(r, j)];
+}
+
 int main(int argc, char** argv) {
-  // argv[1]: n chunks; stdin: n * 64 * 64 floats of A; stdout: n * 64 * 64 floats of X
-  int n = std::atoi(argv[1]);
+  // argv[1]: n chunks, argv[2]: 1 for the compact (swizzled) tiles; stdin: n * 64 * 64 floats of A; stdout: X
+  int n = std::atoi(argv[1]), sw = std::atoi(argv[2]);
   std::vector<float> in((size_t)n * 4096), out((size_t)n * 4096);
   if (std::fread(in.data(), 4, in.size(), stdin) != in.size()) return 2;
   for (int c = 0; c < n; ++c) {
-    std::vector<float> A(64 * FLQ_INV_PITCH, 0.f), X(64 * FLQ_INV_PITCH, std::nanf(""));
-    for (int r = 0; r < 64; ++r)
-      for (int j = 0; j < 64; ++j) A[r * FLQ_INV_PITCH + j] = in[(size_t)c * 4096 + r * 64 + j];
-    // the pad columns hold garbage, as shared memory would
-    for (int r = 0; r < 64; ++r)
-      for (int j = 64; j < FLQ_INV_PITCH; ++j) A[r * FLQ_INV_PITCH + j] = std::nanf("");
-    std::barrier<> block(128);
-    std::barrier<> w0(32), w1(32), w2(32), w3(32);
-    g_block = &block;
-    g_warp[0] = &w0; g_warp[1] = &w1; g_warp[2] = &w2; g_warp[3] = &w3;
-    std::vector<std::thread> th;
-    for (int i = 0; i < 128; ++i)
-      th.emplace_back([&, i] { threadIdx.x = i; flq_inv64_mma(A.data(), X.data()); });
-    for (auto& x : th) x.join();
-    for (int r = 0; r < 64; ++r)
-      for (int j = 0; j < 64; ++j) out[(size_t)c * 4096 + r * 64 + j] = X[r * FLQ_INV_PITCH + j];
+    if (sw) run_chunk<true>(in.data() + (size_t)c * 4096, out.data() + (size_t)c * 4096);
+    else run_chunk<false>(in.data() + (size_t)c * 4096, out.data() + (size_t)c * 4096);
   }
   std::fwrite(out.data(), 4, out.size(), stdout);
   return 0;
@@ -133,20 +140,23 @@ def emulator(tmp_path_factory):
         pytest.skip("no C++20 <barrier> here")
     assert res.returncode == 0, res.stderr[-3000:]
 
-    def run(A32: torch.Tensor) -> torch.Tensor:
+    def run(A32: torch.Tensor, sw: bool = False) -> torch.Tensor:
         n = A32.shape[0]
-        out = subprocess.run([str(exe), str(n)], input=A32.contiguous().numpy().tobytes(), capture_output=True,
-                             check=True).stdout
+        out = subprocess.run([str(exe), str(n), str(int(sw))], input=A32.contiguous().numpy().tobytes(),
+                             capture_output=True, check=True).stdout
         return torch.frombuffer(bytearray(out), dtype=torch.float32).reshape(n, C, C)
     return run
 
 
+@pytest.mark.parametrize("sw", [False, True], ids=["padded", "compact"])
 @pytest.mark.parametrize("decay,beta_kind,l2norm,pad,corr", CASES)
-def test_mma_inverse_matches_exact(emulator, decay, beta_kind, l2norm, pad, corr):
+def test_mma_inverse_matches_exact(emulator, decay, beta_kind, l2norm, pad, corr, sw):
     k, g, beta = make_chunks(3, decay=decay, beta_kind=beta_kind, l2norm=l2norm, pad_from=pad,
                              seed=int(decay * 10) + 7 * (pad or 0), corr=corr)
     A32, _, _ = build_A(k, g, beta, l2norm, torch.float32)
-    X = emulator(A32)
+    X = emulator(A32, sw)
+    if sw:      # (the same products in the same order: the layout changes where each operand lives, not its value)
+        assert torch.equal(X, emulator(A32, False))
     assert bool(torch.isfinite(X).all())
     X_ref = exact_inverse(A32.double())
     e_mma = rel_rows(X.double(), X_ref)
@@ -163,11 +173,12 @@ def test_mma_inverse_matches_exact(emulator, decay, beta_kind, l2norm, pad, corr
         assert torch.equal(X[:, pad:, :], torch.eye(C)[pad:].expand(3, -1, -1))
 
 
-def test_mma_inverse_fails_on_a_wrong_layout(emulator):
+@pytest.mark.parametrize("sw", [False, True], ids=["padded", "compact"])
+def test_mma_inverse_fails_on_a_wrong_layout(emulator, sw):
     """The check has teeth: a nonzero A whose inverse is known exactly (A = N strictly lower with one band)."""
     A = torch.zeros(1, C, C)
     A[0, torch.arange(1, C), torch.arange(C - 1)] = 0.5      # (I + A)^-1 = sum (-A)^k, banded
-    X = emulator(A)
+    X = emulator(A, sw)
     X_ref = exact_inverse(A.double())
     assert rel_rows(X.double(), X_ref) < 1e-6
     assert float(X[0, 63, 0]) == pytest.approx((-0.5) ** 63, rel=1e-5)
@@ -207,8 +218,8 @@ def test_inv_mma_stage1_lowers(form):
 
 def test_inv_mma_and_uniform_keys(monkeypatch):
     """The tensor-core inverse and the uniform row lookup are compile-key options at the end: with both off the keys
-    are the former ones (carried caches keep matching); ``mma`` is the default and takes the place of the compact
-    form where both are asked for; ``uniform`` only where the caller says so."""
+    are the former ones (carried caches keep matching); ``mma`` is the default and reads the compact tiles where
+    those are asked for (never with the scores); ``uniform`` only where the caller says so."""
     from flashqla.backends.tilelang import ops
     seen = []
     monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: seen.append((name, key)))
@@ -225,11 +236,12 @@ def test_inv_mma_and_uniform_keys(monkeypatch):
     ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False)
     ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, scores=True)
     ops.intra_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, True)
-    assert [k[-2:] for _, k in seen[2:]] == [(False, True)] * 3
+    assert [k[-2:] for _, k in seen[2:]] == [(True, True), (False, True), (False, True)]
     assert [len(k) for _, k in seen[2:]] == [13, 13, 13]
-    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, save_x=True, uniform=True)
+    ops.intra_tb_kernel(torch.bfloat16, torch.bfloat16, 128, False, save_x=True, uniform=True, persist=True)
     ops.intra_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, True, uniform=True)
-    assert [k[-3:] for _, k in seen[5:]] == [(False, True, True)] * 2
+    # (compact, inv_mma, uniform, persist) and (compact, inv_mma, uniform): the persistent form never compact
+    assert seen[5][1][-4:] == (False, True, True, True) and seen[6][1][-3:] == (False, True, True)
 
 
 @pytest.mark.compile

@@ -68,6 +68,8 @@ L2_EPS = 1e-6
 PAD = 72
 # CTAs per SM of the persistent Tb forms (``persist``): 52 KB of shared memory each
 PERSIST_CTAS_PER_SM = 4
+# and of the compact Tb forms (``compact``): 35 KB
+COMPACT_CTAS_PER_SM = 5
 
 
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
@@ -114,9 +116,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     XH = Hv if save_x else T.dynamic("XH")
     LOG2E = 1.4426950408889634
     assert not compact or (tb_only and not scores), "compact: the Tb-only forms without the scores"
-    assert not (compact and inv_mma), "inv_mma: the padded tiles (row pitch 72)"
-    assert not persist or (tb_only and inv_mma and not scores and not head_major), \
-        "persist: the Tb forms (with or without X) with the tensor-core inverse"
+    assert not persist or (tb_only and inv_mma and not scores and not head_major and not compact), \
+        "persist: the padded Tb forms (with or without X) with the tensor-core inverse"
     APAD = C if compact else PAD
 
     def sw(r, j):
@@ -267,7 +268,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     def invert(A_s, X_s):
         if inv_mma:
             # step 5 on the tensor cores (intra_inverse_mma.py); it ends with a __syncthreads
-            T.call_extern("handle", "flq_inv64_mma", A_s.access_ptr("rw"), X_s.access_ptr("w"))
+            T.call_extern("handle", "flq_inv64_mma_sw" if compact else "flq_inv64_mma", A_s.access_ptr("rw"),
+                          X_s.access_ptr("w"))
         else:
             invert_fma(A_s, X_s)
 
@@ -388,6 +390,9 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         ratio: T.int32,
     ):
         with T.Kernel(*grid(), threads=threads) as bx:
+            if compact:
+                # (its 35 KB of shared memory fit five CTAs per SM: registers must too, at most 102)
+                T.annotate_min_blocks_per_sm(COMPACT_CTAS_PER_SM)
             if hw_ex2:
                 T.import_source(EX2_APPROX_SRC)
             if inv_mma:
@@ -458,6 +463,9 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         ratio: T.int32,
     ):
         with T.Kernel(*grid(), threads=threads) as bx:
+            if compact:
+                # (its 35 KB of shared memory fit five CTAs per SM: registers must too, at most 102)
+                T.annotate_min_blocks_per_sm(COMPACT_CTAS_PER_SM)
             if hw_ex2:
                 T.import_source(EX2_APPROX_SRC)
             if inv_mma:
@@ -554,10 +562,10 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                 # straight to global memory (coalesced rows): a staging tile would take shared memory that four
                 # CTAs per SM do not have beside k, A and X
                 for r, j in T.Parallel(C, C):
-                    Tb_out[c, h, r, j] = T.cast(X_s[r, j] * b_s[j], dtype)
+                    Tb_out[c, h, r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
                 if save_x:
                     for r, j in T.Parallel(C, C):
-                        X_out[c, h, r, j] = T.cast(X_s[r, j], dtype)
+                        X_out[c, h, r, j] = T.cast(X_s[r, sw(r, j)], dtype)
                 for r in T.Parallel(C):
                     G_out[c, h, r] = g_s[r]
                 T.sync_threads()

@@ -39,6 +39,14 @@ INVERSE_MMA_SRC = r"""
 #define FLQ_INV64_MMA_DEFINED
 #define FLQ_INV_PITCH 72
 
+// the word of entry (r, c) of a 64 x 64 fp32 tile: row pitch 72 (the padded tiles), or with SW (stage 1's compact
+// form) row pitch 64 and the columns XOR-swizzled per row, c ^ 8 (r & 3) (chunk_intra_sm90.build_intra's sw); the
+// swizzle keeps groups of 4 (and 2) aligned columns together, so the 16- and 8-byte accesses below stay whole
+template <bool SW>
+__device__ __forceinline__ int flq_at(int r, int c) {
+  return SW ? r * 64 + (c ^ ((r & 3) << 3)) : r * FLQ_INV_PITCH + c;
+}
+
 #ifndef FLQ_EMULATE
 // d += a b, one m16n8k8 TF32 product (fp32 accumulators; the tensor cores read the top 19 bits of each operand)
 __device__ __forceinline__ void flq_mma_tf32(float* d, const unsigned* a, const unsigned* b) {
@@ -70,17 +78,19 @@ __device__ __forceinline__ void flq_mma3(float* d, const unsigned* ah, const uns
 }
 
 // the A fragment of the 16 x 8 tile of M at (r0, c0)
+template <bool SW>
 __device__ __forceinline__ void flq_frag_a(float* a, const float* M, int r0, int c0, int g, int t) {
-  a[0] = M[(r0 + g) * FLQ_INV_PITCH + c0 + t];
-  a[1] = M[(r0 + g + 8) * FLQ_INV_PITCH + c0 + t];
-  a[2] = M[(r0 + g) * FLQ_INV_PITCH + c0 + t + 4];
-  a[3] = M[(r0 + g + 8) * FLQ_INV_PITCH + c0 + t + 4];
+  a[0] = M[flq_at<SW>(r0 + g, c0 + t)];
+  a[1] = M[flq_at<SW>(r0 + g + 8, c0 + t)];
+  a[2] = M[flq_at<SW>(r0 + g, c0 + t + 4)];
+  a[3] = M[flq_at<SW>(r0 + g + 8, c0 + t + 4)];
 }
 
 // the B fragment of the 8 x 8 tile of M at (k0, n0) (M row-major, rows = k)
+template <bool SW>
 __device__ __forceinline__ void flq_frag_b(float* b, const float* M, int k0, int n0, int g, int t) {
-  b[0] = M[(k0 + t) * FLQ_INV_PITCH + n0 + g];
-  b[1] = M[(k0 + t + 4) * FLQ_INV_PITCH + n0 + g];
+  b[0] = M[flq_at<SW>(k0 + t, n0 + g)];
+  b[1] = M[flq_at<SW>(k0 + t + 4, n0 + g)];
 }
 
 // the B fragments of both k-steps of a 16 x 8 accumulator y (its rows are the k index): b0 for rows 0..7, b1 for
@@ -99,12 +109,14 @@ __device__ __forceinline__ void flq_acc_to_b(float* b0, float* b1, const float* 
 }
 
 // M[(r0 ..), (n0 ..)] = -d, a 16 x 8 accumulator
+template <bool SW>
 __device__ __forceinline__ void flq_store_neg(float* M, const float* d, int r0, int n0, int g, int t) {
-  *(float2*)(M + (r0 + g) * FLQ_INV_PITCH + n0 + 2 * t) = make_float2(-d[0], -d[1]);
-  *(float2*)(M + (r0 + g + 8) * FLQ_INV_PITCH + n0 + 2 * t) = make_float2(-d[2], -d[3]);
+  *(float2*)(M + flq_at<SW>(r0 + g, n0 + 2 * t)) = make_float2(-d[0], -d[1]);
+  *(float2*)(M + flq_at<SW>(r0 + g + 8, n0 + 2 * t)) = make_float2(-d[2], -d[3]);
 }
 
-__device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
+template <bool SW>
+__device__ __forceinline__ void flq_inv64_mma_t(float* A, float* X) {
   const int tx = threadIdx.x;
   const int warp = tx >> 5, lane = tx & 31, g = lane >> 2, t = lane & 3;
 
@@ -115,7 +127,7 @@ __device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
       // block blk = 0..5 is (0, 1), (0, 2), (0, 3), (1, 2), (1, 3), (2, 3)
       const int q = tx + 128 * i, blk = q >> 6, w = q & 63;
       const int bi = blk < 3 ? 0 : (blk < 5 ? 1 : 2), bj = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
-      *(float4*)(X + (16 * bi + (w >> 2)) * FLQ_INV_PITCH + 16 * bj + 4 * (w & 3)) =
+      *(float4*)(X + flq_at<SW>(16 * bi + (w >> 2), 16 * bj + 4 * (w & 3))) =
           make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
@@ -128,12 +140,11 @@ __device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
     for (int r = 0; r < 16; ++r) x[r] = 0.f;
 #pragma unroll
     for (int r = 0; r < 16; ++r) {
-      const float* row = A + (d0 + r) * FLQ_INV_PITCH + d0;
       float s0 = (r == c) ? 1.f : 0.f, s1 = 0.f;
       // (columns m >= r of the row are A's zeros, and x[m] is still 0 there)
 #pragma unroll
       for (int m4 = 0; m4 < (r + 3) / 4; ++m4) {
-        const float4 a = *(const float4*)(row + 4 * m4);
+        const float4 a = *(const float4*)(A + flq_at<SW>(d0 + r, d0 + 4 * m4));
         s0 -= a.x * x[4 * m4];
         s1 -= a.y * x[4 * m4 + 1];
         s0 -= a.z * x[4 * m4 + 2];
@@ -142,7 +153,7 @@ __device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
       x[r] = s0 + s1;
     }
 #pragma unroll
-    for (int r = 0; r < 16; ++r) X[(d0 + r) * FLQ_INV_PITCH + d0 + c] = x[r];
+    for (int r = 0; r < 16; ++r) X[flq_at<SW>(d0 + r, d0 + c)] = x[r];
   }
   __syncthreads();
 
@@ -155,8 +166,8 @@ __device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
 #pragma unroll
     for (int ks = 0; ks < 2; ++ks) {
       if (ks < nh) continue;                    // (D_2p's rows 0..7 are zero in columns 8..15)
-      flq_frag_a(a, A, r1, c0 + 8 * ks, g, t);
-      flq_frag_b(b, X, c0 + 8 * ks, n0, g, t);
+      flq_frag_a<SW>(a, A, r1, c0 + 8 * ks, g, t);
+      flq_frag_b<SW>(b, X, c0 + 8 * ks, n0, g, t);
       flq_split<4>(ah, al, a);
       flq_split<2>(bh, bl, b);
       flq_mma3(y, ah, al, bh, bl);
@@ -164,13 +175,13 @@ __device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
     flq_acc_to_b(b0, b1, y, g, t);
     flq_split<2>(b0h, b0l, b0);
     flq_split<2>(b1h, b1l, b1);
-    flq_frag_a(a, X, r1, r1, g, t);
+    flq_frag_a<SW>(a, X, r1, r1, g, t);
     flq_split<4>(ah, al, a);
     flq_mma3(z, ah, al, b0h, b0l);
-    flq_frag_a(a, X, r1, r1 + 8, g, t);
+    flq_frag_a<SW>(a, X, r1, r1 + 8, g, t);
     flq_split<4>(ah, al, a);
     flq_mma3(z, ah, al, b1h, b1l);
-    flq_store_neg(X, z, r1, n0, g, t);
+    flq_store_neg<SW>(X, z, r1, n0, g, t);
   }
   __syncthreads();
 
@@ -185,12 +196,12 @@ __device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
 #pragma unroll
     for (int ks = 0; ks < 4; ++ks) {
       if (ks < warp) continue;
-      flq_frag_b(b, X, 8 * ks, n0, g, t);
+      flq_frag_b<SW>(b, X, 8 * ks, n0, g, t);
       flq_split<2>(bh, bl, b);
-      flq_frag_a(a, A, 32, 8 * ks, g, t);
+      flq_frag_a<SW>(a, A, 32, 8 * ks, g, t);
       flq_split<4>(ah, al, a);
       flq_mma3(y0, ah, al, bh, bl);
-      flq_frag_a(a, A, 48, 8 * ks, g, t);
+      flq_frag_a<SW>(a, A, 48, 8 * ks, g, t);
       flq_split<4>(ah, al, a);
       flq_mma3(y1, ah, al, bh, bl);
     }
@@ -201,20 +212,24 @@ __device__ __forceinline__ void flq_inv64_mma(float* A, float* X) {
     // rows 32..47 of X[32:64, 32:64] are zero past column 47: two k-steps; rows 48..63: four
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      flq_frag_a(a, X, 32, 32 + 8 * q, g, t);
+      flq_frag_a<SW>(a, X, 32, 32 + 8 * q, g, t);
       flq_split<4>(ah, al, a);
       flq_mma3(z0, ah, al, bqh[q], bql[q]);
     }
 #pragma unroll
     for (int q = 0; q < 4; ++q) {
-      flq_frag_a(a, X, 48, 32 + 8 * q, g, t);
+      flq_frag_a<SW>(a, X, 48, 32 + 8 * q, g, t);
       flq_split<4>(ah, al, a);
       flq_mma3(z1, ah, al, bqh[q], bql[q]);
     }
-    flq_store_neg(X, z0, 32, n0, g, t);
-    flq_store_neg(X, z1, 48, n0, g, t);
+    flq_store_neg<SW>(X, z0, 32, n0, g, t);
+    flq_store_neg<SW>(X, z1, 48, n0, g, t);
   }
   __syncthreads();
 }
+
+// the padded tiles (row pitch 72) and the compact ones (pitch 64, swizzled)
+__device__ __forceinline__ void flq_inv64_mma(float* A, float* X) { flq_inv64_mma_t<false>(A, X); }
+__device__ __forceinline__ void flq_inv64_mma_sw(float* A, float* X) { flq_inv64_mma_t<true>(A, X); }
 #endif
 """

@@ -114,7 +114,10 @@ def intra_compact() -> bool:
     of shared memory instead of 53 (ptxas for sm_90a: 96 registers instead of 84), so five CTAs per SM instead of
     four.  Stage 1 is 0.23 of the fused forward's 0.62 ms at 16/32 4x8192, and it waits on latency.  Session 23
     (H100; GPU tests pass) measured it slower, not faster: stage 1 0.226 -> 0.299 ms at 16/32 1x32768 and 0.226 ->
-    0.300 at 16/32 4x8192 (forward 0.649 -> 0.719 and 0.619 -> 0.693 ms), so it stays off."""
+    0.300 at 16/32 4x8192 (forward 0.649 -> 0.719 and 0.619 -> 0.693 ms), so it stays off.  That was with the
+    CUDA-core inverse, whose shared-memory pipe was already saturated (session 25); with the tensor-core one (the
+    default since session 25) the compact tiles are read by ``flq_inv64_mma_sw``, not yet measured.  Not with the
+    persistent form (:func:`intra_persist`), whose k tile is live through the whole loop."""
     return env_choice("FLASHQLA_TILELANG_INTRA_COMPACT", ("0", "1"), "0") == "1"
 
 
@@ -126,8 +129,8 @@ def intra_inv_mma() -> bool:
     with ``mma`` 1642 wavefronts in all, the pipe at 66%.  Measured (H100, run 2, kernel times; GPU test passed):
     the Tb form 0.224 -> 0.208 ms at 16/32 1x32768 (forward 0.639 -> 0.621), 0.226 -> 0.206 at 8/32 (0.642 ->
     0.621), 0.226 -> 0.213 at 32/32, 0.225 -> 0.209 at 16/32 4x8192; the training form (Tb and X) unchanged, 0.252.
-    Outputs within 1e-6 (relative L2) of ``fma``'s.  Takes precedence over ``FLASHQLA_TILELANG_INTRA_COMPACT``
-    (whose swizzled tiles it does not read)."""
+    Outputs within 1e-6 (relative L2) of ``fma``'s.  With ``FLASHQLA_TILELANG_INTRA_COMPACT=1`` it reads the compact
+    form's swizzled tiles (``flq_inv64_mma_sw``: A over the k tile, ~35 KB, five CTAs per SM by registers)."""
     return env_choice("FLASHQLA_TILELANG_INTRA_INV", ("fma", "mma"), "mma") == "mma"
 
 
@@ -190,10 +193,9 @@ def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, un
     :func:`intra_persist` (the kernel then takes the CTAs per head, :func:`intra_persist_programs`, last)."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), bool(save_x), True)
     # (scores, head_major, threads, hw_ex2, compact, inv_mma)
-    inv = intra_inv_mma()
     key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False),
-               (intra_compact() and not scores and not inv, False), (inv, False), (bool(uniform), False),
-               (bool(persist), False))
+               (intra_compact() and not scores and not persist, False), (intra_inv_mma(), False),
+               (bool(uniform), False), (bool(persist), False))
     name = "fwd_intra_tbx_sm90" if save_x else "fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90"
     return get_kernel(name, build_intra, key)
 
