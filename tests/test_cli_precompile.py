@@ -51,7 +51,9 @@ def test_list_shows_every_variant(tmp_path, capsys):
 
     assert main(["precompile", "--list", "--heads", "16/32,8/32,4/4", "--cache-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "not part of any key" in out and "16/32, 8/32, 4/4" in out
+    assert "16/32, 8/32, 4/4" in out
+    # (dense calls' stage 1 takes the uniform row lookup, session 25: varlen changes stage 1's keys)
+    assert "varlen: part of a key" in out
     listed = re.findall(r"^\s*\d+\s+(fwd|bwd)\s+(\S+)\s+key=(.*)$", out, re.M)
     assert int(re.search(r"^(\d+) variants$", out, re.M).group(1)) == len(listed)
     keys = {(n, k) for _, n, k in listed}
@@ -65,9 +67,11 @@ def test_list_shows_every_variant(tmp_path, capsys):
         for dt in (torch.bfloat16, torch.float16):
             for bdt in (torch.bfloat16, torch.float16, torch.float32):
                 for a in (False, True):
-                    ops.intra_kernel(dt, bdt, 128, 128, a, True)     # training forwards (X saved)
-                    ops.intra_tb_kernel(dt, bdt, 128, a)             # inference forwards (fused)
-                    ops.intra_tb_kernel(dt, bdt, 128, a, scores=True)  # ... with few walks at BV 32 (pscores)
+                    # (stage 1 with the uniform row lookup for dense calls, the table for varlen ones)
+                    for uni in (False, True):
+                        ops.intra_kernel(dt, bdt, 128, 128, a, True, uniform=uni)     # training forwards (X saved)
+                        ops.intra_tb_kernel(dt, bdt, 128, a, uniform=uni)             # inference forwards (fused)
+                        ops.intra_tb_kernel(dt, bdt, 128, a, scores=True, uniform=uni)  # few walks at BV 32 (pscores)
                     # (each backward kernel also as the GVA pair sum in the kernel, FLASHQLA_TILELANG_GVA=pair,
                     # the default since session 23, for the ratio-2 heads 16/32)
                     for pair in (False, True):
@@ -90,7 +94,8 @@ def test_list_shows_every_variant(tmp_path, capsys):
             # the fused training forward ahead of the whole-V backward (FLASHQLA_TILELANG_TRAIN_FUSED, on by default;
             # no fused L2 norm there): stage 1 with X, the fused recurrence with its saves
             for bdt in (torch.bfloat16, torch.float16, torch.float32):
-                ops.intra_tb_kernel(dt, bdt, 128, False, save_x=True)
+                for uni in (False, True):
+                    ops.intra_tb_kernel(dt, bdt, 128, False, save_x=True, uniform=uni)
             for h0, ht in itertools.product((False, True), repeat=2):
                 for bv in ops.FWD_WS_BVS:
                     for halo in (False, True):

@@ -528,6 +528,7 @@ def test_hw_ex2_switch_and_keys(monkeypatch):
     recurrence, the flag at its builder position in each key."""
     from flashqla.backends.tilelang import _compile, ops
     monkeypatch.delenv("FLASHQLA_TILELANG_EX2", raising=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")     # (stage 1's keys end at the flag here)
     assert ops.hw_ex2("bwd_whole") is True and ops.hw_ex2() is False
 
     def keys():

@@ -116,6 +116,10 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     XH = Hv if save_x else T.dynamic("XH")
     LOG2E = 1.4426950408889634
     assert not compact or (tb_only and not scores), "compact: the Tb-only forms without the scores"
+    # the device functions a kernel calls, imported as one source (a kernel takes one T.import_source); the w / u
+    # form takes exp (no ex2.approx) whatever hw_ex2 says
+    extern_src = (EX2_APPROX_SRC if hw_ex2 and tb_only else "") + (INVERSE_MMA_SRC if inv_mma else "")
+    has_extern = bool(extern_src)
     assert not persist or (tb_only and inv_mma and not scores and not head_major and not compact), \
         "persist: the padded Tb forms (with or without X) with the tensor-core inverse"
     APAD = C if compact else PAD
@@ -331,8 +335,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         ratio: T.int32,
     ):
         with T.Kernel(*grid(), threads=threads) as bx:
-            if inv_mma:
-                T.import_source(INVERSE_MMA_SRC)
+            if has_extern:
+                T.import_source(extern_src)
             c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             v_s = T.alloc_shared((C, V), dtype)
@@ -393,10 +397,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             if compact:
                 # (its 35 KB of shared memory fit five CTAs per SM: registers must too, at most 102)
                 T.annotate_min_blocks_per_sm(COMPACT_CTAS_PER_SM)
-            if hw_ex2:
-                T.import_source(EX2_APPROX_SRC)
-            if inv_mma:
-                T.import_source(INVERSE_MMA_SRC)
+            if has_extern:
+                T.import_source(extern_src)
             c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             g_s = T.alloc_shared((C,), acc)
@@ -466,10 +468,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             if compact:
                 # (its 35 KB of shared memory fit five CTAs per SM: registers must too, at most 102)
                 T.annotate_min_blocks_per_sm(COMPACT_CTAS_PER_SM)
-            if hw_ex2:
-                T.import_source(EX2_APPROX_SRC)
-            if inv_mma:
-                T.import_source(INVERSE_MMA_SRC)
+            if has_extern:
+                T.import_source(extern_src)
             c, h = order(bx)
             k_s = T.alloc_shared((C, K), dtype)
             g_s = T.alloc_shared((C,), acc)
@@ -512,9 +512,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         with T.Kernel(nprog, Hv, threads=threads) as (bp, h):
             # (four CTAs per SM, as shared memory allows: ptxas would otherwise take 148 registers, three CTAs)
             T.annotate_min_blocks_per_sm(PERSIST_CTAS_PER_SM)
-            if hw_ex2:
-                T.import_source(EX2_APPROX_SRC)
-            T.import_source(INVERSE_MMA_SRC)
+            T.import_source(extern_src)
             k_s = T.alloc_shared((C, K), dtype)
             g_s = T.alloc_shared((C,), acc)
             b_s = T.alloc_shared((C,), acc)

@@ -808,7 +808,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         bplan.seg_chunks if split_bwd_here and bplan is not None else None, l2norm, dev)
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     # (stage 1 finds a chunk's rows without the chunk table where every sequence has one length)
-    uni = intra_uniform() and (varlen is None or len(set(varlen.seqlens)) == 1)
+    lens_known = varlen is None or getattr(varlen, "seqlens", None) is not None     # (precompile's meta varlen: not)
+    uni = intra_uniform() and lens_known and (varlen is None or len(set(varlen.seqlens)) == 1)
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
     if fused and save:
