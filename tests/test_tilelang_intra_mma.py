@@ -185,7 +185,7 @@ def test_mma_inverse_fails_on_a_wrong_layout(emulator, sw):
 
 
 @pytest.mark.compile
-@pytest.mark.parametrize("form", ["tb", "tbx", "tb-l2norm", "wu"])
+@pytest.mark.parametrize("form", ["tb", "tbx", "tb-l2norm", "tbs", "wu"])
 def test_inv_mma_stage1_lowers(form):
     """``build_intra(inv_mma=True)`` lowers for sm_90a: the inverse's 18 3xTF32 products (54 HMMA.1688 TF32 in the
     SASS), stage 1's own k k^T still one pipelined wgmma, no local memory, and X no longer cleared by the CTA (the
@@ -195,11 +195,11 @@ def test_inv_mma_stage1_lowers(form):
     from flashqla.backends.tilelang import chunk_intra_sm90 as m
     from flashqla.backends.tilelang._compile import TARGET
     from test_backend_tilelang import assert_wgmma_pipelined, kernel_sass, resource_usage
-    l2norm, save_x, tb_only = form == "tb-l2norm", form == "tbx", form != "wu"
+    l2norm, save_x, tb_only, scores = form == "tb-l2norm", form == "tbx", form != "wu", form == "tbs"
 
     def build(inv):
         return tilelang.compile(m.build_intra("bfloat16", "bfloat16", 128, 128, l2norm, save_x, tb_only=tb_only,
-                                              inv_mma=inv), out_idx=None, target=TARGET)
+                                              scores=scores, inv_mma=inv), out_idx=None, target=TARGET)
     kern, base = build(True), build(False)
     src = kern.get_kernel_source()
     assert "flq_inv64_mma((&(((float*)A_s)[0])), (&(((float*)X_s)[0])));" in src
@@ -318,3 +318,18 @@ def test_intra_persist_key_and_programs(monkeypatch):
         assert ops.intra_persist_programs(512, 8, dev) == 66
         assert ops.intra_persist_programs(3, 8, dev) == 3
         assert ops.intra_persist_programs(512, 1024, dev) == 1
+
+
+@pytest.mark.compile
+def test_inv_mma_with_hw_ex2_lowers():
+    """``FLASHQLA_TILELANG_EX2=approx`` with the tensor-core inverse: both device functions in one imported source (a
+    kernel takes one ``T.import_source``; two failed to build, session 25)."""
+    pytest.importorskip("tilelang")
+    import tilelang
+    from flashqla.backends.tilelang import chunk_intra_sm90 as m
+    from flashqla.backends.tilelang._compile import TARGET
+    for kw in (dict(save_x=False), dict(save_x=True), dict(save_x=False, uniform=True, persist=True)):
+        sx = kw.pop("save_x")
+        src = tilelang.compile(m.build_intra("bfloat16", "bfloat16", 128, 128, False, sx, tb_only=True, hw_ex2=True,
+                                             inv_mma=True, **kw), out_idx=None, target=TARGET).get_kernel_source()
+        assert "flq_ex2_approx(" in src and "flq_inv64_mma(" in src and "mma.sync.aligned" in src
