@@ -66,6 +66,8 @@
 #   bash benchmarks/next_device_run.sh intrapersist FLASHQLA_TILELANG_INTRA_PERSIST=1 (persistent stage-1 CTAs that prefetch their
 #                                                 next chunk) and FLASHQLA_TILELANG_INTRA_COMPACT=1 with the mma inverse (five CTAs
 #                                                 per SM), session 25, both off: the same steps
+#   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
+#                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
 #                                                 (session 20): GPU test, A/B (IC_MODE=fwd|fwdbwd) (#8)
 #   bash benchmarks/next_device_run.sh trainfusedall  FLASHQLA_TILELANG_TRAIN_FUSED=all: the fused training forward over
@@ -505,6 +507,13 @@ case "$STEP" in
           --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section Occupancy \
           python benchmarks/profile_kernels.py --impls tilelang --rows 16/32:1x32768 --modes fwd --iters 3
     fi ;;
+  trainbv)
+    # the fused training forward's V-block (session 25): at 16/32 1x32768 its walk takes 0.661 ms against the inference
+    # walk's 0.407 (H100), the state / v_new saves on the chain's cycle; at BV 128 the walk has one S buffer (nb = 1),
+    # at BV 64 two, so a save has a chunk to drain.  fwd+bwd kernel times with the V-block forced (TB_ROWS)
+    TAIL=30 run_step "training forward V-block A/B" ${TB_S:-150} python benchmarks/sweep_variants.py --backend tilelang \
+        --mode fwdbwd --out $OUT/sweep_train_bv.json --rows ${TB_ROWS:-16/32:1x32768,32/32:1x32768,8/16:1x32768} \
+        "--variants=-;FLASHQLA_TILELANG_BV=64;FLASHQLA_TILELANG_BV=32" ;;
   intracompact)
     # FLASHQLA_TILELANG_INTRA_COMPACT=1 (session 20): stage 1's Tb forms with XOR-swizzled unpadded A / X tiles, A over
     # the k tile (33 KB of shared memory instead of 53: five CTAs per SM instead of four).  Its GPU test, then the A/B
@@ -688,7 +697,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
