@@ -100,6 +100,21 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     tile's space (k is dead once k k^T is formed) and X shrinks by 2 KB: 33 KB of shared memory instead of 53.  With
     the 96 registers ptxas then gives it (84 before: the swizzle's index arithmetic), five CTAs fit per SM instead of
     four, for a kernel that waits on latency.
+
+    ``inv_mma`` (``FLASHQLA_TILELANG_INTRA_INV=mma``, the default since session 25): step 5 is the device function of
+    ``intra_inverse_mma.py`` (the blocked inverse's products as 3xTF32 ``mma.sync`` fragments; ``flq_inv64_mma_sw`` on
+    the compact tiles), which also writes X's zero blocks, so X is not cleared first.  Stage 1's shared-memory pipe
+    went from 89% to 66% and the Tb form from 0.224 to 0.208 ms at 16/32 1x32768 (H100).
+
+    ``uniform`` (dense calls, ``FLASHQLA_TILELANG_INTRA_UNIFORM``): every sequence has ``T = cu_seqlens[1]`` tokens
+    and the chunks are numbered sequence by sequence, so a CTA finds its rows from its chunk number
+    (:func:`chunk_bounds`) instead of the chunk table.
+
+    ``persist`` (the Tb forms with ``inv_mma``, ``FLASHQLA_TILELANG_INTRA_PERSIST=1``, session 25, off until measured):
+    grid ``(nprog, Hv)``, four CTAs per SM (``__launch_bounds__(128, 4)``: 128 registers, 52 KB); CTA ``(p, h)``
+    walks chunks ``p, p + nprog, ...`` of value head h, and issues the next chunk's k-tile TMA load and its gate /
+    beta loads (into registers) as soon as this chunk's ``k k^T`` has read the k tile, so they fly while A, the
+    inverse and Tb are formed.  Tb, X and G go to global memory straight from the X tile (no staging tile).
     """
     import tilelang.language as T
 
