@@ -528,6 +528,19 @@ def _bwd_ws_variants():
 _SM90_SMEM = 232448
 
 
+def assert_resources(kernel, max_regs=None, max_dyn_smem_kb=None) -> str:
+    """A compiled kernel's resource usage (printed and returned): no local memory, and at most ``max_regs`` registers
+    per thread / ``max_dyn_smem_kb`` of dynamic shared memory where given (what its CTAs per SM rest on)."""
+    usage = resource_usage(kernel)
+    print(usage)
+    assert "LOCAL:0" in usage or "unavailable" in usage, usage
+    regs = re.search(r"REG:(\d+)", usage)
+    assert max_regs is None or regs is None or int(regs.group(1)) <= max_regs, usage
+    smem = re.search(r"DYN_SMEM:(\d+)KB", usage)
+    assert max_dyn_smem_kb is None or smem is None or int(smem.group(1)) <= max_dyn_smem_kb, usage
+    return usage
+
+
 def _smem_bytes(kernel, usage: str) -> int:
     """Static + dynamic shared memory of a compiled kernel (the dynamic size from the host stub, as
     resource_usage reads it)."""

@@ -194,7 +194,7 @@ def test_inv_mma_stage1_lowers(form):
     import tilelang
     from flashqla.backends.tilelang import chunk_intra_sm90 as m
     from flashqla.backends.tilelang._compile import TARGET
-    from test_backend_tilelang import assert_wgmma_pipelined, kernel_sass, resource_usage
+    from test_backend_tilelang import assert_resources, assert_wgmma_pipelined, kernel_sass
     l2norm, save_x, tb_only, scores = form == "tb-l2norm", form == "tbx", form != "wu", form == "tbs"
 
     def build(inv):
@@ -204,9 +204,7 @@ def test_inv_mma_stage1_lowers(form):
     src = kern.get_kernel_source()
     assert "flq_inv64_mma((&(((float*)A_s)[0])), (&(((float*)X_s)[0])));" in src
     assert "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32" in src and "wgmma" in src and "tma_load" in src
-    usage = resource_usage(kern)
-    print(form, usage)
-    assert "LOCAL:0" in usage or "unavailable" in usage, usage
+    assert_resources(kern)
     assert_wgmma_pipelined(kern, form)
     sass, sass_base = kernel_sass(kern), kernel_sass(base)
     if sass is not None:
@@ -271,11 +269,10 @@ def test_intra_persist_lowers_for_four_ctas_per_sm(save_x, uniform):
     128 registers (``__launch_bounds__(128, 4)``) with no local memory, at most 54 KB of shared memory (four CTAs per
     SM), and Tb / X / G written straight from the X tile (no TMA store)."""
     pytest.importorskip("tilelang")
-    import re
     import tilelang
     from flashqla.backends.tilelang import chunk_intra_sm90 as m
     from flashqla.backends.tilelang._compile import TARGET
-    from test_backend_tilelang import assert_wgmma_pipelined, kernel_sass, resource_usage
+    from test_backend_tilelang import assert_resources, assert_wgmma_pipelined, kernel_sass
     kern = tilelang.compile(m.build_intra("bfloat16", "bfloat16", 128, 128, False, save_x, tb_only=True, inv_mma=True,
                                           uniform=uniform, persist=True), out_idx=None, target=TARGET)
     src = kern.get_kernel_source()
@@ -283,13 +280,7 @@ def test_intra_persist_lowers_for_four_ctas_per_sm(save_x, uniform):
     loop = src[src.index("for (int it = 0;"):]
     assert loop.count("tl::tma_load(") == 1 and "tma_store" not in src
     assert "bar[0].wait((it & 1))" in loop
-    usage = resource_usage(kern)
-    print(usage)
-    assert "LOCAL:0" in usage or "unavailable" in usage, usage
-    regs = re.search(r"REG:(\d+)", usage)
-    assert regs is None or int(regs.group(1)) <= 128, usage
-    smem = re.search(r"DYN_SMEM:(\d+)KB", usage)
-    assert smem is None or int(smem.group(1)) <= 54, usage
+    assert_resources(kern, max_regs=128, max_dyn_smem_kb=54)
     assert_wgmma_pipelined(kern, "persist")
     sass = kernel_sass(kern)
     if sass is not None:

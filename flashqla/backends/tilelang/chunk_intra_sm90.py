@@ -509,6 +509,16 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             T.copy(Xb_s, X_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
+    @T.macro
+    def prefetch_chunk(c, k, g, beta, cu_seqlens, chunk_indices, k_s, g_next, b_next, bar, tx, h, hq):
+        # (persist) chunk c's k tile by TMA onto ``bar``, its gates and beta into registers (rows past the sequence
+        # end zero, as load_gates has them)
+        bos, eos = chunk_bounds(c, cu_seqlens, chunk_indices)
+        T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=bar)
+        if tx < C:
+            g_next[0] = T.if_then_else(bos + tx < eos, g[bos + tx, h], 0.0)
+            b_next[0] = T.if_then_else(bos + tx < eos, T.cast(beta[bos + tx, h], acc), 0.0)
+
     @T.prim_func
     def gdn_fwd_intra_tb_persist(
         k: T.Tensor((NT, Hqk, K), dtype),
@@ -543,12 +553,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             hq = h // ratio
             niter = T.ceildiv(NC - bp, nprog)
 
-            # the first chunk's loads
-            bos0, eos0 = chunk_bounds(bp, cu_seqlens, chunk_indices)
-            T.tma_copy(k[bos0:bos0 + C, hq, :], k_s, barrier=bar)
-            if tx < C:
-                g_next[0] = T.if_then_else(bos0 + tx < eos0, g[bos0 + tx, h], 0.0)
-                b_next[0] = T.if_then_else(bos0 + tx < eos0, T.cast(beta[bos0 + tx, h], acc), 0.0)
+            prefetch_chunk(bp, k, g, beta, cu_seqlens, chunk_indices, k_s, g_next, b_next, bar, tx, h, hq)
             for it in T.serial(niter):
                 c = bp + it * nprog
                 # (the gates and beta of this chunk, loaded during the last one; every thread arrives once per
@@ -565,11 +570,8 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                 # k k^T is in registers and k_s is free: the next chunk's loads fly while this one's A, inverse
                 # and Tb are formed
                 if it + 1 < niter:
-                    bos1, eos1 = chunk_bounds(c + nprog, cu_seqlens, chunk_indices)
-                    T.tma_copy(k[bos1:bos1 + C, hq, :], k_s, barrier=bar)
-                    if tx < C:
-                        g_next[0] = T.if_then_else(bos1 + tx < eos1, g[bos1 + tx, h], 0.0)
-                        b_next[0] = T.if_then_else(bos1 + tx < eos1, T.cast(beta[bos1 + tx, h], acc), 0.0)
+                    prefetch_chunk(c + nprog, k, g, beta, cu_seqlens, chunk_indices, k_s, g_next, b_next, bar, tx, h,
+                                   hq)
                 form_A(g_s, b_s, n_s, cw_s, A_s, kk_f)
                 invert(A_s, X_s)
                 # straight to global memory (coalesced rows): a staging tile would take shared memory that four

@@ -630,6 +630,15 @@ def _meta_bvs(NS, Hv, V, dev) -> tuple:
     return (fwd_ws_bv(NS, Hv, V, dev),) if bv_forced() else FWD_WS_BVS
 
 
+def _equal_lengths(varlen) -> bool:
+    """Whether every sequence of a call has one length: a dense call, or varlen lengths all equal (precompile's
+    meta-device varlen carries no lengths: no)."""
+    if varlen is None:
+        return True
+    lens = getattr(varlen, "seqlens", None)
+    return lens is not None and len(set(lens)) == 1
+
+
 def seq_lengths(varlen, B: int, T: int) -> list:
     """The sequences' lengths, from the host (``VarlenMeta``) or the dense shape."""
     return varlen.seqlens if varlen is not None else [T] * B
@@ -808,8 +817,10 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         bplan.seg_chunks if split_bwd_here and bplan is not None else None, l2norm, dev)
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     # (stage 1 finds a chunk's rows without the chunk table where every sequence has one length)
-    lens_known = varlen is None or getattr(varlen, "seqlens", None) is not None     # (precompile's meta varlen: not)
-    uni = intra_uniform() and lens_known and (varlen is None or len(set(varlen.seqlens)) == 1)
+    uni = intra_uniform() and _equal_lengths(varlen)
+    # the persistent Tb forms of stage 1 (intra_persist), with their CTAs per head as the last argument
+    persist = intra_persist() and NC > 0
+    persist_args = (intra_persist_programs(NC, Hv, dev),) if persist else ()
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
     if fused and save:
@@ -817,10 +828,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        persist = intra_persist() and NC > 0
         intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni, persist=persist)(
-            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio,
-            *((intra_persist_programs(NC, Hv, dev),) if persist else ()))
+            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio, *persist_args)
     elif fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
@@ -837,11 +846,11 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
             if ps:
                 scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
             q_in = qf if ps else dummy((1, 1, K), dt, dev)
-            if not ps and NC > 0 and intra_persist():
+            if persist and not ps:
                 # (the persistent form has the training form's signature: no q, X a placeholder)
                 intra_tb_kernel(dt, bf.dtype, K, l2norm, uniform=uni, persist=True)(
                     kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, dummy((1, 1, CHUNK, CHUNK), dt, dev), G,
-                    ratio, intra_persist_programs(NC, Hv, dev))
+                    ratio, *persist_args)
                 continue
             intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps, uniform=uni)(
                 q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
