@@ -4,7 +4,8 @@ The backends read their tuning knobs from the environment at call time: the trit
 V-block from ``FLASHQLA_TRITON_TUNE`` ("state.bv=64,state.warps=4,..."; see ``backends/triton/ops.py``), the
 tilelang forward's V-block and options from ``FLASHQLA_TILELANG_BV`` / ``FLASHQLA_TILELANG_WS_OPTS``.  A
 variant is ``-`` (the defaults) or space-separated ``NAME=VALUE`` settings (split at the first ``=``);
-``;`` separates variants.  Per row and variant this prints the sum of kernel times, the per-kernel split and
+``;`` separates variants.  Per row and variant this prints the sum of kernel times, the eager wall time per call
+(calls back to back: the sum cannot show kernels that overlap on two streams), the per-kernel split and
 the outputs' largest relative L2 difference from the first variant (a variant that changes the numbers
 beyond rounding is a bug, not a speedup).
 
@@ -86,7 +87,9 @@ def main(argv=None) -> int:
                 print(f"{args.backend} {row} {args.mode} [{spec}]: {r['error']}")
             else:
                 split = ", ".join(f"{k['name'][:28]} {k['ms']:.3f}" for k in r["kernels"][:6])
-                print(f"{args.backend} {row} {args.mode} [{spec}]: {r['total_ms']:.3f} ms (diff {err:.1e}) | {split}")
+                # (kernel-time sum; wall: eager calls back to back, what shows an overlap of two streams)
+                print(f"{args.backend} {row} {args.mode} [{spec}]: {r['total_ms']:.3f} ms, wall {r['wall_ms']:.3f} "
+                      f"(diff {err:.1e}) | {split}")
             sys.stdout.flush()
             if args.out:
                 with open(args.out, "w") as f:

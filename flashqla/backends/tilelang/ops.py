@@ -178,12 +178,22 @@ def intra_persist() -> bool:
     return env_choice("FLASHQLA_TILELANG_INTRA_PERSIST", ("0", "1"), "0") == "1" and intra_inv_mma()
 
 
-def intra_persist_programs(num_chunks: int, Hv: int, device) -> int:
-    """The persistent stage 1's CTAs per value head: one wave at ``PERSIST_CTAS_PER_SM`` per SM, at most one per
-    chunk."""
+def intra_persist_ctas_per_sm() -> int:
+    """``FLASHQLA_TILELANG_INTRA_PERSIST_CTAS`` (1-4, default 4): the persistent stage 1's CTAs per SM in its grid.
+    The kernel is built for four (``__launch_bounds__(128, 4)``: 128 registers, the whole register file at four);
+    a smaller grid leaves each SM a quarter of its registers per CTA left out, room for the halo searches that run
+    beside stage 1 on a side stream (:func:`halo_stream`).  Why it exists: at four per SM those searches found no
+    SM free until stage 1 ended (H100, session 26 run 2: walk_start 0.011 -> 0.042-0.088 ms in the forward)."""
     from .chunk_intra_sm90 import PERSIST_CTAS_PER_SM
+    return int(env_choice("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS",
+                          tuple(str(i) for i in range(1, PERSIST_CTAS_PER_SM + 1)), str(PERSIST_CTAS_PER_SM)))
+
+
+def intra_persist_programs(num_chunks: int, Hv: int, device) -> int:
+    """The persistent stage 1's CTAs per value head: one wave at :func:`intra_persist_ctas_per_sm` per SM, at most
+    one per chunk."""
     sms = detect(device).sm_count or 132
-    return max(1, min(num_chunks, PERSIST_CTAS_PER_SM * sms // max(Hv, 1)))
+    return max(1, min(num_chunks, intra_persist_ctas_per_sm() * sms // max(Hv, 1)))
 
 
 def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, uniform=False, persist=False):
