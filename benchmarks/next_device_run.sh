@@ -223,16 +223,17 @@ case "$STEP" in
     # PACK_ONLY=1 benchmarks/rebuild_kcache.sh) and the cutlassgrid / flqfwdgrid calls start warm
     TAIL=6 run_step "flashqla fwd warm-up (its grid's heads)" ${FLQWARM_S:-200} python benchmarks/warm_flashqla_cache.py \
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32} \
-        --seqs "32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8" --no-xz
+        --seqs "${FLQ_SEQS:-32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8}" --no-xz
     save_kcache ;;
   flqfwdgrid)
     # #4's forward acceptance: FlashQLA's own forward grid (9 head configurations x 12 length mixes, 108 rows),
     # tilelang against FlashQLA and FLA.  FlashQLA's kernels for its heads are warmed first (16 jobs; its CP
     # variants that depend on g's values still compile on first use).  Too long for one call: FLQ_FILTER splits
     # the grid (e.g. "2/8 |4/16 |8/32 " then "16/64|16/32|8/24" then "16/48|16/16|32/32"); merge the JSONs after.
+    # FLQ_SEQS narrows the warm-up to the length mixes FLQ_FILTER keeps (e.g. 32768 for "/32 1x32768").
     TAIL=6 run_step "flashqla fwd warm-up (its grid's heads)" ${FLQWARM_S:-200} python benchmarks/warm_flashqla_cache.py \
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32} \
-        --seqs "32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8" --no-xz
+        --seqs "${FLQ_SEQS:-32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8}" --no-xz
     TAIL=40 run_step "flashqla-fwd preset ${FLQ_FILTER:-all}" ${FLQGRID_S:-400} python -m flashqla bench \
         --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla ${BENCH_ARGS:-} \
         ${FLQ_FILTER:+--filter "$FLQ_FILTER"} --out $OUT/flqfwd ;;
@@ -684,9 +685,10 @@ case "$STEP" in
     # (BWD_BACKENDS adds others, e.g. tilelang@cpw8).  FlashQLA's backward kernels compile on first use, and the
     # preset's random splits pick variants the qwen35-bwd rows do not: warm exactly its rows first.
     # BWD_FILTER picks rows; BWD_BASELINES=flashqla,fla adds FLA's Triton (#4 item 5 asks for both ratios).
+    # BWD_SEQS (e.g. 32768 for the "32k in 1 " rows) warms those rows only instead of the whole preset.
     TAIL=10 run_step "flashqla bwd warm-up" ${BWDWARM_S:-300} python benchmarks/warm_flashqla_cache.py \
         --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --seqs none \
-        --bwd-preset flashqla-bwd --no-xz
+        ${BWD_SEQS:+--with-backward --bwd-seqs "$BWD_SEQS"} ${BWD_SEQS:---bwd-preset flashqla-bwd} --no-xz
     save_kcache
     TAIL=45 run_step "flashqla-bwd grid against FlashQLA" 420 python -m flashqla bench \
         --preset flashqla-bwd --no-progress --filter "${BWD_FILTER:- in }" --backends ${BWD_BACKENDS:-tilelang} \
