@@ -60,9 +60,11 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="-")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="")
+    ap.add_argument("--graph", action="store_true",
+                    help="also the CUDA-graph median per call (flashqla bench's timing), what an overlap shows in")
     args = ap.parse_args(argv)
 
-    from flashqla.cli.bench import _flashqla_op, agreement, make_call
+    from flashqla.cli.bench import _flashqla_op, agreement, make_call, time_cuda
 
     op = _flashqla_op(args.backend)
     results = []
@@ -79,6 +81,8 @@ def main(argv=None) -> int:
                     base = outs
                 err = agreement(outs, base)
                 r = profile_one(fn, args.iters)
+                if args.graph:
+                    r["graph_ms"] = time_cuda([fn], 0.2, 200, use_graph=True)["ms"]
             except Exception as exc:  # one bad variant (too much shared memory, ...) must not end the sweep
                 r, err = {"error": f"{type(exc).__name__}: {str(exc)[:200]}"}, float("nan")
             r.update(backend=args.backend, row=row, mode=args.mode, variant=spec, diff_vs_first=err)
@@ -88,8 +92,9 @@ def main(argv=None) -> int:
             else:
                 split = ", ".join(f"{k['name'][:28]} {k['ms']:.3f}" for k in r["kernels"][:6])
                 # (kernel-time sum; wall: eager calls back to back, what shows an overlap of two streams)
-                print(f"{args.backend} {row} {args.mode} [{spec}]: {r['total_ms']:.3f} ms, wall {r['wall_ms']:.3f} "
-                      f"(diff {err:.1e}) | {split}")
+                graph = f", graph {r['graph_ms']:.3f}" if "graph_ms" in r else ""
+                print(f"{args.backend} {row} {args.mode} [{spec}]: {r['total_ms']:.3f} ms, wall {r['wall_ms']:.3f}"
+                      f"{graph} (diff {err:.1e}) | {split}")
             sys.stdout.flush()
             if args.out:
                 with open(args.out, "w") as f:
