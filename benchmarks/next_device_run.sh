@@ -66,6 +66,9 @@
 #   bash benchmarks/next_device_run.sh intrapersist FLASHQLA_TILELANG_INTRA_PERSIST=1 (persistent stage-1 CTAs that prefetch their
 #                                                 next chunk) and FLASHQLA_TILELANG_INTRA_COMPACT=1 with the mma inverse (five CTAs
 #                                                 per SM), session 25, both off: the same steps
+#   bash benchmarks/next_device_run.sh persistwalk the persistent stage 1 (the default since session 26 on equal-length calls):
+#                                                 GPU tests incl. CTAs that walk several chunks, then the CUDA-graph A/B
+#                                                 (PW_ROWS, PW_MODES): off / auto / 3 CTAs per SM / halo searches inline
 #   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
 #                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
@@ -508,6 +511,21 @@ case "$STEP" in
           --section MemoryWorkloadAnalysis_Tables --section ComputeWorkloadAnalysis --section Occupancy \
           python benchmarks/profile_kernels.py --impls tilelang --rows 16/32:1x32768 --modes fwd --iters 3
     fi ;;
+  persistwalk)
+    # the persistent stage 1 (FLASHQLA_TILELANG_INTRA_PERSIST=auto, the default since session 26 on equal-length
+    # calls): its GPU tests, the new one first (CTAs that walk several chunks, varlen chunk tables: what auto waits
+    # for before it takes varlen calls too), then the CUDA-graph A/B (a kernel-time sum counts the side-stream halo
+    # searches' wait for SMs, not the overlap): off, auto, three CTAs per SM, the halo searches on the caller's stream
+    TAIL=10 run_step "persist GPU tests" ${PW_TEST_S:-300} $PYT tests/test_backend_tilelang.py \
+        -k "intra_persist_walks_several_chunks or intra_persist_is_bitwise"
+    case $RUN_RC in 0) ;; *) echo "== persistwalk: tests did not pass; the A/B skipped"; continue ;; esac
+    P=FLASHQLA_TILELANG_INTRA_PERSIST
+    for M in ${PW_MODES:-fwd fwdbwd}; do
+      TAIL=40 run_step "persist graph A/B $M" ${PW_SWEEP_S:-150} python benchmarks/sweep_variants.py --backend tilelang \
+          --mode $M --graph --out $OUT/sweep_persist_graph_$M.json \
+          --rows ${PW_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768} \
+          "--variants=$P=0;-;FLASHQLA_TILELANG_INTRA_PERSIST_CTAS=3;FLASHQLA_TILELANG_HALO_STREAM=0"
+    done ;;
   trainbv)
     # the fused training forward's V-block (session 25): at 16/32 1x32768 its walk takes 0.661 ms against the inference
     # walk's 0.407 (H100), the state / v_new saves on the chain's cycle; at BV 128 the walk has one S buffer (nb = 1),
@@ -699,7 +717,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -788,6 +788,32 @@ def test_gpu_intra_persist_is_bitwise_the_per_chunk_ctas(case, monkeypatch):
     _gpu_case(case, torch.bfloat16)
 
 
+# long enough that a persistent CTA walks several chunks at one CTA per SM (nprog < chunks per head)
+_PERSIST_WALK_CASES = [
+    Case("persist_dense", 2, 16, 128, 128, B=2, T=4160),
+    Case("persist_varlen", 2, 16, 128, 128, seqlens=(1000, 3000, 333, 0, 65, 1, 640)),
+    Case("persist_varlen_gva4", 4, 16, 128, 128, seqlens=(4100, 77, 2048), gate="strong"),
+]
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("case", _PERSIST_WALK_CASES, ids=lambda c: c.name)
+def test_gpu_intra_persist_walks_several_chunks(case, monkeypatch):
+    # the persistent stage 1 where each CTA walks several chunks (its next-chunk prefetch, the chunk table's rows
+    # for unequal lengths, sequences of 0 / 1 tokens between them): FLASHQLA_TILELANG_INTRA_PERSIST_CTAS=1 gives
+    # SMs // Hv CTAs per head, fewer than the chunks; bitwise one CTA per chunk, and the oracle
+    from flashqla.backends.tilelang import ops
+    from flashqla.dispatch.device import detect
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS", "1")
+    lens = case.seqlens or (case.T,) * case.B
+    chunks = sum(-(-n // ops.CHUNK) for n in lens)
+    assert ops.intra_persist_programs(chunks, case.Hv, torch.device("cuda")) * 2 <= chunks, \
+        (chunks, detect(torch.device("cuda")).sm_count)
+    _assert_bitwise_under(case, monkeypatch, "FLASHQLA_TILELANG_INTRA_PERSIST", "0", "1")
+    _gpu_case(case, torch.bfloat16, grads=True)
+
+
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("case", [c for c in _GPU_FWD_CASES if c.seqlens is None], ids=lambda c: c.name)

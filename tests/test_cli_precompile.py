@@ -70,7 +70,9 @@ def test_list_shows_every_variant(tmp_path, capsys):
                     # (stage 1 with the uniform row lookup for dense calls, the table for varlen ones)
                     for uni in (False, True):
                         ops.intra_kernel(dt, bdt, 128, 128, a, True, uniform=uni)     # training forwards (X saved)
-                        ops.intra_tb_kernel(dt, bdt, 128, a, uniform=uni)             # inference forwards (fused)
+                        # inference forwards (fused); equal-length calls' stage 1 as persistent CTAs (the
+                        # default FLASHQLA_TILELANG_INTRA_PERSIST=auto, session 26)
+                        ops.intra_tb_kernel(dt, bdt, 128, a, uniform=uni, persist=uni)
                         ops.intra_tb_kernel(dt, bdt, 128, a, scores=True, uniform=uni)  # few walks at BV 32 (pscores)
                     # (each backward kernel also as the GVA pair sum in the kernel, FLASHQLA_TILELANG_GVA=pair,
                     # the default since session 23, for the ratio-2 heads 16/32)
@@ -95,7 +97,7 @@ def test_list_shows_every_variant(tmp_path, capsys):
             # no fused L2 norm there): stage 1 with X, the fused recurrence with its saves
             for bdt in (torch.bfloat16, torch.float16, torch.float32):
                 for uni in (False, True):
-                    ops.intra_tb_kernel(dt, bdt, 128, False, save_x=True, uniform=uni)
+                    ops.intra_tb_kernel(dt, bdt, 128, False, save_x=True, uniform=uni, persist=uni)
             for h0, ht in itertools.product((False, True), repeat=2):
                 for bv in ops.FWD_WS_BVS:
                     for halo in (False, True):

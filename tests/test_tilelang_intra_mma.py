@@ -288,15 +288,20 @@ def test_intra_persist_lowers_for_four_ctas_per_sm(save_x, uniform):
 
 
 def test_intra_persist_key_and_programs(monkeypatch):
-    """The persistent form is asked for by name, needs the tensor-core inverse, and launches one wave of four CTAs
-    per SM over the value heads (never more CTAs per head than chunks)."""
+    """The persistent form is the default on equal-length calls, can be switched on for all or off, needs the
+    tensor-core inverse, and launches one wave of four CTAs per SM over the value heads (never more CTAs per head
+    than chunks); fewer per SM on request."""
     from flashqla.backends.tilelang import ops
     from flashqla.dispatch.device import fake_device
     monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_PERSIST", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_INV", raising=False)
+    monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS", raising=False)
+    # auto: where stage 1 finds its rows from the chunk number (the measured, GPU-tested calls)
+    assert ops.intra_persist() and ops.intra_persist(uniform=True) and not ops.intra_persist(uniform=False)
+    monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "0")
     assert not ops.intra_persist()
     monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "1")
-    assert ops.intra_persist()
+    assert ops.intra_persist() and ops.intra_persist(uniform=False)
     monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_INV", "fma")
     assert not ops.intra_persist()
     seen = []
@@ -308,6 +313,12 @@ def test_intra_persist_key_and_programs(monkeypatch):
         assert ops.intra_persist_programs(512, 32, dev) == 16
         assert ops.intra_persist_programs(512, 8, dev) == 66
         assert ops.intra_persist_programs(3, 8, dev) == 3
+        monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS", "3")
+        assert ops.intra_persist_programs(512, 32, dev) == 12
+        monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS", "5")
+        with pytest.raises(ValueError, match="FLASHQLA_TILELANG_INTRA_PERSIST_CTAS"):
+            ops.intra_persist_programs(512, 32, dev)
+        monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS")
         assert ops.intra_persist_programs(512, 1024, dev) == 1
 
 

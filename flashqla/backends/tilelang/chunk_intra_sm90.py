@@ -110,7 +110,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     and the chunks are numbered sequence by sequence, so a CTA finds its rows from its chunk number
     (:func:`chunk_bounds`) instead of the chunk table.
 
-    ``persist`` (the Tb forms with ``inv_mma``, ``FLASHQLA_TILELANG_INTRA_PERSIST=1``, session 25, off until measured):
+    ``persist`` (the Tb forms with ``inv_mma``, ``FLASHQLA_TILELANG_INTRA_PERSIST``, session 25, the default since 26):
     grid ``(nprog, Hv)``, four CTAs per SM (``__launch_bounds__(128, 4)``: 128 registers, 52 KB); CTA ``(p, h)``
     walks chunks ``p, p + nprog, ...`` of value head h, and issues the next chunk's k-tile TMA load and its gate /
     beta loads (into registers) as soon as this chunk's ``k k^T`` has read the k tile, so they fly while A, the

@@ -167,15 +167,29 @@ def intra_kernel(dtype, beta_dtype, K, V, l2norm, save_x, uniform=False):
                                                            (bool(uniform), False)))
 
 
-def intra_persist() -> bool:
-    """``FLASHQLA_TILELANG_INTRA_PERSIST=1`` (session 25, off until measured): stage 1's Tb forms (inference, and the
-    fused training forward's Tb and X) as persistent CTAs, ``build_intra(persist=True)``: four per SM, each walking
-    every ``nprog``-th chunk of its value head and loading the next chunk's k tile (TMA), gates and beta while it
-    forms this one's A, inverse and Tb.  Why: with the tensor-core inverse, a third of stage 1's stall samples wait
-    in each CTA's prologue for exactly those loads (Nsight Compute, H100, session 25 run 3), and with four CTAs per
-    SM nothing hides them.  Tb and X go to global memory from the X tile directly (no staging tile: shared memory
-    stays at 52 KB, four CTAs per SM).  Needs the tensor-core inverse (``FLASHQLA_TILELANG_INTRA_INV=mma``)."""
-    return env_choice("FLASHQLA_TILELANG_INTRA_PERSIST", ("0", "1"), "0") == "1" and intra_inv_mma()
+def intra_persist(uniform: bool = True) -> bool:
+    """``FLASHQLA_TILELANG_INTRA_PERSIST=auto|1|0`` (auto, the default since session 26: on where stage 1 finds its
+    rows from the chunk number, ``uniform``; 1: also on the chunk table; 0: one CTA per chunk): stage 1's Tb forms
+    (inference, and the fused training forward's Tb and X) as persistent CTAs, ``build_intra(persist=True)``: four
+    per SM, each walking every ``nprog``-th chunk of its value head and loading the next chunk's k tile (TMA), gates
+    and beta while it forms this one's A, inverse and Tb.  Why: with the tensor-core inverse, a third of stage 1's
+    stall samples wait in each CTA's prologue for exactly those loads (Nsight Compute, H100, session 25 run 3), and
+    with four CTAs per SM nothing hides them.  Tb and X go to global memory from the X tile directly (no staging
+    tile: shared memory stays at 52 KB, four CTAs per SM).  Needs the tensor-core inverse
+    (``FLASHQLA_TILELANG_INTRA_INV=mma``).
+
+    Measured (H100, session 26 runs 1-2): the Tb form 0.208 -> 0.190 ms and the training form 0.252 -> 0.221 at
+    16/32 1x32768; eager wall time per call, forward 0.635 -> 0.614 ms (16/32 1x32768), 0.638 -> 0.617 (32/32),
+    0.638 -> 0.618 (8/32), 0.606 -> 0.594 (16/32 4x8192); fwd+bwd 2.821 -> 2.773 (16/32 1x32768), 2.895 -> 2.808
+    (32/32), 2.931 -> 2.884 (8/32), 2.750 -> 2.700 (16/32 4x8192).  Outputs and gradients on those rows bitwise those
+    of one CTA per chunk.  (The halo searches beside it on the side stream then wait for SMs: their kernel time
+    grows, 0.011 -> 0.042 ms, but they overlap stage 1; see :func:`intra_persist_ctas_per_sm`.)
+
+    Why auto leaves the chunk table (varlen calls of unequal lengths) out: there a CTA that walks several chunks
+    was not yet run on a GPU (the GPU tests' small cases have a CTA per chunk; the measured rows are dense).
+    ``test_gpu_intra_persist_walks_several_chunks`` is that test; once it passes, auto can take the table too."""
+    mode = env_choice("FLASHQLA_TILELANG_INTRA_PERSIST", ("auto", "0", "1"), "auto")
+    return intra_inv_mma() and (mode == "1" or (mode == "auto" and bool(uniform)))
 
 
 def intra_persist_ctas_per_sm() -> int:
@@ -829,7 +843,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     # (stage 1 finds a chunk's rows without the chunk table where every sequence has one length)
     uni = intra_uniform() and _equal_lengths(varlen)
     # the persistent Tb forms of stage 1 (intra_persist), with their CTAs per head as the last argument
-    persist = intra_persist() and NC > 0
+    persist = intra_persist(uni) and NC > 0
     persist_args = (intra_persist_programs(NC, Hv, dev),) if persist else ()
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
@@ -911,8 +925,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         # device from the backward's plan)
         Tb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         Xm = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni)(
-            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb, Xm, G, ratio)
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni, persist=persist)(
+            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb, Xm, G, ratio, *persist_args)
         for b in _meta_bvs(NS, Hv, V, dev):
             for halo in (False, True):
                 fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo)(
