@@ -495,7 +495,8 @@ case "$STEP" in
       S1_DEF_VARIANTS="FLASHQLA_TILELANG_INTRA_INV=fma;FLASHQLA_TILELANG_INTRA_INV=mma"
     else
       S1_VAR=FLASHQLA_TILELANG_INTRA_PERSIST=1; S1_DEF_K="intra_persist or intra_compact"
-      S1_DEF_VARIANTS="-;FLASHQLA_TILELANG_INTRA_PERSIST=1;FLASHQLA_TILELANG_INTRA_COMPACT=1"
+      # (persistent by default on equal-length calls since session 26; compact applies to the per-chunk form only)
+      S1_DEF_VARIANTS="FLASHQLA_TILELANG_INTRA_PERSIST=0;-;FLASHQLA_TILELANG_INTRA_PERSIST=0 FLASHQLA_TILELANG_INTRA_COMPACT=1"
     fi
     TAIL=10 run_step "$STEP, GPU tests" ${S1_TEST_S:-220} $PYT tests/test_backend_tilelang.py -k "${S1_K:-$S1_DEF_K}"
     case $RUN_RC in 0) ;; *) echo "== $STEP: tests did not pass; the A/B skipped"; continue ;; esac
