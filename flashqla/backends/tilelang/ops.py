@@ -195,8 +195,8 @@ def intra_persist(uniform: bool = True) -> bool:
 def intra_persist_ctas_per_sm() -> int:
     """``FLASHQLA_TILELANG_INTRA_PERSIST_CTAS`` (1-4, default 4): the persistent stage 1's CTAs per SM in its grid.
     The kernel is built for four (``__launch_bounds__(128, 4)``: 128 registers, the whole register file at four);
-    a smaller grid leaves each SM a quarter of its registers per CTA left out, room for the halo searches that run
-    beside stage 1 on a side stream (:func:`halo_stream`).  Why it exists: at four per SM those searches found no
+    each CTA fewer per SM frees a quarter of the register file, room for the halo searches that run beside stage 1
+    on a side stream (:func:`halo_stream`).  Why it exists: at four per SM those searches found no
     SM free until stage 1 ended (H100, session 26 run 2: walk_start 0.011 -> 0.042-0.088 ms in the forward)."""
     from .chunk_intra_sm90 import PERSIST_CTAS_PER_SM
     return int(env_choice("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS",
