@@ -777,8 +777,8 @@ def test_gpu_forward_intra_inv_mma_matches_oracle(case, monkeypatch):
 @needs_sm90
 @pytest.mark.parametrize("case", _GPU_FWD_CASES, ids=lambda c: c.name)
 def test_gpu_intra_persist_is_bitwise_the_per_chunk_ctas(case, monkeypatch):
-    # FLASHQLA_TILELANG_INTRA_PERSIST=1 (session 25, off until measured): stage 1's Tb forms as persistent CTAs that
-    # prefetch their next chunk; the same formulas, so the inference forward and the fused training forward with
+    # FLASHQLA_TILELANG_INTRA_PERSIST (session 25; auto, the default since 26): stage 1's Tb forms as persistent CTAs
+    # that prefetch their next chunk; the same formulas, so the inference forward and the fused training forward with
     # its backward are bitwise those of one CTA per chunk (dense calls: the uniform row lookup; varlen: the table)
     from flashqla.backends.tilelang import _compile
     monkeypatch.setenv("FLASHQLA_TILELANG_WS_OPTS", "fastexp,psplit,ostage")

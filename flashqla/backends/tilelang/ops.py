@@ -845,6 +845,15 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     # the persistent Tb forms of stage 1 (intra_persist), with their CTAs per head as the last argument
     persist = intra_persist(uni) and NC > 0
     persist_args = (intra_persist_programs(NC, Hv, dev),) if persist else ()
+
+    def stage1_tb_forms(Tb_out, X_out=None):
+        # stage 1's Tb forms that share one signature (no q, no scores): with X for the whole-V backward (X_out
+        # given), or the persistent inference form (X a placeholder); persistent CTAs where ``persist``
+        assert X_out is not None or persist
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=X_out is not None, uniform=uni, persist=persist)(
+            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb_out,
+            X_out if X_out is not None else dummy((1, 1, CHUNK, CHUNK), dt, dev), G, ratio, *persist_args)
+
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
     if fused and save:
@@ -852,8 +861,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
         X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni, persist=persist)(
-            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, X, G, ratio, *persist_args)
+        stage1_tb_forms(w, X)
     elif fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
@@ -871,10 +879,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                 scores = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
             q_in = qf if ps else dummy((1, 1, K), dt, dev)
             if persist and not ps:
-                # (the persistent form has the training form's signature: no q, X a placeholder)
-                intra_tb_kernel(dt, bf.dtype, K, l2norm, uniform=uni, persist=True)(
-                    kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, dummy((1, 1, CHUNK, CHUNK), dt, dev), G,
-                    ratio, *persist_args)
+                stage1_tb_forms(w)
                 continue
             intra_tb_kernel(dt, bf.dtype, K, l2norm, scores=ps, uniform=uni)(
                 q_in, kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, w, scores, G, ratio)
@@ -924,9 +929,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         # (precompile's key enumeration: the fused training forward's kernels, which the call path decides on the
         # device from the backward's plan)
         Tb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        Xm = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=True, uniform=uni, persist=persist)(
-            kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb, Xm, G, ratio, *persist_args)
+        stage1_tb_forms(Tb, torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev))
         for b in _meta_bvs(NS, Hv, V, dev):
             for halo in (False, True):
                 fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo)(
