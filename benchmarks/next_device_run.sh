@@ -19,6 +19,9 @@
 #   bash benchmarks/next_device_run.sh tritontests the triton forward-form GPU tests (Tb, half precision, graphs)
 #   bash benchmarks/next_device_run.sh tritonshared the shared suite on triton, then all triton GPU tests (#3's last item)
 #   bash benchmarks/next_device_run.sh sweeporder  triton serial walks longest-first (serial.order=1) on mixed lengths
+#   bash benchmarks/next_device_run.sh accept8fwd  #8's acceptance, forward: FlashQLA's forward-grid rows with Hv x seqs <= 40
+#                                                 (46), FlashQLA's kernels for them warmed first, tilelang vs FlashQLA, FLA
+#   bash benchmarks/next_device_run.sh accept8bwd  the same for FlashQLA's backward grid (20 rows, fwd+bwd)
 #   bash benchmarks/next_device_run.sh flqfwdgrid FlashQLA's own forward grid, tilelang vs FlashQLA and FLA (#4;
 #                                                 FLQ_FILTER splits it over calls)
 #   bash benchmarks/next_device_run.sh cutlasshostile  carry [".gpu_cute"]: cutlass hostile-value GPU tests (#11)
@@ -240,6 +243,25 @@ case "$STEP" in
     TAIL=40 run_step "flashqla-fwd preset ${FLQ_FILTER:-all}" ${FLQGRID_S:-400} python -m flashqla bench \
         --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla ${BENCH_ARGS:-} \
         ${FLQ_FILTER:+--filter "$FLQ_FILTER"} --out $OUT/flqfwd ;;
+  accept8fwd|accept8bwd)
+    # #8's acceptance rows in one run: every row of FlashQLA's forward grid (46) or backward grid (20) with value
+    # heads x sequences <= 40, tilelang against FlashQLA and FLA.  FlashQLA's kernels for exactly those rows are
+    # warmed first (40 forward kernels, 48 backward ones: warm_flashqla_cache.py --list --max-walks 40); the bench's
+    # summary gives the geometric mean, the lowest row and the rows under 1.1x.  A8_S / A8WARM_S: the step budgets.
+    # On one warm lease: accept8fwd in one call, accept8bwd in the next (/tmp/kcache stays between the calls).
+    if [ "$STEP" = accept8fwd ]; then
+      A8_PRESET=flashqla-fwd; A8_WARM=(--heads 2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32
+          --seqs "32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8")
+    else
+      A8_PRESET=flashqla-bwd; A8_WARM=(--heads 16/32,8/16,4/8,2/4 --seqs none --bwd-preset flashqla-bwd)
+    fi
+    TAIL=8 run_step "flashqla warm-up, $A8_PRESET rows with Hv x seqs <= 40" ${A8WARM_S:-200} \
+        python benchmarks/warm_flashqla_cache.py --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --max-walks 40 \
+        "${A8_WARM[@]}" --no-xz
+    save_kcache
+    TAIL=60 run_step "$A8_PRESET, Hv x seqs <= 40, against FlashQLA and FLA" ${A8_S:-420} python -m flashqla bench \
+        --preset $A8_PRESET --max-walks 40 --no-progress --backends tilelang --baselines flashqla,fla \
+        ${BENCH_ARGS:---min-time 0.1 --max-reps 100} --out $OUT/$STEP ;;
   tritonshared)
     # #3's last open item: the shared suite (tests/test_correctness.py) on the triton backend at the current kernels
     # (bf16 K=128 and fp16 K=64 over the standard cases; the triton compiles happen here), then the triton GPU tests
@@ -718,7 +740,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

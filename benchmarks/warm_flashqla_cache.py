@@ -81,6 +81,9 @@ def parse_args(argv=None):
     p.add_argument("--bwd-preset", default=None,
                    help="forward+backward rows from this bench preset instead (e.g. flashqla-bwd, whose random "
                         "splits choose other FlashQLA variants than the qwen35-bwd rows)")
+    p.add_argument("--max-walks", type=int, default=None,
+                   help="only (heads, row) pairs with Hv x sequences at most this, as `flashqla bench --max-walks` "
+                        "keeps (e.g. 40: issue #8's rows)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"], help="q/k/v and beta dtype")
     p.add_argument("--sm-count", type=int, default=132, help="SM count FlashQLA sees (H200: 132)")
     p.add_argument("--flash-qla-path", default=None,
@@ -397,13 +400,16 @@ def key_of(impl, args, kwargs):
     raise RuntimeError("TileLang compiled without computing a cache key (cache disabled?)")
 
 
-def record_requests(flash_qla, heads, rows, dtype):
-    """Shadow-run every (heads, row); returns (uniq: dedup key -> request dict, per_head, per_row)."""
+def record_requests(flash_qla, heads, rows, dtype, max_walks=None):
+    """Shadow-run every (heads, row) (with ``max_walks``, only those with Hv x sequences at most that); returns
+    (uniq: dedup key -> request dict, per_head, per_row)."""
     import warnings
     uniq, per_head, per_row = {}, {}, []
     for hqk, hv in heads:
         mine = []
         for mode, seqlens in rows:
+            if max_walks is not None and hv * len(seqlens) > max_walks:
+                continue
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
                 rec = shadow_row(flash_qla, hqk, hv, seqlens, mode, dtype)
@@ -518,7 +524,7 @@ def main(argv=None) -> int:
 
     # 1. record
     t1 = time.perf_counter()
-    uniq, per_head, per_row = record_requests(flash_qla, heads, rows, dtype)
+    uniq, per_head, per_row = record_requests(flash_qla, heads, rows, dtype, args.max_walks)
     print(f"warm: recorded {sum(len(r[3]) for r in per_row)} kernel requests over {len(per_row)} rows, "
           f"{len(uniq)} distinct kernels ({time.perf_counter() - t1:.1f} s)")
     for (hqk, hv), ks in per_head.items():

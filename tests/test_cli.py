@@ -218,6 +218,40 @@ def test_bench_fwdbwd_speedups_and_baseline(tmp_path, capsys, monkeypatch):
     assert row["flops"] == pytest.approx(3.5 * fwd_flops)
 
 
+def test_bench_max_walks_keeps_the_few_walk_rows_and_summarises(tmp_path, capsys):
+    # --max-walks 2 keeps the CPU quick preset's 1/2 one-sequence row (2 walks) and drops its 2/4 three-sequence one
+    # (12); the summary (stdout, markdown, JSON) gives the geometric mean and the lowest ratio over the kept rows
+    rc, out = _bench(tmp_path, "--backends", "cpu", "--baselines", "reference", "--max-walks", "2")
+    text = capsys.readouterr().out
+    assert rc == 0, text
+    doc = json.loads((out / "bench_quick_fwd.json").read_text())
+    assert [(r["Hv"], r["num_seqs"]) for r in doc["rows"]] == [(2, 1)]
+    ratio = doc["rows"][0]["speedup"]["cpu"]["reference"]
+    assert [(s["rows"], s["count"]) for s in doc["summary"]] == [("all rows", 1), ("Hv x sequences <= 40", 1)]
+    for s in doc["summary"]:
+        assert s["impl"] == "cpu" and s["baseline"] == "reference"
+        assert s["geomean"] == pytest.approx(ratio) and s["lowest"] == pytest.approx(ratio)
+    assert "summary:" in text and "cpu vs reference, all rows (1)" in text
+    assert "- cpu vs reference, Hv x sequences <= 40 (1)" in (out / "bench_quick_fwd.md").read_text()
+    with pytest.raises(SystemExit, match="--max-walks 1 leaves no row"):
+        _bench(tmp_path, "--backends", "cpu", "--max-walks", "1")
+
+
+def test_bench_summary_over_all_rows_and_the_cp_rows():
+    def rec(label, Hv, seqs, **ratios):
+        return {"label": label, "Hv": Hv, "num_seqs": seqs, "speedup": {"a": dict(ratios)}}
+    results = [rec("8/32 1x32768", 32, 1, flashqla=1.05, fla=3.0), rec("16/32 4x8192", 32, 4, flashqla=1.2),
+               rec("2/8 4x8192", 8, 4, flashqla=1.6, fla=None)]
+    got = {(s["baseline"], s["rows"]): s for s in bench_mod.summarize(results)}
+    everything = got[("flashqla", "all rows")]
+    assert everything["count"] == 3 and everything["geomean"] == pytest.approx((1.05 * 1.2 * 1.6) ** (1 / 3))
+    assert (everything["lowest"], everything["lowest_row"], everything["below_target"]) == (1.05, "8/32 1x32768", 1)
+    cp = got[("flashqla", "Hv x sequences <= 40")]
+    assert cp["count"] == 2 and cp["geomean"] == pytest.approx((1.05 * 1.6) ** 0.5)
+    # a missing ratio (None) is not a row of the summary
+    assert got[("fla", "all rows")]["count"] == 1 and got[("fla", "Hv x sequences <= 40")]["count"] == 1
+
+
 def test_bench_initial_state_reaches_every_implementation(tmp_path, capsys, monkeypatch):
     # --initial-state: each call starts from the row's random h0 (a baseline that dropped it would disagree with
     # the backend, which the agree column shows), the bytes count h0 (and dh0 in fwd+bwd), and the state changes o
