@@ -311,7 +311,16 @@ def test_intra_persist_key_and_programs(monkeypatch):
     dev = torch.device("cpu")
     with fake_device(sm_count=132):
         assert ops.intra_persist_programs(512, 32, dev) == 16
-        assert ops.intra_persist_programs(512, 8, dev) == 66
+        # the fewest CTAs at the same chunks per CTA: 66 would walk 7-8 chunks each, 64 walk 8 and free 16 slots
+        assert ops.intra_persist_programs(512, 8, dev) == 64
+        assert ops.intra_persist_programs(512, 16, dev) == 32          # 33 -> 32, 16 chunks each
+        assert ops.intra_persist_programs(512, 24, dev) == 22          # 22 x 24 = 528: 24 chunks each, none fewer
+        assert ops.intra_persist_programs(100, 4, dev) == 100          # a CTA per chunk
+        assert ops.intra_persist_programs(0, 8, dev) == 1
+        for chunks, hv in ((512, 8), (512, 16), (4100 // 64 + 1, 2), (1000, 3), (777, 48)):
+            n = ops.intra_persist_programs(chunks, hv, dev)
+            full = min(chunks, 4 * 132 // hv)
+            assert -(-chunks // n) == -(-chunks // full) and n <= full
         assert ops.intra_persist_programs(3, 8, dev) == 3
         monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST_CTAS", "3")
         assert ops.intra_persist_programs(512, 32, dev) == 12

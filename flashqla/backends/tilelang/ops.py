@@ -204,10 +204,22 @@ def intra_persist_ctas_per_sm() -> int:
 
 
 def intra_persist_programs(num_chunks: int, Hv: int, device) -> int:
-    """The persistent stage 1's CTAs per value head: one wave at :func:`intra_persist_ctas_per_sm` per SM, at most
-    one per chunk."""
+    """The persistent stage 1's CTAs per value head: the fewest that keep the chunks per CTA of one wave at
+    :func:`intra_persist_ctas_per_sm` per SM (at most one CTA per chunk).
+
+    Why the fewest: each CTA walks ``ceil(num_chunks / nprog)`` chunks at most, and that count sets stage 1's time,
+    not the CTA count.  A full wave often holds more CTAs than that count needs.  At 8 value heads and 512 chunks
+    (2/8 1x32768), 66 CTAs per head fill the 528 slots of 132 SMs with 7 or 8 chunks each; 64 CTAs walk 8 chunks each
+    and end at the same time, and they leave 16 slots free.  The halo searches on the side stream
+    (:func:`halo_stream`) run in free slots during stage 1; with none free they wait for stage 1 to end, and the
+    recurrence waits for them (session 26, H100: with the 16 slots that 32 heads leave, 64 search CTAs ran beside
+    stage 1, 0.042 ms of its 0.190).  Each chunk's outputs do not depend on which CTA forms them."""
     sms = detect(device).sm_count or 132
-    return max(1, min(num_chunks, intra_persist_ctas_per_sm() * sms // max(Hv, 1)))
+    nprog = max(1, min(num_chunks, intra_persist_ctas_per_sm() * sms // max(Hv, 1)))
+    if num_chunks <= 0:
+        return nprog
+    per_cta = -(-num_chunks // nprog)
+    return -(-num_chunks // per_cta)
 
 
 def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, uniform=False, persist=False):
