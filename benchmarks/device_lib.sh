@@ -31,6 +31,8 @@ save_kcache() {
   # 21.9 to 12.6 MB)
   # (Triton's cache stays behind too, except the autotuning results FLA writes there, FLA_CACHE_RESULTS=1: a
   # few KB that spare the next call FLA's autotuning, which cut session 13's first profile step short)
+  # (a second save in one call replaces the first: a stale part left beside fewer new ones would corrupt the join)
+  rm -f "$OUT"/kcache.tar.xz "$OUT"/kcache.tar.xz.part-*
   ( cd "$KCACHE" && { find . -mindepth 1 -maxdepth 1 ! -name .restored ! -name triton -print0
                       [ -d triton ] && find triton -name '*.autotune.json' -print0; } \
       | tar cf - --exclude='*/cuda-binaries' --null -T - ) | xz -T16 -6 > "$KCACHE.tar.xz"

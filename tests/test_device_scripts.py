@@ -50,6 +50,11 @@ def test_kcache_round_trip_whole_or_in_parts(tmp_path, split):
     assert split == "16M" or len(parts) >= 2
     for p in parts:
         shutil.copy(out / p, repo / ".gpu" / p)
+    # a second save in the same call replaces the first one's files (no stale part beside fewer new ones)
+    (out / "kcache.tar.xz.part-zz").write_bytes(b"stale")
+    r = _bash(f"source {LIB} && save_kcache", repo, env)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert sorted(p.name for p in out.iterdir() if p.name.startswith("kcache")) == parts
     fresh = tmp_path / "fresh"
     r = _bash(f"source {LIB}", repo, {**env, "KCACHE": str(fresh)})
     assert r.returncode == 0, r.stdout + r.stderr
