@@ -248,6 +248,31 @@ def _tilelang_backward_note(q, spec, varlen_meta) -> str:
     return why
 
 
+def _tilelang_stage1_note(lens, Hv: int, device) -> str:
+    """How the tilelang forward's stage 1 (the chunk-local inverse) runs for these sequence lengths, as ``forward``
+    decides it."""
+    from .backends.tilelang.ops import (intra_inv_mma, intra_persist, intra_persist_ctas_per_sm,
+                                        intra_persist_programs, intra_uniform)
+    chunks = sum(-(-int(n) // 64) for n in lens)
+    uniform = intra_uniform() and len(set(lens)) == 1
+    if chunks and intra_persist(uniform):
+        nprog = intra_persist_programs(chunks, Hv, device)
+        return (f"stage 1: persistent, {nprog} CTAs per value head ({intra_persist_ctas_per_sm()} per SM at most), "
+                f"{-(-chunks // nprog)} chunks each at most (FLASHQLA_TILELANG_INTRA_PERSIST)")
+    if not chunks:
+        why = "no chunks"
+    elif not intra_inv_mma():
+        why = "the persistent form needs the tensor-core inverse (FLASHQLA_TILELANG_INTRA_INV)"
+    elif not intra_persist(True):
+        why = "FLASHQLA_TILELANG_INTRA_PERSIST=0"
+    elif len(set(lens)) > 1:
+        why = ("sequences of unequal lengths: the persistent form waits for its multi-chunk GPU test there; "
+               "FLASHQLA_TILELANG_INTRA_PERSIST=1 takes it")
+    else:
+        why = "FLASHQLA_TILELANG_INTRA_UNIFORM=0: the automatic persistent form needs the chunk-number lookup"
+    return f"stage 1: one CTA per (chunk, value head) ({why})"
+
+
 def _tilelang_forward_note(q, spec, varlen_meta) -> str:
     """Whether the tilelang forward splits its state walk into segments with a halo (in-kernel CP) for this call,
     and why."""
@@ -261,6 +286,7 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
     else:
         note = (f"in-kernel CP: {plan.describe()}; each walk starts in a halo where the gates' decay bound allows "
                 "(decided on the device), else at its sequence start")
+    note += "; " + _tilelang_stage1_note(lens, spec.Hv, q.device)
     if getattr(spec, "needs_grad", False):
         from .backends.tilelang.ops import bwd_plan, bwd_whole_ok, fwd_variant, train_fused, train_fused_mode
         if fwd_variant() != "fused":

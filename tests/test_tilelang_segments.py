@@ -656,6 +656,23 @@ def test_explain_notes(monkeypatch):
     assert _tilelang_forward_note(torch.empty(4, 8192, 8, 128), SimpleNamespace(Hv=32, K=128, V=128), None) \
         .startswith("state walk per (sequence, head): no segment split")
     assert "its gradient walk in-kernel CP: split: " in _tilelang_backward_note(q, spec, None)   # auto by default
+    # stage 1: persistent on equal lengths (512 chunks at 8 heads: the fewest CTAs at 8 chunks each), per chunk on
+    # unequal ones and under FLASHQLA_TILELANG_INTRA_PERSIST=0
+    for var in ("FLASHQLA_TILELANG_INTRA_PERSIST", "FLASHQLA_TILELANG_INTRA_PERSIST_CTAS", "FLASHQLA_TILELANG_INTRA_INV",
+                "FLASHQLA_TILELANG_INTRA_UNIFORM"):
+        monkeypatch.delenv(var, raising=False)
+    from flashqla.dispatch.device import fake_device
+    with fake_device(sm_count=132):
+        assert "stage 1: persistent, 64 CTAs per value head (4 per SM at most), 8 chunks each" in \
+            _tilelang_forward_note(q, spec, None)
+        from flashqla.varlen import prepare_varlen
+        meta = prepare_varlen(torch.tensor([0, 28672, 32768], dtype=torch.int32))
+        assert "stage 1: one CTA per (chunk, value head) (sequences of unequal lengths" in \
+            _tilelang_forward_note(q, spec, meta)
+        monkeypatch.setenv("FLASHQLA_TILELANG_INTRA_PERSIST", "0")
+        assert "stage 1: one CTA per (chunk, value head) (FLASHQLA_TILELANG_INTRA_PERSIST=0)" in \
+            _tilelang_forward_note(q, spec, None)
+        monkeypatch.delenv("FLASHQLA_TILELANG_INTRA_PERSIST")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
     assert "gradient walk" not in _tilelang_backward_note(q, spec, None)
     # a training call's note says which form its forward takes (FLASHQLA_TILELANG_TRAIN_FUSED, ahead of whole-V)
