@@ -111,6 +111,10 @@
 set -u
 STEPS=${*:-flashqla}
 STEPS=${STEPS//flashqla/flqwarm fwdbench save}     # the whole #7 run as one word
+# FlashQLA's forward grid (the flashqla-fwd preset's heads and length mixes) and its backward grid's heads
+FLQ_GRID_HEADS=2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32
+FLQ_GRID_SEQS="32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8"
+FLQ_BWD_GRID_HEADS=16/32,8/16,4/8,2/4
 source benchmarks/device_lib.sh
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 PYT="python -m pytest -q -p no:cacheprovider -m gpu -rfE --tb=short"
@@ -228,8 +232,8 @@ case "$STEP" in
     # benchmarks/README.md), then the cache packed: carry the returned kcache (repacked with
     # PACK_ONLY=1 benchmarks/rebuild_kcache.sh) and the cutlassgrid / flqfwdgrid calls start warm
     TAIL=6 run_step "flashqla fwd warm-up (its grid's heads)" ${FLQWARM_S:-200} python benchmarks/warm_flashqla_cache.py \
-        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32} \
-        --seqs "${FLQ_SEQS:-32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8}" --no-xz
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-$FLQ_GRID_HEADS} \
+        --seqs "${FLQ_SEQS:-$FLQ_GRID_SEQS}" --no-xz
     save_kcache ;;
   flqfwdgrid)
     # #4's forward acceptance: FlashQLA's own forward grid (9 head configurations x 12 length mixes, 108 rows),
@@ -238,8 +242,8 @@ case "$STEP" in
     # the grid (e.g. "2/8 |4/16 |8/32 " then "16/64|16/32|8/24" then "16/48|16/16|32/32"); merge the JSONs after.
     # FLQ_SEQS narrows the warm-up to the length mixes FLQ_FILTER keeps (e.g. 32768 for "/32 1x32768").
     TAIL=6 run_step "flashqla fwd warm-up (its grid's heads)" ${FLQWARM_S:-200} python benchmarks/warm_flashqla_cache.py \
-        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32} \
-        --seqs "${FLQ_SEQS:-32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8}" --no-xz
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${FLQ_HEADS:-$FLQ_GRID_HEADS} \
+        --seqs "${FLQ_SEQS:-$FLQ_GRID_SEQS}" --no-xz
     TAIL=40 run_step "flashqla-fwd preset ${FLQ_FILTER:-all}" ${FLQGRID_S:-400} python -m flashqla bench \
         --preset flashqla-fwd --no-progress --backends tilelang --baselines flashqla,fla ${BENCH_ARGS:-} \
         ${FLQ_FILTER:+--filter "$FLQ_FILTER"} --out $OUT/flqfwd ;;
@@ -253,10 +257,9 @@ case "$STEP" in
     # 2/8, 4/16, 8/32, 16/32): the forward rows add 8/24, 16/16 and 32/32, so give accept8fwd BUDGET_S=590 A8_S=480,
     # or A8_BASELINES=flashqla; the cache is saved again after the bench, with FLA's new autotuning results.
     if [ "$STEP" = accept8fwd ]; then
-      A8_PRESET=flashqla-fwd; A8_WARM=(--heads 2/8,4/16,8/32,16/64,16/32,8/24,16/48,16/16,32/32
-          --seqs "32768;16384;8192;4096;2048;28672+4096;16384+16384;4096+28672;8192x4;4096x8;2048x4;1024x8")
+      A8_PRESET=flashqla-fwd; A8_WARM=(--heads "$FLQ_GRID_HEADS" --seqs "$FLQ_GRID_SEQS")
     else
-      A8_PRESET=flashqla-bwd; A8_WARM=(--heads 16/32,8/16,4/8,2/4 --seqs none --bwd-preset flashqla-bwd)
+      A8_PRESET=flashqla-bwd; A8_WARM=(--heads "$FLQ_BWD_GRID_HEADS" --seqs none --bwd-preset flashqla-bwd)
     fi
     TAIL=8 run_step "flashqla warm-up, $A8_PRESET rows with Hv x seqs <= 40" ${A8WARM_S:-200} \
         python benchmarks/warm_flashqla_cache.py --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --max-walks 40 \
@@ -732,7 +735,7 @@ case "$STEP" in
     # BWD_FILTER picks rows; BWD_BASELINES=flashqla,fla adds FLA's Triton (#4 item 5 asks for both ratios).
     # BWD_SEQS (e.g. 32768 for the "32k in 1 " rows) warms those rows only instead of the whole preset.
     TAIL=10 run_step "flashqla bwd warm-up" ${BWDWARM_S:-300} python benchmarks/warm_flashqla_cache.py \
-        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-16/32,8/16,4/8,2/4} --seqs none \
+        --cache-dir "$TILELANG_CACHE_DIR" --jobs 16 --heads ${BWD_HEADS:-$FLQ_BWD_GRID_HEADS} --seqs none \
         ${BWD_SEQS:+--with-backward --bwd-seqs "$BWD_SEQS"} ${BWD_SEQS:---bwd-preset flashqla-bwd} --no-xz
     save_kcache
     TAIL=45 run_step "flashqla-bwd grid against FlashQLA" 420 python -m flashqla bench \
