@@ -251,11 +251,12 @@ def _tilelang_backward_note(q, spec, varlen_meta) -> str:
 def _tilelang_stage1_note(lens, Hv: int, device) -> str:
     """How the tilelang forward's stage 1 (the chunk-local inverse) runs for these sequence lengths, as ``forward``
     decides it."""
-    from .backends.tilelang.ops import (intra_inv_mma, intra_persist, intra_persist_ctas_per_sm,
-                                        intra_persist_programs, intra_uniform)
-    chunks = sum(-(-int(n) // 64) for n in lens)
-    uniform = intra_uniform() and len(set(lens)) == 1
-    if chunks and intra_persist(uniform):
+    from .backends.tilelang.ops import (ChunkMeta, intra_inv_mma, intra_persist, intra_persist_ctas_per_sm,
+                                        intra_persist_programs, stage1_forms)
+    chunks = ChunkMeta.of_lengths(lens).num_chunks
+    equal = len(set(lens)) == 1
+    _, persist = stage1_forms(equal, chunks)
+    if persist:
         nprog = intra_persist_programs(chunks, Hv, device)
         return (f"stage 1: persistent, {nprog} CTAs per value head ({intra_persist_ctas_per_sm()} per SM at most), "
                 f"{-(-chunks // nprog)} chunks each at most (FLASHQLA_TILELANG_INTRA_PERSIST)")
@@ -265,7 +266,7 @@ def _tilelang_stage1_note(lens, Hv: int, device) -> str:
         why = "the persistent form needs the tensor-core inverse (FLASHQLA_TILELANG_INTRA_INV)"
     elif not intra_persist(True):
         why = "FLASHQLA_TILELANG_INTRA_PERSIST=0"
-    elif len(set(lens)) > 1:
+    elif not equal:
         why = ("sequences of unequal lengths: the persistent form waits for its multi-chunk GPU test there; "
                "FLASHQLA_TILELANG_INTRA_PERSIST=1 takes it")
     else:

@@ -192,6 +192,14 @@ def intra_persist(uniform: bool = True) -> bool:
     return intra_inv_mma() and (mode == "1" or (mode == "auto" and bool(uniform)))
 
 
+def stage1_forms(equal_lengths: bool, num_chunks: int) -> tuple:
+    """``(uniform, persist)`` of a call's stage 1: whether it finds a chunk's rows from the chunk number
+    (:func:`intra_uniform`, where every sequence has one length) and whether it takes the persistent Tb forms
+    (:func:`intra_persist`; a call with no chunks has no stage 1 to run)."""
+    uniform = intra_uniform() and equal_lengths
+    return uniform, intra_persist(uniform) and num_chunks > 0
+
+
 def intra_persist_ctas_per_sm() -> int:
     """``FLASHQLA_TILELANG_INTRA_PERSIST_CTAS`` (1-4, default 4): the persistent stage 1's CTAs per SM in its grid.
     The kernel is built for four (``__launch_bounds__(128, 4)``: 128 registers, the whole register file at four);
@@ -853,9 +861,8 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
         bplan.seg_chunks if split_bwd_here and bplan is not None else None, l2norm, dev)
     G = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
     # (stage 1 finds a chunk's rows without the chunk table where every sequence has one length)
-    uni = intra_uniform() and _equal_lengths(varlen)
     # the persistent Tb forms of stage 1 (intra_persist), with their CTAs per head as the last argument
-    persist = intra_persist(uni) and NC > 0
+    uni, persist = stage1_forms(_equal_lengths(varlen), NC)
     persist_args = (intra_persist_programs(NC, Hv, dev),) if persist else ()
 
     def stage1_tb_forms(Tb_out, X_out=None):
