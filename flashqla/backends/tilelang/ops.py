@@ -185,9 +185,11 @@ def intra_persist(uniform: bool = True) -> bool:
     of one CTA per chunk.  (The halo searches beside it on the side stream then wait for SMs: their kernel time
     grows, 0.011 -> 0.042 ms, but they overlap stage 1; see :func:`intra_persist_ctas_per_sm`.)
 
-    Why auto leaves the chunk table (varlen calls of unequal lengths) out: there a CTA that walks several chunks
-    was not yet run on a GPU (the GPU tests' small cases have a CTA per chunk; the measured rows are dense).
-    ``test_gpu_intra_persist_walks_several_chunks`` is that test; once it passes, auto can take the table too."""
+    Why auto leaves the chunk table (varlen calls of unequal lengths) out: it is slower there.  Session 29 (H100)
+    ran ``test_gpu_intra_persist_walks_several_chunks`` (CTAs that walk several chunks of the table), which passes,
+    then timed the forward with ``FLASHQLA_TILELANG_INTRA_PERSIST=1`` against auto in CUDA graphs: 16/32
+    28672+4096 0.632 -> 0.669 ms (stage 1 0.210 -> 0.242) and 4/16 4096+28672 0.328 -> 0.343
+    (``benchmarks/results/h100_2026-12-06_s29run4_sweep_persist_varlen_fwd.json``)."""
     mode = env_choice("FLASHQLA_TILELANG_INTRA_PERSIST", ("auto", "0", "1"), "auto")
     return intra_inv_mma() and (mode == "1" or (mode == "auto" and bool(uniform)))
 
