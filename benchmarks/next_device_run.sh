@@ -257,7 +257,8 @@ case "$STEP" in
     # 2/8, 4/16, 8/32, 16/32): the forward rows add 8/24, 16/16 and 32/32, so give accept8fwd BUDGET_S=590 A8_S=480,
     # or A8_BASELINES=flashqla; the cache is saved again after the bench, with FLA's new autotuning results.
     # benchmarks/kcache/kcache.tar.xz (session 29) holds FlashQLA's kernels for both steps' rows and FLA's tuning
-    # for all their heads: session 29 (H100, a cold cache) took 530 s (bwd) and 379 s (fwd), ~115 s of it compiles.
+    # for all their heads: session 29 (H100), before they were cached, took 530 s (bwd) and 379 s (fwd), ~115 s of it
+    # FlashQLA's compiles.
     if [ "$STEP" = accept8fwd ]; then
       A8_PRESET=flashqla-fwd; A8_WARM=(--heads "$FLQ_GRID_HEADS" --seqs "$FLQ_GRID_SEQS")
     else
