@@ -72,6 +72,8 @@
 #   bash benchmarks/next_device_run.sh persistwalk the persistent stage 1 (the default since session 26 on equal-length calls):
 #                                                 GPU tests incl. CTAs that walk several chunks, then the CUDA-graph A/B
 #                                                 (PW_ROWS, PW_MODES): off / auto / 3 CTAs per SM / halo searches inline
+#   bash benchmarks/next_device_run.sh pairzero   FLASHQLA_TILELANG_GVA_ZERO=kernel (session 30): the GVA pair rows zeroed in the
+#                                                 whole-V backward: GPU tests, then the fwd+bwd graph A/B (PZ_ROWS)
 #   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
 #                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
@@ -559,6 +561,17 @@ case "$STEP" in
           --rows ${PW_ROWS:-16/32:1x32768,32/32:1x32768,8/32:1x32768} \
           "--variants=$P=0;-;FLASHQLA_TILELANG_INTRA_PERSIST_CTAS=3;FLASHQLA_TILELANG_HALO_STREAM=0"
     done ;;
+  pairzero)
+    # FLASHQLA_TILELANG_GVA_ZERO=kernel (session 30): the whole-V backward zeroes the GVA pair-sum rows of dq / dk
+    # itself (one CTA of a pair, two steps ahead, a flag per chunk for the other) instead of the host memset
+    # (0.083 ms at 16/32 1x32768, H100 session 29).  Its GPU test (oracle, bitwise vs the memset build on NaN-poisoned
+    # memory, more CTAs than SMs, segments with halos, 20 runs), then the fwd+bwd CUDA-graph A/B (PZ_ROWS)
+    TAIL=12 run_step "pair zero GPU tests" ${PZ_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "pair_zero"
+    case $RUN_RC in 0) ;; *) echo "== pairzero: tests did not pass; the A/B skipped"; continue ;; esac
+    TAIL=30 run_step "pair zero graph A/B fwdbwd" ${PZ_SWEEP_S:-200} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_zero_graph_fwdbwd.json \
+        --rows ${PZ_ROWS:-16/32:1x32768,8/16:1x32768,16/32:4x8192,8/32:1x32768,16/32:2x16384} \
+        "--variants=-;FLASHQLA_TILELANG_GVA_ZERO=kernel" ;;
   trainbv)
     # the fused training forward's V-block (session 25): at 16/32 1x32768 its walk takes 0.661 ms against the inference
     # walk's 0.407 (H100), the state / v_new saves on the chain's cycle; at BV 128 the walk has one S buffer (nb = 1),

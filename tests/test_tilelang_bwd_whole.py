@@ -30,7 +30,8 @@ from test_backend_tilelang import needs_sm90
 
 HAVE_TILELANG = importlib.util.find_spec("tilelang") is not None
 SRC = Path(__file__).resolve().parents[1] / "flashqla" / "backends" / "tilelang" / "chunk_bwd_whole_sm90.py"
-ROLES = {"chain": 128, "value": 128, "key": 128, "producer": 32}
+# (zero: the GVA pair's zeroing warp, built with pair_zero only; the model runs it always, a superset)
+ROLES = {"chain": 128, "value": 128, "key": 128, "producer": 32, "zero": 32}
 
 
 def _protocol(src: Path = SRC):
@@ -227,7 +228,10 @@ def _variants():
             # the walk over segments with a halo (segments.py), as the backend builds it: ex2.approx, dht and dh0
             ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True),
             # and with the GVA pair sum in the kernel (FLASHQLA_TILELANG_GVA=pair; its plain walk: the test below)
-            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True)]
+            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True),
+            # and the pair's rows zeroed in the kernel (FLASHQLA_TILELANG_GVA_ZERO=kernel), both walks
+            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, True),
+            ("float16", "float16", 128, 128, False, False, False, None, True, False, True, True)]
 
 
 @pytest.mark.compile
@@ -626,3 +630,110 @@ def test_gpu_backward_gva_pair(variant, dtype, monkeypatch):
     for _ in range(20):
         for a, b in zip(pair, grads("pair")):
             assert torch.equal(a, b)
+
+
+@pytest.mark.compile
+def test_whole_pair_zero_lowers():
+    # FLASHQLA_TILELANG_GVA_ZERO=kernel (build_bwd_whole(pair_zero=True)), as the backend builds it: one ticket per
+    # CTA, the zeroing step before the walk (ZERO_AHEAD steps) and in it, the other CTA's wait; the zeroes go out as
+    # 16-byte stores of RZ, the ticket as one 64-bit global atomic; the key role's reductions stay pairs and the
+    # wgmma pipelined (check_ws_kernel: also no local memory, the stack within its limit)
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
+    from test_backend_tilelang import kernel_sass
+
+    kern = tilelang.compile(build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, hw_ex2=True,
+                                            gva_pair=True, pair_zero=True), out_idx=None, target=TARGET)
+    check_ws_kernel(kern, "bwd_whole gva_pair pair_zero")
+    src = kern.get_kernel_source()
+    body = src[src.index("__global__"):]
+    assert body.count("flq_pair_ticket(") == 1
+    assert body.count("flq_pair_zero_step(") == 2
+    assert body.count("flq_pair_wait(") == 1
+    _check_pair_calls(src, "flq_red_pair_bf16", {"dq_out", "dk_out"}, 6, range(256, 384), random.Random(2))
+    sass = kernel_sass(kern)
+    if sass is not None:
+        assert len(re.findall(r"STG\.E\.128 desc\[\w+\]\[R\d+\.64\], RZ", sass)) >= 2
+        assert len(re.findall(r"ATOMG\.E\.ADD\.64", sass)) == 1
+        assert len(re.findall(r"REDG\.E\.ADD\.BF16x2\.RN", sass)) >= 128
+    with pytest.raises(AssertionError, match="pair_zero"):
+        build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=False, pair_zero=True)
+
+
+def test_pair_zero_switch(monkeypatch):
+    from flashqla.backends.tilelang import ops
+
+    monkeypatch.delenv("FLASHQLA_TILELANG_GVA_ZERO", raising=False)
+    assert not ops.pair_zero_in_kernel()
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
+    assert ops.pair_zero_in_kernel()
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "sometimes")
+    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_GVA_ZERO"):
+        ops.pair_zero_in_kernel()
+    # the key: unchanged where the kernel does not zero (carried caches keep matching), one flag more where it does
+    monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: key)
+    base = ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True)
+    assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, False) == base
+    assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, True) == \
+        base + (True,)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_whole_pair_zero(dtype, monkeypatch):
+    # FLASHQLA_TILELANG_GVA_ZERO=kernel: the whole-V backward zeroes the GVA pair rows itself.  The shared backward
+    # cases against the oracle; then, on memory the caching allocator has just held NaN in (so a row no CTA zeroed
+    # would show), against the host memset build: every gradient bitwise equal (the same two adds onto +0; a
+    # compiler's last-bit difference in the other roles is allowed within 1e-5 and printed), over the plain walk
+    # with more CTAs than SMs (so some pairs are not resident together: the ticket decides who zeroes) and the walk
+    # in segments with halos of different lengths per head; and 20 runs bitwise equal
+    import flashqla
+    from flashqla.backends.tilelang import _compile
+    from flashqla.testing import make_inputs
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
+    gpu_backward_matches_oracle("whole", "bwd_whole_sm90", dtype, monkeypatch)
+    assert any(n == "bwd_whole_sm90" and k[11:12] == (True,) for n, k in _compile.cached_kernels()), \
+        "the pair_zero kernel did not run"
+
+    def poison():
+        junk = torch.full((1 << 28,), float("nan"), dtype=torch.float32, device="cuda")
+        del junk
+
+    cases = [
+        (Case("pair_zero_many_ctas", 48, 96, 128, 128, seqlens=(700, 64, 1, 333, 0, 129)), {}),
+        (Case("pair_zero_segments", 2, 4, 128, 128, seqlens=(64 * 40 + 9, 1, 300)),
+         {"FLASHQLA_TILELANG_SEGMENTS": "auto", "FLASHQLA_TILELANG_BWD_SEGMENTS": "8"}),
+    ]
+    for case, env in cases:
+        for name, val in env.items():
+            monkeypatch.setenv(name, val)
+        inp = make_inputs(case, dtype, "cuda")
+        leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+        def grads(mode):
+            monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", mode)
+            poison()
+            o, ht = flashqla.chunk_gated_delta_rule(*leaves[:5], scale=case.scale, initial_state=leaves[5],
+                                                    output_final_state=True, cu_seqlens=inp["cu_seqlens"],
+                                                    backend="tilelang")
+            return torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))
+
+        host, kern = grads("host"), grads("kernel")
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), kern, host):
+            assert torch.isfinite(a).all(), (case.name, name)
+            if not torch.equal(a, b):
+                rel = float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+                print(f"{case.name} {name}: not bitwise equal to the host-memset build, relative L2 {rel:.1e}")
+                assert rel < 1e-5, (case.name, name, rel)
+        for _ in range(20):
+            for a, b in zip(kern, grads("kernel")):
+                assert torch.equal(a, b), case.name
+        for name in env:
+            monkeypatch.delenv(name)

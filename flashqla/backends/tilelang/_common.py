@@ -164,6 +164,57 @@ __device__ __forceinline__ void flq_red_pair_{t}(const void *base, long long off
 RED_PAIR_SRC = "".join(_RED_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
 
 
+# The GVA pair's zeroing inside the whole-V backward (``build_bwd_whole(pair_zero=True)``; its docstring has the
+# protocol).  One warp runs each helper; the words are 64-bit (the kernel's int64 ``trace_out`` parameter carries
+# them), a pair's ticket first, then a flag per (chunk, query/key head), all zero at launch.
+PAIR_ZERO_SRC = """
+__device__ __forceinline__ int flq_pair_ticket(const void *words, long long idx) {
+  unsigned long long t = 0;
+  if ((threadIdx.x & 31) == 0) t = atomicAdd((unsigned long long *)words + idx, 1ULL);
+  return (int)__shfl_sync(0xffffffffu, (unsigned)t, 0);
+}
+// zeroes nrows rows of 128 16-bit elements: row r at element off0 + r * stride of base, 16 bytes a lane a store
+__device__ __forceinline__ void flq_zero_rows128(const void *base, long long off0, long long stride, int nrows) {
+  unsigned short *p = (unsigned short *)base + off0;   // (const: how TileLang passes its outputs)
+  for (int e = threadIdx.x & 31; e < nrows * 16; e += 32) {
+    unsigned short *dst = p + (long long)(e >> 4) * stride + (e & 15) * 8;
+    asm volatile("st.global.v4.b32 [%0], {%1, %1, %1, %1};" :: "l"(dst), "r"(0) : "memory");
+  }
+}
+// every lane's zeroes visible at gpu scope before lane 0 sets the flag (the other CTA of the pair acquires it)
+__device__ __forceinline__ void flq_pair_publish(const void *words, long long idx) {
+  asm volatile("fence.acq_rel.gpu;" ::: "memory");
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0)
+    asm volatile("st.release.gpu.global.b64 [%0], %1;" :: "l"((unsigned long long *)words + idx), "l"(1ULL) : "memory");
+  __syncwarp();
+}
+// walk step `step` of a CTA of the pair (its chunk nchunks - 1 - step from c0, rows from bos0, up to eos): nothing
+// for a halo step (step < nhalo) or past the walk; else its two tiles zeroed (dq then dk) and its flag set
+__device__ __forceinline__ void flq_pair_zero_step(const void *words, const void *dq, const void *dk, int step,
+                                                   int nchunks, int nhalo, int bos0, int eos, int c0, int hq,
+                                                   int nseg, int hqk) {
+  if (step >= nchunks || step < nhalo) return;
+  int chunk = nchunks - 1 - step;
+  int row0 = bos0 + chunk * 64;
+  int rows = min(eos - row0, 64);
+  long long off = ((long long)row0 * hqk + hq) * 128;
+  flq_zero_rows128(dq, off, (long long)hqk * 128, rows);
+  flq_zero_rows128(dk, off, (long long)hqk * 128, rows);
+  flq_pair_publish(words, (long long)nseg * hqk + (long long)(c0 + chunk) * hqk + hq);
+}
+__device__ __forceinline__ void flq_pair_wait(const void *words, long long idx) {
+  if ((threadIdx.x & 31) == 0) {
+    unsigned long long v;
+    do {
+      asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"((unsigned long long *)words + idx) : "memory");
+    } while (v == 0ULL);
+  }
+  __syncwarp();
+}
+"""
+
+
 # ``ex2.approx.ftz.f32`` as a device function (``T.import_source(EX2_APPROX_SRC)`` in the kernel, then
 # ``T.call_extern("float32", "flq_ex2_approx", x)``).  TileLang's ``T.exp2`` (and ``T.__exp``) compile to
 # ``exp2f``, which without fast math wraps the same MUFU.EX2 in a denormal-range test and two predicated

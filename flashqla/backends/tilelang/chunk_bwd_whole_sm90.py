@@ -99,6 +99,10 @@ TRACE_EVENTS = (
 )
 TRACE_CHUNKS = 64
 
+# pair_zero: how many walk steps ahead of its key role the zeroing CTA zeroes a pair's rows (the other CTA of the
+# pair may run this far ahead before it waits; the rows stay in L2 for the reductions: 32 KB a step)
+ZERO_AHEAD = 2
+
 # setmaxnreg of (chain, value, key, producer): they sum to 512 (x 128 threads = the 64K-register file); see the
 # docstring for why these (a role below its count here serialises every wgmma of the kernel)
 NREGS = (160, 168, 160, 24)
@@ -106,16 +110,21 @@ NREGS = (160, 168, 160, 24)
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
                     trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False,
-                    gva_pair: bool = False):
+                    gva_pair: bool = False, pair_zero: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
     exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
     instructions in the value role, ~160 in the key role); ``halo``: the walk over segments (the docstring;
     ``seg_table`` / ``walk_end`` are placeholders otherwise); ``gva_pair``: dq / dk summed over GVA pairs in the
-    kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``)."""
+    kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``); ``pair_zero`` (with
+    ``gva_pair``, without ``trace``): the kernel zeroes those rows itself, ``trace_out`` then carries the pair's
+    words, zeroed (the docstring's last section)."""
     import tilelang.language as T
 
-    from ._common import EX2_APPROX_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows, symbolic_sizes
+    from ._common import (EX2_APPROX_SRC, PAIR_ZERO_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows,
+                          symbolic_sizes)
+
+    assert not pair_zero or (gva_pair and not trace), "pair_zero needs gva_pair and no trace"
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
@@ -150,6 +159,13 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         # bound, not an ``if`` around the stores: that ``if`` around the key role's dk stores made ptxas serialise
         # every wgmma of the kernel (its accumulators live across the branch; session 18, lowering for sm_90a)
         return T.if_then_else(i >= nhalo, eos, bos) if halo else eos
+
+    def zero_step(words, dq_out, dk_out, j, nchunks, nhalo, bos0, eos, c0, hq, nseg, hqk):
+        # pair_zero, the ticket-0 CTA: walk step j's dq / dk rows of the pair zeroed, then its flag set (the
+        # arithmetic in the helper: in TileLang's int64 forms the producer warpgroup's 24 registers spilled).  A
+        # plain function, not a T.macro: a macro's parameter names rename the kernel's symbolic sizes
+        return T.call_extern("handle", "flq_pair_zero_step", words.data, dq_out.data, dk_out.data, j, nchunks,
+                             nhalo, bos0, eos, c0, hq, nseg, hqk)
 
     @T.macro
     def stamp(trace_out, name, i, tx, tx0, hv, n):
@@ -186,7 +202,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         with T.Kernel(Hv, NS, threads=512) as (hv, n):
             # (one import per kernel: a second one is an annotation clash)
             if hw_ex2 or gva_pair:
-                T.import_source((EX2_APPROX_SRC if hw_ex2 else "") + (RED_PAIR_SRC if gva_pair else ""))
+                T.import_source((EX2_APPROX_SRC if hw_ex2 else "") + (RED_PAIR_SRC if gva_pair else "")
+                                + (PAIR_ZERO_SRC if pair_zero else ""))
             # ---- input tiles (TMA), single-buffered
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
@@ -256,6 +273,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             ws_ready = T.alloc_barrier(arrive_count=128)
             ws_free = T.alloc_barrier(arrive_count=128)
             vec_ready = T.alloc_barrier(arrive_count=[256, 256])
+            if pair_zero:
+                zero_ready = T.alloc_barrier(arrive_count=32)     # zero -> key: this step's pair rows are zero
 
             tx = T.get_thread_binding()
             # (gva_pair: ratio 2 by contract, a shift instead of a signed division in every reduction's address)
@@ -563,6 +582,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
                     # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
                     T.barrier_wait(dqk_ready, i % 2)
+                    if pair_zero:
+                        T.barrier_wait(zero_ready, i % 2)
                     stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
                     for hb in T.unroll(2):
                         T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
@@ -713,4 +734,36 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
                         T.barrier_arrive(full_in[1])
                         stamp(trace_out, "producer: k issued", i, tx, 384, hv, n)
+                if pair_zero:
+                    if T.And(tx >= 416, tx < 448):
+                        # ---------------- zero: the pair's dq / dk rows, ZERO_AHEAD steps ahead (pair_zero) ----
+                        # (the walk's bounds read again here, not taken from above: live across the TMA warp's
+                        # loop, they made this warpgroup's 24 registers spill)
+                        zb0 = cu_seqlens[n]
+                        zc0 = chunk_offsets[n]
+                        if halo:
+                            zeos = seg_table[n, 3]
+                            zhalo = walk_end[n, hv] - chunk_offsets[n + 1]
+                            znc = walk_end[n, hv] - zc0
+                        else:
+                            zeos = cu_seqlens[n + 1]
+                            zhalo = 0
+                            znc = chunk_offsets[n + 1] - zc0
+                        zhq = hv // 2
+                        ticket = T.alloc_var("int32")
+                        ticket = T.call_extern("int32", "flq_pair_ticket", trace_out.data,
+                                               T.cast(n * Hqk + zhq, "int64"))
+                        if ticket == 0:
+                            for j in T.serial(ZERO_AHEAD):
+                                zero_step(trace_out, dq_out, dk_out, j, znc, zhalo, zb0, zeos, zc0, zhq, NS, Hqk)
+                        for i in T.serial(znc):
+                            # (not over one phase ahead of the key role: its previous step has released k)
+                            T.barrier_wait(empty_in[1], (i + 1) % 2)
+                            if ticket == 0:
+                                zero_step(trace_out, dq_out, dk_out, i + ZERO_AHEAD, znc, zhalo, zb0, zeos, zc0,
+                                          zhq, NS, Hqk)
+                            elif i >= zhalo:
+                                T.call_extern("handle", "flq_pair_wait", trace_out.data,
+                                              T.cast(NS * Hqk + (zc0 + znc - 1 - i) * Hqk + zhq, "int64"))
+                            T.barrier_arrive(zero_ready)
     return gdn_bwd_whole
