@@ -76,6 +76,19 @@ not depend on which head's CTA comes first: deterministic without flags or waits
 except where that fp32 sum rounded first (exponents 17+ apart), by one unit in the last place at most.  What it
 saves: the sum kernel's read of both heads' rows and its write (~0.19 ms of 2.92 at 16/32 one 32k sequence), for a
 memset of the outputs.
+
+``pair_zero`` (with ``gva_pair``; ``FLASHQLA_TILELANG_GVA_ZERO=kernel``): the kernel zeroes those rows itself, so
+the host's memset of both outputs (0.083 ms at 16/32 one 32k sequence, H100) goes.  The producer warpgroup's idle
+second warp, the **zero** role, takes a ticket per (sequence or segment, query/key head) with a 64-bit atomic: the
+CTA that gets 0 zeroes the pair's rows of each of its walk steps ``ZERO_AHEAD`` steps ahead of its key role (16-byte
+stores; halo steps store nothing and are skipped) and after each step's rows sets that chunk's flag (gpu-scope
+fence, then a release store); the other CTA's zero warp waits for the flag of each step (acquire loads).  Either
+arrives on ``zero_ready`` once per step, after waiting for the key role's release of the previous step's k (so it
+is never a phase ahead), and the key role waits on it before its first reduction of the step.  The CTA with ticket 0
+has started before the other one waits, and it waits on no other CTA, so a grid larger than the GPU cannot hang.
+The sums are the same two adds onto +0 as with the memset.  The words (tickets, then one flag per (chunk,
+query/key head), zero at launch) travel in the int64 ``trace_out`` parameter (so the build without it keeps its
+signature and its cached kernels); ``trace`` and ``pair_zero`` are exclusive.
 """
 
 CHUNK = 64
