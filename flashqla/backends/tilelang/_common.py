@@ -181,12 +181,14 @@ __device__ __forceinline__ void flq_zero_rows128(const void *base, long long off
     asm volatile("st.global.v4.b32 [%0], {%1, %1, %1, %1};" :: "l"(dst), "r"(0) : "memory");
   }
 }
-// every lane's zeroes visible at gpu scope before lane 0 sets the flag (the other CTA of the pair acquires it)
+// every lane's zeroes before lane 0's flag (the warp barrier, then one release fence: fence.acq_rel, like an
+// acquire load, also invalidates the SM's L1, CCTL.IVALL; the form with those measured +0.28 ms, session 30 runs 2-3)
 __device__ __forceinline__ void flq_pair_publish(const void *words, long long idx) {
-  asm volatile("fence.acq_rel.gpu;" ::: "memory");
   __syncwarp();
-  if ((threadIdx.x & 31) == 0)
-    asm volatile("st.release.gpu.global.b64 [%0], %1;" :: "l"((unsigned long long *)words + idx), "l"(1ULL) : "memory");
+  if ((threadIdx.x & 31) == 0) {
+    asm volatile("fence.release.gpu;" ::: "memory");
+    asm volatile("st.relaxed.gpu.global.b64 [%0], %1;" :: "l"((unsigned long long *)words + idx), "l"(1ULL) : "memory");
+  }
   __syncwarp();
 }
 // walk step `step` of a CTA of the pair (its chunk nchunks - 1 - step from c0, rows from bos0, up to eos): nothing
@@ -204,11 +206,13 @@ __device__ __forceinline__ void flq_pair_zero_step(const void *words, const void
   flq_pair_publish(words, (long long)nseg * hqk + (long long)(c0 + chunk) * hqk + hq);
 }
 __device__ __forceinline__ void flq_pair_wait(const void *words, long long idx) {
+  // relaxed polls (an acquire load invalidates L1 each time), one acquire fence once the flag is seen
   if ((threadIdx.x & 31) == 0) {
     unsigned long long v;
     do {
-      asm volatile("ld.acquire.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"((unsigned long long *)words + idx) : "memory");
+      asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];" : "=l"(v) : "l"((unsigned long long *)words + idx) : "memory");
     } while (v == 0ULL);
+    asm volatile("fence.acquire.gpu;" ::: "memory");
   }
   __syncwarp();
 }
