@@ -81,10 +81,12 @@ memset of the outputs.
 the host's memset of both outputs (0.083 ms at 16/32 one 32k sequence, H100) goes.  The producer warpgroup's idle
 second warp, the **zero** role, takes a ticket per (sequence or segment, query/key head) with a 64-bit atomic: the
 CTA that gets 0 zeroes the pair's rows of each of its walk steps ``ZERO_AHEAD`` steps ahead of its key role (16-byte
-stores; halo steps store nothing and are skipped) and after each step's rows sets that chunk's flag (gpu-scope
-fence, then a release store); the other CTA's zero warp waits for the flag of each step (acquire loads).  Either
+stores; halo steps store nothing and are skipped) and after each step's rows sets that chunk's flag (a warp
+barrier, then a release fence and a relaxed store); the other CTA's zero warp waits for the flag of each step
+(relaxed polls, then one acquire fence: acquire loads and fence.acq_rel also invalidate the SM's L1).  Either
 arrives on ``zero_ready`` once per step, after waiting for the key role's release of the previous step's k (so it
-is never a phase ahead), and the key role waits on it before its first reduction of the step.  The CTA with ticket 0
+is never a phase ahead) and before the zeroing ahead, and the key role waits on it before its first reduction of
+the step.  The CTA with ticket 0
 has started before the other one waits, and it waits on no other CTA, so a grid larger than the GPU cannot hang.
 The sums are the same two adds onto +0 as with the memset.  The words (tickets, then one flag per (chunk,
 query/key head), zero at launch) travel in the int64 ``trace_out`` parameter (so the build without it keeps its

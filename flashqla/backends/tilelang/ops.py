@@ -585,9 +585,7 @@ def _grad_rows_buffer(pair: bool, NT: int, Hqk: int, Hv: int, D: int, dtype, dev
     kernels (:func:`gva_in_kernel`) ``[NT, Hqk, D]`` zeroed, which each element's two adds start from (not zeroed
     here where the kernel zeroes it, ``zeroed=False``: :func:`pair_zero_in_kernel`)."""
     if pair:
-        if not zeroed:
-            return torch.empty(NT, Hqk, D, dtype=dtype, device=device)
-        return torch.zeros(NT, Hqk, D, dtype=dtype, device=device)
+        return (torch.zeros if zeroed else torch.empty)(NT, Hqk, D, dtype=dtype, device=device)
     return torch.empty(NT, Hv, D, dtype=dtype, device=device)
 
 
