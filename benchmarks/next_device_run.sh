@@ -73,7 +73,7 @@
 #                                                 GPU tests incl. CTAs that walk several chunks, then the CUDA-graph A/B
 #                                                 (PW_ROWS, PW_MODES): off / auto / 3 CTAs per SM / halo searches inline
 #   bash benchmarks/next_device_run.sh pairzero   FLASHQLA_TILELANG_GVA_ZERO=kernel (session 30): the GVA pair rows zeroed in the
-#                                                 whole-V backward: GPU tests, then the fwd+bwd graph A/B (PZ_ROWS)
+#                                                 whole-V backward: GPU tests, then the fwd+bwd graph A/B (PZ_ROWS); pzab: the A/B alone
 #   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
 #                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
@@ -568,6 +568,9 @@ case "$STEP" in
     # memory, more CTAs than SMs, segments with halos, 20 runs), then the fwd+bwd CUDA-graph A/B (PZ_ROWS)
     TAIL=12 run_step "pair zero GPU tests" ${PZ_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "pair_zero"
     case $RUN_RC in 0) ;; *) echo "== pairzero: tests did not pass; the A/B skipped"; continue ;; esac
+    ;&
+  pzab)
+    # the A/B alone (pzab): worth its GPU tests only if the in-kernel zeroing is not slower than the memset
     TAIL=30 run_step "pair zero graph A/B fwdbwd" ${PZ_SWEEP_S:-200} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_zero_graph_fwdbwd.json \
         --rows ${PZ_ROWS:-16/32:1x32768,8/16:1x32768,16/32:4x8192,8/32:1x32768,16/32:2x16384} \
@@ -763,7 +766,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
