@@ -311,7 +311,8 @@ def _check_pair_sass(sass, min_reds: int) -> None:
 def _check_pair_calls(src: str, fn: str, outs: set, n_calls: int, threads, rng) -> None:
     """The make_red_rows helper's contract in a generated source (see the test above); the dq / dk rows go to the
     pair's row (Hqk of them), not to a value head's."""
-    calls = re.findall(rf"{fn}\((d[qk]_out), (.+), (\w+)\[(\w+)\], \((\w+) & 1\), \(&\(pend\[0\]\)\)\);", src)
+    # (make_put_rows' helper takes the first-CTA word last)
+    calls = re.findall(rf"{fn}\((d[qk]_out), (.+), (\w+)\[(\w+)\], \((\w+) & 1\), \(&\(pend\[0\]\)\)(?:, first\w*)?\);", src)
     assert len(calls) == n_calls and src.count(f"{fn}(d") == n_calls, len(calls)
     assert {c[0] for c in calls} == outs
     for out, offset, frag, reg, parity in calls:
@@ -670,6 +671,51 @@ def test_whole_pair_zero_lowers():
         build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=False, pair_zero=True)
 
 
+@pytest.mark.compile
+def test_whole_pair_store_lowers():
+    # FLASHQLA_TILELANG_GVA_ZERO=store (build_bwd_whole(pair_store=True)), over segments as the backend builds it:
+    # the same ticket; the key role's six pair sites take the first-CTA word from shared memory only after its
+    # zero_ready wait, and arrive on rows_stored after the dk stores; the zero warp writes the word before its first
+    # arrive, waits the other CTA's flags before arriving, and sets its own after rows_stored.  In the SASS: 32-bit
+    # stores beside the bf16x2 reductions, one 64-bit atomic, one release fence (MEMBAR.ALL.GPU) and one L1
+    # invalidation (the waiting CTA's acquire fence, once per step; session 30's acquire polls had one per poll)
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
+    from test_backend_tilelang import kernel_sass
+
+    kern = tilelang.compile(build_bwd_whole("bfloat16", "bfloat16", 128, 128, True, True, hw_ex2=True, halo=True,
+                                            gva_pair=True, pair_store=True), out_idx=None, target=TARGET)
+    check_ws_kernel(kern, "bwd_whole gva_pair pair_store halo")
+    src = kern.get_kernel_source()
+    body = src[src.index("__global__"):]
+    assert body.count("flq_pair_ticket(") == 1 and body.count("flq_pair_wait(") == 1
+    assert body.count("flq_pair_publish(") == 1 and "flq_pair_zero_step(" not in body
+    assert "flq_red_pair_bf16(" not in body
+    _check_pair_calls(src, "flq_put_pair_bf16", {"dq_out", "dk_out"}, 6, range(256, 384), random.Random(3))
+    # the word's reads come after the key role's zero_ready wait; the zero warp writes it before its arrive
+    wait = body.index("zero_ready[0].wait(")
+    reads = [m.start() for m in re.finditer(r"= \(\(int\*\)first_s\)\[0\];", body)]
+    assert len(reads) == 3 and min(reads) > wait
+    write = body.index("((int*)first_s)[0] = ")
+    arrive = body.index("zero_ready[0].arrive()")
+    assert write < arrive < body.index("rows_stored[0].wait(") < body.index("flq_pair_publish(", arrive)
+    assert max(reads) < body.index("rows_stored[0].arrive()") < write
+    sass = kernel_sass(kern)
+    if sass is not None:
+        assert len(re.findall(r"ATOMG\.E\.ADD\.64", sass)) == 1
+        assert len(re.findall(r"REDG\.E\.ADD\.BF16x2\.RN", sass)) >= 128
+        assert len(re.findall(r"\bSTG\.E desc", sass)) >= 128
+        assert len(re.findall(r"MEMBAR\.ALL\.GPU", sass)) == 1
+        assert len(re.findall(r"CCTL\.IVALL", sass)) == 1
+    with pytest.raises(AssertionError, match="pair_store"):
+        build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=True, pair_zero=True,
+                        pair_store=True)
+
+
 def test_pair_zero_switch(monkeypatch):
     from flashqla.backends.tilelang import ops
 
@@ -677,6 +723,8 @@ def test_pair_zero_switch(monkeypatch):
     assert not ops.pair_zero_in_kernel()
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
     assert ops.pair_zero_in_kernel()
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "store")
+    assert ops.pair_rows_mode() == "store" and not ops.pair_zero_in_kernel()
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "sometimes")
     with pytest.raises(ValueError, match="FLASHQLA_TILELANG_GVA_ZERO"):
         ops.pair_zero_in_kernel()
@@ -686,13 +734,17 @@ def test_pair_zero_switch(monkeypatch):
     assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, False) == base
     assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, True) == \
         base + (True,)
+    assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, False,
+                                True) == base + (False, True)
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_whole_pair_zero(dtype, monkeypatch):
-    # FLASHQLA_TILELANG_GVA_ZERO=kernel: the whole-V backward zeroes the GVA pair rows itself.  The shared backward
+@pytest.mark.parametrize("mode", ["kernel", "store"])
+def test_gpu_whole_pair_zero(dtype, mode, monkeypatch):
+    # FLASHQLA_TILELANG_GVA_ZERO=kernel: the whole-V backward zeroes the GVA pair rows itself (store: its pair's
+    # first CTA stores and the other adds after the flags, nothing zeroed; the same checks).  The shared backward
     # cases against the oracle; then, on memory the caching allocator has just held NaN in (so a row no CTA zeroed
     # would show), against the host memset build: every gradient bitwise equal (the same two adds onto +0; a
     # compiler's last-bit difference in the other roles is allowed within 1e-5 and printed), over the plain walk
@@ -703,10 +755,12 @@ def test_gpu_whole_pair_zero(dtype, monkeypatch):
     from flashqla.testing import make_inputs
 
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", mode)
     gpu_backward_matches_oracle("whole", "bwd_whole_sm90", dtype, monkeypatch)
-    assert any(n == "bwd_whole_sm90" and k[11:12] == (True,) for n, k in _compile.cached_kernels()), \
-        "the pair_zero kernel did not run"
+    # (the key's pair_zero / pair_store flags: ops.bwd_whole_kernel)
+    flags = (True,) if mode == "kernel" else (False, True)
+    assert any(n == "bwd_whole_sm90" and k[11:13] == flags for n, k in _compile.cached_kernels()), \
+        f"the {mode} kernel did not run"
 
     def poison():
         junk = torch.full((1 << 28,), float("nan"), dtype=torch.float32, device="cuda")
@@ -731,12 +785,12 @@ def test_gpu_whole_pair_zero(dtype, monkeypatch):
                                                     backend="tilelang")
             return torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))
 
-        host, kern = grads("host"), grads("kernel")
+        host, kern = grads("host"), grads(mode)
         for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), kern, host):
             assert torch.isfinite(a).all(), (case.name, name)
             assert_equal_but_compiler_bits(a, b, f"{case.name} {name}", "the host-memset build")
         for _ in range(20):
-            for a, b in zip(kern, grads("kernel")):
+            for a, b in zip(kern, grads(mode)):
                 assert torch.equal(a, b), case.name
         for name in env:
             monkeypatch.delenv(name)

@@ -90,6 +90,15 @@ def make_store_rows(C: int):
     return store_rows
 
 
+def pair_offset(out, row, h, col):
+    """The element offset of a GVA pair's even column in ``out`` [NT, H, D], as an integer: an element's address
+    (``T.address_of``) in an extern call gets a bounds test per element from TileLang's memory-safety pass, and ptxas
+    then recomputes the 64-bit address inside each test (~17 instructions per reduction instead of ~2)."""
+    import tilelang.language as T
+
+    return (T.cast(row, "int64") * out.shape[1] + h) * out.shape[2] + col - col % 2
+
+
 def make_red_rows(C: int):
     """A ``T.macro`` ``(out, src_f, bos, eos, h, col0, pend)`` as :func:`make_store_rows`'s, that adds instead of
     storing: ``out[bos + r, h, col0 + d] += src_f[r, d]``, both columns of a pair rounded to ``out``'s 16-bit dtype
@@ -106,12 +115,6 @@ def make_red_rows(C: int):
     that order in the generated source; the GPU tests check the sums."""
     import tilelang.language as T
 
-    def pair_offset(out, row, h, col):
-        # the element offset of the pair's even column, as an integer: an element's address (T.address_of) in an
-        # extern call gets a bounds test per element from TileLang's memory-safety pass, and ptxas then recomputes
-        # the 64-bit address inside each test (~17 instructions per reduction instead of ~2)
-        return (T.cast(row, "int64") * out.shape[1] + h) * out.shape[2] + col - col % 2
-
     @T.macro
     def red_rows(out, src_f, bos, eos, h, col0, pend):
         fn = "flq_red_pair_bf16" if str(out.dtype) == "bfloat16" else "flq_red_pair_f16"
@@ -126,6 +129,30 @@ def make_red_rows(C: int):
                                   T.address_of(pend[0]))
 
     return red_rows
+
+
+def make_put_rows(C: int):
+    """A ``T.macro`` ``(out, src_f, bos, eos, h, col0, pend, first)`` as :func:`make_red_rows`'s, where the pair's
+    first CTA (``first`` nonzero) stores the rounded pair (``st.global.b32``) and the second adds it
+    (``red.global.add.noftz``): the pair's rows then need no zeroing at all (``build_bwd_whole(pair_store=True)``,
+    whose flags order the second CTA's adds after the first one's stores).  The kernel must
+    ``T.import_source(PUT_PAIR_SRC)``."""
+    import tilelang.language as T
+
+    @T.macro
+    def put_rows(out, src_f, bos, eos, h, col0, pend, first):
+        fn = "flq_put_pair_bf16" if str(out.dtype) == "bfloat16" else "flq_put_pair_f16"
+        if bos + C <= eos:
+            for r, d in T.Parallel(C, src_f.shape[1]):
+                T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
+                              T.address_of(pend[0]), first)
+        else:
+            for r, d in T.Parallel(C, src_f.shape[1]):
+                if bos + r < eos:
+                    T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
+                                  T.address_of(pend[0]), first)
+
+    return put_rows
 
 
 def make_grad_rows(C: int, gva_pair: bool):
@@ -162,6 +189,25 @@ __device__ __forceinline__ void flq_red_pair_{t}(const void *base, long long off
 }}
 """
 RED_PAIR_SRC = "".join(_RED_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
+
+# ``make_put_rows``' helpers: the pair's first CTA stores, the second adds (the same rounding as the reduction's)
+_PUT_PAIR_TEMPLATE = """
+__device__ __forceinline__ void flq_put_pair_{t}(const void *base, long long offset, float x, int odd, float *pend,
+                                                int first) {{
+  if (!odd) {{
+    *pend = x;
+  }} else {{
+    unsigned packed;
+    asm("cvt.rn.{t}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
+    if (first) {{
+      asm volatile("st.global.b32 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
+    }} else {{
+      asm volatile("red.global.add.noftz.{t}x2 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
+    }}
+  }}
+}}
+"""
+PUT_PAIR_SRC = "".join(_PUT_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
 
 
 # The GVA pair's zeroing inside the whole-V backward (``build_bwd_whole(pair_zero=True)``; its docstring has the
