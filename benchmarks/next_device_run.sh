@@ -73,7 +73,8 @@
 #                                                 GPU tests incl. CTAs that walk several chunks, then the CUDA-graph A/B
 #                                                 (PW_ROWS, PW_MODES): off / auto / 3 CTAs per SM / halo searches inline
 #   bash benchmarks/next_device_run.sh pairzero   FLASHQLA_TILELANG_GVA_ZERO=kernel (session 30): the GVA pair rows zeroed in the
-#                                                 whole-V backward: GPU tests, then the fwd+bwd graph A/B (PZ_ROWS); pzab: the A/B alone
+#                                                 whole-V backward: GPU tests, then the fwd+bwd graph A/B (PZ_ROWS); pzab: the A/B alone,
+#                                                 pztests: the tests alone (PZ_K)
 #   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
 #                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
@@ -566,9 +567,12 @@ case "$STEP" in
     # itself (one CTA of a pair, two steps ahead, a flag per chunk for the other) instead of the host memset
     # (0.083 ms at 16/32 1x32768, H100 session 29).  Its GPU test (oracle, bitwise vs the memset build on NaN-poisoned
     # memory, more CTAs than SMs, segments with halos, 20 runs), then the fwd+bwd CUDA-graph A/B (PZ_ROWS)
-    TAIL=12 run_step "pair zero GPU tests" ${PZ_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "pair_zero"
+    TAIL=12 run_step "pair zero GPU tests" ${PZ_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "${PZ_K:-pair_zero}"
     case $RUN_RC in 0) ;; *) echo "== pairzero: tests did not pass; the A/B skipped"; continue ;; esac
     ;&
+  pztests)
+    # the pair-zero GPU tests alone, after the A/B (PZ_K selects, e.g. "pair_zero and store and bfloat16")
+    TAIL=12 run_step "pair zero GPU tests" ${PZ_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "${PZ_K:-pair_zero}" ;;
   pzab)
     # the A/B alone (pzab): worth its GPU tests only if the in-kernel zeroing is not slower than the memset.  Also
     # FLASHQLA_TILELANG_GVA_ZERO=store (session 31: no zeroing, the pair's first CTA stores, the other adds after
@@ -768,7 +772,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
