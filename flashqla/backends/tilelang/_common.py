@@ -207,7 +207,14 @@ __device__ __forceinline__ void flq_put_pair_{t}(const void *base, long long off
   }}
 }}
 """
-PUT_PAIR_SRC = "".join(_PUT_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
+PUT_PAIR_SRC = "".join(_PUT_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16")) + """
+// the pair's first-CTA word into shared memory by one lane, out of TileLang's sight: a shared write of its own in the
+// zero warp makes its ThreadSync pass put a barrier of the whole producer warpgroup before the zero warp's block,
+// which then waits for the TMA warp's whole walk, while that walk waits for the zero warp (a hang, session 31)
+__device__ __forceinline__ void flq_pair_set_first(const void *word, int ticket) {
+  if ((threadIdx.x & 31) == 0) *(volatile int *)word = ticket == 0 ? 1 : 0;
+}
+"""
 
 
 # The GVA pair's zeroing inside the whole-V backward (``build_bwd_whole(pair_zero=True)``; its docstring has the

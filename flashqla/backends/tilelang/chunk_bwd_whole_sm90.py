@@ -796,7 +796,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                                                T.cast(n * Hqk + zhq, "int64"))
                         if pair_store:
                             # (read by the key role after its first wait on zero_ready, which this arrive releases)
-                            first_s[0] = T.if_then_else(ticket == 0, 1, 0)
+                            T.call_extern("handle", "flq_pair_set_first", first_s.data, ticket)
                         if pair_zero:
                             if ticket == 0:
                                 for j in T.serial(ZERO_AHEAD):
