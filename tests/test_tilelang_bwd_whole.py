@@ -724,14 +724,13 @@ def test_pair_zero_switch(monkeypatch):
     from flashqla.backends.tilelang import ops
 
     monkeypatch.delenv("FLASHQLA_TILELANG_GVA_ZERO", raising=False)
-    assert not ops.pair_zero_in_kernel()
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
-    assert ops.pair_zero_in_kernel()
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "store")
-    assert ops.pair_rows_mode() == "store" and not ops.pair_zero_in_kernel()
+    assert ops.pair_rows_mode() == "host"
+    for mode in ("kernel", "store"):
+        monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", mode)
+        assert ops.pair_rows_mode() == mode
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "sometimes")
     with pytest.raises(ValueError, match="FLASHQLA_TILELANG_GVA_ZERO"):
-        ops.pair_zero_in_kernel()
+        ops.pair_rows_mode()
     # the key: unchanged where the kernel does not zero (carried caches keep matching), one flag more where it does
     monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: key)
     base = ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True)

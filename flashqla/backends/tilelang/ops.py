@@ -582,11 +582,6 @@ def pair_rows_mode() -> str:
     return env_choice("FLASHQLA_TILELANG_GVA_ZERO", ("host", "kernel", "store"), "host")
 
 
-def pair_zero_in_kernel() -> bool:
-    """Whether the whole-V backward zeroes the GVA pair-sum rows itself (:func:`pair_rows_mode` ``kernel``)."""
-    return pair_rows_mode() == "kernel"
-
-
 def _grad_rows_buffer(pair: bool, NT: int, Hqk: int, Hv: int, D: int, dtype, device,
                       zeroed: bool = True) -> torch.Tensor:
     """dq or dk as the backward kernels write it: per value head ``[NT, Hv, D]``, or with the GVA pair sum in the
