@@ -261,7 +261,8 @@ case "$STEP" in
     # or A8_BASELINES=flashqla; the cache is saved again after the bench, with FLA's new autotuning results.
     # benchmarks/kcache/kcache.tar.xz (session 29) holds FlashQLA's kernels for both steps' rows and FLA's tuning
     # for all their heads: session 29 (H100), before they were cached, took 530 s (bwd) and 379 s (fwd), ~115 s of it
-    # FlashQLA's compiles.
+    # FlashQLA's compiles.  A8_FILTER keeps the rows whose label holds one of its '|'-separated parts (the rows
+    # nearest 1.1x, e.g. A8_FILTER='16/32 32k in 1' for the backward) where a lease is too short for the grid.
     if [ "$STEP" = accept8fwd ]; then
       A8_PRESET=flashqla-fwd; A8_WARM=(--heads "$FLQ_GRID_HEADS" --seqs "$FLQ_GRID_SEQS")
     else
@@ -273,7 +274,7 @@ case "$STEP" in
     save_kcache
     TAIL=60 run_step "$A8_PRESET, Hv x seqs <= 40, against FlashQLA and FLA" ${A8_S:-420} python -m flashqla bench \
         --preset $A8_PRESET --max-walks 40 --no-progress --backends tilelang --baselines ${A8_BASELINES:-flashqla,fla} \
-        ${BENCH_ARGS:---min-time 0.1 --max-reps 100} --out $OUT/$STEP
+        ${BENCH_ARGS:---min-time 0.1 --max-reps 100} ${A8_FILTER:+--filter "$A8_FILTER"} --out $OUT/$STEP
     save_kcache ;;
   tritonshared)
     # #3's last open item: the shared suite (tests/test_correctness.py) on the triton backend at the current kernels
