@@ -572,16 +572,15 @@ case "$STEP" in
     case $RUN_RC in 0) ;; *) echo "== pairzero: tests did not pass; the A/B skipped"; continue ;; esac
     ;&
   pztests)
-    # the pair-zero GPU tests alone, after the A/B (PZ_K selects, e.g. "pair_zero and store and bfloat16")
+    # the pair-zero GPU tests alone, after the A/B (PZ_K selects, e.g. "pair_zero and bfloat16")
     TAIL=12 run_step "pair zero GPU tests" ${PZ_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "${PZ_K:-pair_zero}" ;;
   pzab)
-    # the A/B alone (pzab): worth its GPU tests only if the in-kernel zeroing is not slower than the memset.  Also
-    # FLASHQLA_TILELANG_GVA_ZERO=store (session 31: no zeroing, the pair's first CTA stores, the other adds after
-    # its flags); PZ_VARIANTS replaces the list.  The GPU tests (-k pair_zero) run both modes in both dtypes
+    # the A/B alone (pzab): worth its GPU tests only if the in-kernel zeroing is not slower than the memset
+    # (PZ_VARIANTS replaces the list; session 31's store form was removed in session 33: wrong and slower)
     TAIL=30 run_step "pair zero graph A/B fwdbwd" ${PZ_SWEEP_S:-200} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_zero_graph_fwdbwd.json \
         --rows ${PZ_ROWS:-16/32:1x32768,8/16:1x32768,16/32:4x8192,8/32:1x32768,16/32:2x16384} \
-        "--variants=${PZ_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=kernel;FLASHQLA_TILELANG_GVA_ZERO=store}" ;;
+        "--variants=${PZ_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=kernel}" ;;
   trainbv)
     # the fused training forward's V-block (session 25): at 16/32 1x32768 its walk takes 0.661 ms against the inference
     # walk's 0.407 (H100), the state / v_new saves on the chain's cycle; at BV 128 the walk has one S buffer (nb = 1),

@@ -311,8 +311,7 @@ def _check_pair_sass(sass, min_reds: int) -> None:
 def _check_pair_calls(src: str, fn: str, outs: set, n_calls: int, threads, rng) -> None:
     """The make_red_rows helper's contract in a generated source (see the test above); the dq / dk rows go to the
     pair's row (Hqk of them), not to a value head's."""
-    # (make_put_rows' helper takes the first-CTA word last)
-    calls = re.findall(rf"{fn}\((d[qk]_out), (.+), (\w+)\[(\w+)\], \((\w+) & 1\), \(&\(pend\[0\]\)\)(?:, first\w*)?\);", src)
+    calls = re.findall(rf"{fn}\((d[qk]_out), (.+), (\w+)\[(\w+)\], \((\w+) & 1\), \(&\(pend\[0\]\)\)\);", src)
     assert len(calls) == n_calls and src.count(f"{fn}(d") == n_calls, len(calls)
     assert {c[0] for c in calls} == outs
     for out, offset, frag, reg, parity in calls:
@@ -671,83 +670,31 @@ def test_whole_pair_zero_lowers():
         build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=False, pair_zero=True)
 
 
-@pytest.mark.compile
-def test_whole_pair_store_lowers():
-    # FLASHQLA_TILELANG_GVA_ZERO=store (build_bwd_whole(pair_store=True)), over segments as the backend builds it:
-    # the same ticket; the key role's six pair sites take the first-CTA word from shared memory only after its
-    # zero_ready wait, and arrive on rows_stored after the dk stores; the zero warp writes the word before its first
-    # arrive, waits the other CTA's flags before arriving, and sets its own after rows_stored.  In the SASS: 32-bit
-    # stores beside the bf16x2 reductions, one 64-bit atomic, one release fence (MEMBAR.ALL.GPU) and one L1
-    # invalidation (the waiting CTA's acquire fence, once per step; session 30's acquire polls had one per poll)
-    if not HAVE_TILELANG:
-        pytest.skip("tilelang is not importable here")
-    import tilelang
-
-    from flashqla.backends.tilelang._compile import TARGET
-    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
-    from test_backend_tilelang import kernel_sass
-
-    kern = tilelang.compile(build_bwd_whole("bfloat16", "bfloat16", 128, 128, True, True, hw_ex2=True, halo=True,
-                                            gva_pair=True, pair_store=True), out_idx=None, target=TARGET)
-    check_ws_kernel(kern, "bwd_whole gva_pair pair_store halo")
-    src = kern.get_kernel_source()
-    body = src[src.index("__global__"):]
-    assert body.count("flq_pair_ticket(") == 1 and body.count("flq_pair_wait(") == 1
-    assert body.count("flq_pair_publish(") == 1 and "flq_pair_zero_step(" not in body
-    assert "flq_red_pair_bf16(" not in body
-    _check_pair_calls(src, "flq_put_pair_bf16", {"dq_out", "dk_out"}, 6, range(256, 384), random.Random(3))
-    # the word's reads come after the key role's zero_ready wait; the zero warp writes it before its arrive
-    wait = body.index("zero_ready[0].wait(")
-    reads = [m.start() for m in re.finditer(r"= \(\(int\*\)first_s\)\[0\];", body)]
-    assert len(reads) == 3 and min(reads) > wait
-    write = body.index("flq_pair_set_first(")
-    arrive = body.index("zero_ready[0].arrive()")
-    # no barrier of the producer warpgroup before the zero warp's block: it would wait for the TMA warp's whole walk,
-    # which waits for the zero warp (TileLang put one there for a plain shared write of the word: a hang on the H100)
-    zero_block = body.index("if ((416 <= ((int)threadIdx.x))")
-    assert "__sync_thread_partial" not in body[body.rindex("full_in[1].arrive();", 0, zero_block):zero_block]
-    assert write < arrive < body.index("rows_stored[0].wait(") < body.index("flq_pair_publish(", arrive)
-    assert max(reads) < body.index("rows_stored[0].arrive()") < write
-    sass = kernel_sass(kern)
-    if sass is not None:
-        assert len(re.findall(r"ATOMG\.E\.ADD\.64", sass)) == 1
-        assert len(re.findall(r"REDG\.E\.ADD\.BF16x2\.RN", sass)) >= 128
-        assert len(re.findall(r"\bSTG\.E desc", sass)) >= 128
-        assert len(re.findall(r"MEMBAR\.ALL\.GPU", sass)) == 1
-        assert len(re.findall(r"CCTL\.IVALL", sass)) == 1
-    with pytest.raises(AssertionError, match="pair_store"):
-        build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=True, pair_zero=True,
-                        pair_store=True)
-
-
 def test_pair_zero_switch(monkeypatch):
     from flashqla.backends.tilelang import ops
 
     monkeypatch.delenv("FLASHQLA_TILELANG_GVA_ZERO", raising=False)
     assert ops.pair_rows_mode() == "host"
-    for mode in ("kernel", "store"):
-        monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", mode)
-        assert ops.pair_rows_mode() == mode
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "sometimes")
-    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_GVA_ZERO"):
-        ops.pair_rows_mode()
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
+    assert ops.pair_rows_mode() == "kernel"
+    # (store, session 31, removed in session 33: wrong gradients on an H100)
+    for bad in ("sometimes", "store"):
+        monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", bad)
+        with pytest.raises(ValueError, match="FLASHQLA_TILELANG_GVA_ZERO"):
+            ops.pair_rows_mode()
     # the key: unchanged where the kernel does not zero (carried caches keep matching), one flag more where it does
     monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: key)
     base = ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True)
     assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, False) == base
     assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, True) == \
         base + (True,)
-    assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, False,
-                                True) == base + (False, True)
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("mode", ["kernel", "store"])
-def test_gpu_whole_pair_zero(dtype, mode, monkeypatch):
-    # FLASHQLA_TILELANG_GVA_ZERO=kernel: the whole-V backward zeroes the GVA pair rows itself (store: its pair's
-    # first CTA stores and the other adds after the flags, nothing zeroed; the same checks).  The shared backward
+def test_gpu_whole_pair_zero(dtype, monkeypatch):
+    # FLASHQLA_TILELANG_GVA_ZERO=kernel: the whole-V backward zeroes the GVA pair rows itself.  The shared backward
     # cases against the oracle; then, on memory the caching allocator has just held NaN in (so a row no CTA zeroed
     # would show), against the host memset build: every gradient bitwise equal (the same two adds onto +0; a
     # compiler's last-bit difference in the other roles is allowed within 1e-5 and printed), over the plain walk
@@ -758,12 +705,12 @@ def test_gpu_whole_pair_zero(dtype, mode, monkeypatch):
     from flashqla.testing import make_inputs
 
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
+    mode = "kernel"
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", mode)
     gpu_backward_matches_oracle("whole", "bwd_whole_sm90", dtype, monkeypatch)
-    # (the key's pair_zero / pair_store flags: ops.bwd_whole_kernel)
-    flags = (True,) if mode == "kernel" else (False, True)
-    assert any(n == "bwd_whole_sm90" and k[11:13] == flags for n, k in _compile.cached_kernels()), \
-        f"the {mode} kernel did not run"
+    # (the key's pair_zero flag: ops.bwd_whole_kernel)
+    assert any(n == "bwd_whole_sm90" and k[11:12] == (True,) for n, k in _compile.cached_kernels()), \
+        "the pair-zero kernel did not run"
 
     def poison():
         junk = torch.full((1 << 28,), float("nan"), dtype=torch.float32, device="cuda")

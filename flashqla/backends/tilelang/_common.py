@@ -131,30 +131,6 @@ def make_red_rows(C: int):
     return red_rows
 
 
-def make_put_rows(C: int):
-    """A ``T.macro`` ``(out, src_f, bos, eos, h, col0, pend, first)`` as :func:`make_red_rows`'s, where the pair's
-    first CTA (``first`` nonzero) stores the rounded pair (``st.global.b32``) and the second adds it
-    (``red.global.add.noftz``): the pair's rows then need no zeroing at all (``build_bwd_whole(pair_store=True)``,
-    whose flags order the second CTA's adds after the first one's stores).  The kernel must
-    ``T.import_source(PUT_PAIR_SRC)``."""
-    import tilelang.language as T
-
-    @T.macro
-    def put_rows(out, src_f, bos, eos, h, col0, pend, first):
-        fn = "flq_put_pair_bf16" if str(out.dtype) == "bfloat16" else "flq_put_pair_f16"
-        if bos + C <= eos:
-            for r, d in T.Parallel(C, src_f.shape[1]):
-                T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
-                              T.address_of(pend[0]), first)
-        else:
-            for r, d in T.Parallel(C, src_f.shape[1]):
-                if bos + r < eos:
-                    T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
-                                  T.address_of(pend[0]), first)
-
-    return put_rows
-
-
 def make_grad_rows(C: int, gva_pair: bool):
     """A ``T.macro`` ``(out, src_f, bos, eos, hv, col0, pend)``: a dq / dk tile of value head ``hv`` stored into
     its own row of ``out`` [NT, Hv, D] (:func:`make_store_rows`), or with ``gva_pair`` (GVA ratio 2) added into its
@@ -189,33 +165,6 @@ __device__ __forceinline__ void flq_red_pair_{t}(const void *base, long long off
 }}
 """
 RED_PAIR_SRC = "".join(_RED_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
-
-# ``make_put_rows``' helpers: the pair's first CTA stores, the second adds (the same rounding as the reduction's)
-_PUT_PAIR_TEMPLATE = """
-__device__ __forceinline__ void flq_put_pair_{t}(const void *base, long long offset, float x, int odd, float *pend,
-                                                int first) {{
-  if (!odd) {{
-    *pend = x;
-  }} else {{
-    unsigned packed;
-    asm("cvt.rn.{t}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
-    if (first) {{
-      asm volatile("st.global.b32 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
-    }} else {{
-      asm volatile("red.global.add.noftz.{t}x2 [%0], %1;" :: "l"((const unsigned short *)base + offset), "r"(packed));
-    }}
-  }}
-}}
-"""
-PUT_PAIR_SRC = "".join(_PUT_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16")) + """
-// the pair's first-CTA word into shared memory by one lane, out of TileLang's sight: a shared write of its own in the
-// zero warp makes its ThreadSync pass put a barrier of the whole producer warpgroup before the zero warp's block,
-// which then waits for the TMA warp's whole walk, while that walk waits for the zero warp (a hang, session 31)
-__device__ __forceinline__ void flq_pair_set_first(const void *word, int ticket) {
-  if ((threadIdx.x & 31) == 0) *(volatile int *)word = ticket == 0 ? 1 : 0;
-}
-"""
-
 
 # The GVA pair's zeroing inside the whole-V backward (``build_bwd_whole(pair_zero=True)``; its docstring has the
 # protocol).  One warp runs each helper; the words are 64-bit (the kernel's int64 ``trace_out`` parameter carries

@@ -92,15 +92,9 @@ The sums are the same two adds onto +0 as with the memset.  The words (tickets, 
 query/key head), zero at launch) travel in the int64 ``trace_out`` parameter (so the build without it keeps its
 signature and its cached kernels); ``trace`` and ``pair_zero`` are exclusive.
 
-``pair_store`` (with ``gva_pair``, instead of ``pair_zero``; ``FLASHQLA_TILELANG_GVA_ZERO=store``): nothing is
-zeroed.  The zero warp takes the same ticket and hands it to the key role in shared memory (read after its first
-``zero_ready`` wait).  The ticket-0 CTA's key role stores its rounded pairs (``st.global.b32``) where the other adds
-(``red.global.add.noftz``), then arrives on ``rows_stored`` after each step's dk stores; its zero warp waits there and
-sets the chunk's flag (release fence, relaxed store: the mbarrier makes the key role's stores the zero warp's
-before the fence).  The other CTA's zero warp waits for each chunk's flag before it arrives on ``zero_ready``, so
-that CTA's adds of a chunk come after the first one's stores: ``rn(a + b)``, as the two adds onto +0, and
-independent of which head stores.  It costs the second CTA about half a step of lag once (its dq waits for the
-first CTA's dk of the same chunk); the ticket-0 CTA waits on no other CTA, so nothing can hang.
+A third form, ``pair_store`` (session 31: no zeroing, the pair's first CTA storing its rows and the other adding
+after a flag per chunk), was removed in session 33: on an H100 its gradients differed from the memset build's
+(relative L2 0.25) and the kernel took 2.133 against 1.784 ms at 16/32 one 32k sequence.
 """
 
 CHUNK = 64
@@ -135,7 +129,7 @@ NREGS = (160, 168, 160, 24)
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
                     trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False,
-                    gva_pair: bool = False, pair_zero: bool = False, pair_store: bool = False):
+                    gva_pair: bool = False, pair_zero: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
     exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
@@ -143,22 +137,16 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     ``seg_table`` / ``walk_end`` are placeholders otherwise); ``gva_pair``: dq / dk summed over GVA pairs in the
     kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``); ``pair_zero`` (with
     ``gva_pair``, without ``trace``): the kernel zeroes those rows itself, ``trace_out`` then carries the pair's
-    words, zeroed (the docstring's last sections); ``pair_store`` (likewise, instead of ``pair_zero``): no zeroing at
-    all, the pair's first CTA stores and the second adds after its flags."""
+    words, zeroed (the docstring's last section)."""
     import tilelang.language as T
 
-    from ._common import (EX2_APPROX_SRC, PAIR_ZERO_SRC, PUT_PAIR_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows,
-                          make_put_rows, symbolic_sizes)
+    from ._common import EX2_APPROX_SRC, PAIR_ZERO_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows, symbolic_sizes
 
     assert not pair_zero or (gva_pair and not trace), "pair_zero needs gva_pair and no trace"
-    assert not pair_store or (gva_pair and not trace and not pair_zero), "pair_store needs gva_pair, no trace and no pair_zero"
-    # (both: the zero warp, its ticket and the pair's words)
-    pair_words = pair_zero or pair_store
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
     grad_rows = make_grad_rows(C, gva_pair)   # dq / dk: per value head, or into the GVA pair's row
-    put_rows = make_put_rows(C)               # (pair_store: stored by the pair's first CTA, added by the other)
     SQ = 8             # column block of <S, dSb> (the chain's)
     DB = 16            # column block of the chain's dOs pass
     acc = "float32"
@@ -233,7 +221,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             # (one import per kernel: a second one is an annotation clash)
             if hw_ex2 or gva_pair:
                 T.import_source((EX2_APPROX_SRC if hw_ex2 else "") + (RED_PAIR_SRC if gva_pair else "")
-                                + (PAIR_ZERO_SRC if pair_words else "") + (PUT_PAIR_SRC if pair_store else ""))
+                                + (PAIR_ZERO_SRC if pair_zero else ""))
             # ---- input tiles (TMA), single-buffered
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
@@ -303,11 +291,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             ws_ready = T.alloc_barrier(arrive_count=128)
             ws_free = T.alloc_barrier(arrive_count=128)
             vec_ready = T.alloc_barrier(arrive_count=[256, 256])
-            if pair_words:
+            if pair_zero:
                 zero_ready = T.alloc_barrier(arrive_count=32)     # zero -> key: this step's pair rows are ready
-            if pair_store:
-                rows_stored = T.alloc_barrier(arrive_count=128)   # key -> zero: this step's dq / dk rows are out
-                first_s = T.alloc_shared((1,), "int32")           # zero -> key: this CTA stores (ticket 0)
 
             tx = T.get_thread_binding()
             # (gva_pair: ratio 2 by contract, a shift instead of a signed division in every reduction's address)
@@ -615,7 +600,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
                     # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
                     T.barrier_wait(dqk_ready, i % 2)
-                    if pair_words:
+                    if pair_zero:
                         T.barrier_wait(zero_ready, i % 2)
                     stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
                     for hb in T.unroll(2):
@@ -632,10 +617,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r, d in T.Parallel(C, KH):
                             t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
                         T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        if pair_store:
-                            put_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hq, hb * KH, pend, first_s[0])
-                        else:
-                            grad_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH, pend)
+                        grad_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH, pend)
                     T.barrier_arrive(empty_in[3])
                     stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
                     # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
@@ -700,13 +682,8 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
                     T.barrier_arrive(empty_in[1])
                     stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    if pair_store:
-                        put_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hq, 0, pend, first_s[0])
-                        put_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hq, KH, pend, first_s[0])
-                        T.barrier_arrive(rows_stored)
-                    else:
-                        grad_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0, pend)
-                        grad_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH, pend)
+                    grad_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0, pend)
+                    grad_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH, pend)
                     stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
                     # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
                     # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
@@ -775,9 +752,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
                         T.barrier_arrive(full_in[1])
                         stamp(trace_out, "producer: k issued", i, tx, 384, hv, n)
-                if pair_words:
+                if pair_zero:
                     if T.And(tx >= 416, tx < 448):
-                        # ---------------- zero: the pair's dq / dk rows, zeroed ahead (pair_zero) or flagged (pair_store)
+                        # ---------------- zero: the pair's dq / dk rows, zeroed ahead (pair_zero)
                         # (the walk's bounds read again here, not taken from above: live across the TMA warp's
                         # loop, they made this warpgroup's 24 registers spill)
                         zb0 = cu_seqlens[n]
@@ -794,13 +771,9 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         ticket = T.alloc_var("int32")
                         ticket = T.call_extern("int32", "flq_pair_ticket", trace_out.data,
                                                T.cast(n * Hqk + zhq, "int64"))
-                        if pair_store:
-                            # (read by the key role after its first wait on zero_ready, which this arrive releases)
-                            T.call_extern("handle", "flq_pair_set_first", first_s.data, ticket)
-                        if pair_zero:
-                            if ticket == 0:
-                                for j in T.serial(ZERO_AHEAD):
-                                    zero_step(trace_out, dq_out, dk_out, j, znc, zhalo, zb0, zeos, zc0, zhq, NS, Hqk)
+                        if ticket == 0:
+                            for j in T.serial(ZERO_AHEAD):
+                                zero_step(trace_out, dq_out, dk_out, j, znc, zhalo, zb0, zeos, zc0, zhq, NS, Hqk)
                         for i in T.serial(znc):
                             # (not over one phase ahead of the key role: its previous step has released k)
                             T.barrier_wait(empty_in[1], (i + 1) % 2)
@@ -811,17 +784,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             # this step's rows first, the zeroing ahead after: before it, the key role waited for
                             # the zeroing and its fence each step (+0.28 ms at 16/32 1x32768, session 30 run 2)
                             T.barrier_arrive(zero_ready)
-                            if pair_zero:
-                                if ticket == 0:
-                                    zero_step(trace_out, dq_out, dk_out, i + ZERO_AHEAD, znc, zhalo, zb0, zeos, zc0,
-                                              zhq, NS, Hqk)
-                            if pair_store:
-                                if ticket == 0:
-                                    if i >= zhalo:
-                                        # the key role's stores of this step, then the flag (a halo step stores
-                                        # nothing and sets none; the barrier's phases still count it, and the key
-                                        # role cannot pass this step's zero_ready before, so no parity alias)
-                                        T.barrier_wait(rows_stored, i % 2)
-                                        T.call_extern("handle", "flq_pair_publish", trace_out.data,
-                                                      T.cast(NS * Hqk + (zc0 + znc - 1 - i) * Hqk + zhq, "int64"))
+                            if ticket == 0:
+                                zero_step(trace_out, dq_out, dk_out, i + ZERO_AHEAD, znc, zhalo, zb0, zeos, zc0, zhq,
+                                          NS, Hqk)
     return gdn_bwd_whole
