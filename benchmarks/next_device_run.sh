@@ -263,6 +263,8 @@ case "$STEP" in
     # for all their heads: session 29 (H100), before they were cached, took 530 s (bwd) and 379 s (fwd), ~115 s of it
     # FlashQLA's compiles.  A8_FILTER keeps the rows whose label holds one of its '|'-separated parts (the rows
     # nearest 1.1x, e.g. A8_FILTER='16/32 32k in 1' for the backward) where a lease is too short for the grid.
+    # Even on a warm machine with every kernel cached, a one-row call needs A8WARM_S=60 A8_S=150 or so: the warm-up
+    # process takes ~35 s to start and the bench's first row loads every kernel (session 33).
     if [ "$STEP" = accept8fwd ]; then
       A8_PRESET=flashqla-fwd; A8_WARM=(--heads "$FLQ_GRID_HEADS" --seqs "$FLQ_GRID_SEQS")
     else
