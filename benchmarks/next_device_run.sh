@@ -75,6 +75,8 @@
 #   bash benchmarks/next_device_run.sh pairzero   FLASHQLA_TILELANG_GVA_ZERO=kernel (session 30): the GVA pair rows zeroed in the
 #                                                 whole-V backward: GPU tests, then the fwd+bwd graph A/B (PZ_ROWS); pzab: the A/B alone,
 #                                                 pztests: the tests alone (PZ_K)
+#   bash benchmarks/next_device_run.sh halolight  FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo steps run
+#                                                 only the chain's dS: the fwd+bwd graph A/B (HL_ROWS), then its GPU tests (hltests alone)
 #   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
 #                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
@@ -583,6 +585,17 @@ case "$STEP" in
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_zero_graph_fwdbwd.json \
         --rows ${PZ_ROWS:-16/32:1x32768,8/16:1x32768,16/32:4x8192,8/32:1x32768,16/32:2x16384} \
         "--variants=${PZ_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=kernel}" ;;
+  halolight)
+    # FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo chunks run only the chain's dS
+    # (chain and part of the value role; the key role waits), ~4 halo chunks a segment at 16/32 1x32768.  The
+    # fwd+bwd CUDA-graph A/B first (HL_ROWS), then its GPU tests (bitwise vs whole steps on NaN-poisoned memory,
+    # halos of every kind, 20 runs, the segment suite's oracle cases; HL_K selects)
+    TAIL=30 run_step "light halo graph A/B fwdbwd" ${HL_SWEEP_S:-200} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_light_halo_graph_fwdbwd.json \
+        --rows ${HL_ROWS:-16/32:1x32768,8/16:1x32768,4/16:1x32768,16/32:2x16384} \
+        "--variants=${HL_VARIANTS:--;FLASHQLA_TILELANG_HALO_STEP=light}" ;&
+  hltests)
+    TAIL=12 run_step "light halo GPU tests" ${HL_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "${HL_K:-light_halo}" ;;
   trainbv)
     # the fused training forward's V-block (session 25): at 16/32 1x32768 its walk takes 0.661 ms against the inference
     # walk's 0.407 (H100), the state / v_new saves on the chain's cycle; at BV 128 the walk has one S buffer (nb = 1),
@@ -774,7 +787,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

@@ -34,22 +34,40 @@ SRC = Path(__file__).resolve().parents[1] / "flashqla" / "backends" / "tilelang"
 ROLES = {"chain": 128, "value": 128, "key": 128, "producer": 32, "zero": 32}
 
 
+LIGHT_HALO = re.compile(r"# ~~ light halo ~~.*?# ~~ light halo end ~~", re.S)
+
+
+def _barrier_ops(body: str) -> list:
+    return [(m.group(1), m.group(2).strip(), (m.group(3) or "").strip()) for m in re.finditer(
+        r"T\.barrier_(wait|arrive)\(([\w\[\]\s%/+()]+?)(?:,\s*(.+?))?\)\s*(?:#.*)?$", body, re.M)]
+
+
+def _role_bodies(text: str) -> dict:
+    marks = [(m.start(), m.group(1)) for m in re.finditer(r"# -{16} (\w+)", text)]
+    return {role: text[pos:(marks[n + 1][0] if n + 1 < len(marks) else len(text))]
+            for n, (pos, role) in enumerate(marks)}
+
+
+def _light_protocol(src: Path = SRC) -> dict:
+    """Per role, the barrier ops of its light_halo steps (the ``# ~~ light halo ~~`` regions), where it has one."""
+    out = {}
+    for role, body in _role_bodies(src.read_text()).items():
+        regions = LIGHT_HALO.findall(body)
+        if regions:
+            assert len(regions) == 1, role
+            out[role] = _barrier_ops(regions[0])
+    return out
+
+
 def _protocol(src: Path = SRC):
-    """(barrier arrive counts, per-role list of (op, barrier expr, parity expr)) from the kernel source."""
+    """(barrier arrive counts, per-role list of (op, barrier expr, parity expr)) from the kernel source: the main
+    loops' (the light_halo steps' regions are left out: ``_light_protocol``, which a test holds equal to these)."""
     text = src.read_text()
     counts = {}
     for name, arg in re.findall(r"(\w+) = T\.alloc_barrier\(arrive_count=([^)]*)\)", text):
         val = eval(arg)                                   # noqa: S307 - our own source
         counts[name] = list(val) if isinstance(val, list) else [val]
-    ops = {}
-    marks = [(m.start(), m.group(1)) for m in re.finditer(r"# -{16} (\w+)", text)]
-    for n, (pos, role) in enumerate(marks):
-        end = marks[n + 1][0] if n + 1 < len(marks) else len(text)
-        body = text[pos:end]
-        seq = []
-        for m in re.finditer(r"T\.barrier_(wait|arrive)\(([\w\[\]\s%/+()]+?)(?:,\s*(.+?))?\)\s*(?:#.*)?$", body, re.M):
-            seq.append((m.group(1), m.group(2).strip(), (m.group(3) or "").strip()))
-        ops[role] = seq
+    ops = {role: _barrier_ops(LIGHT_HALO.sub("", body)) for role, body in _role_bodies(text).items()}
     return counts, ops
 
 
@@ -214,6 +232,24 @@ def test_whole_protocol_no_deadlock(nchunks):
     assert done[("vec_ready", 0)] + done[("vec_ready", 1)] == nchunks
 
 
+def test_whole_light_halo_protocol_is_the_main_loops():
+    # light_halo (FLASHQLA_TILELANG_HALO_STEP=light): the chain's and the value role's halo loops and the key role's
+    # halo branch run their main loop's barrier operations in the same order, parities included, so a walk of
+    # light halo steps and then main steps has the protocol the model checks above; the producer has no region of
+    # its own (it skips three loads, not their barrier operations)
+    counts, ops = _protocol(SRC)
+    light = _light_protocol(SRC)
+    assert set(light) == {"chain", "value", "key"}
+    for role, seq in light.items():
+        assert seq == ops[role], role
+    body = _role_bodies(SRC.read_text())["producer"]
+    assert body.count("if (i >= nhalo) if light else True:") == 3
+    # (a halo branch that forgot an arrival would differ from its main loop; stepped alone it deadlocks)
+    broken = dict(ops, key=[o for o in light["key"] if o[1] != "dsb_free"])
+    with pytest.raises(AssertionError, match="deadlock"):
+        _simulate(counts, broken, 3, random.Random(0), ROLES)
+
+
 def test_whole_protocol_model_catches_a_broken_protocol():
     counts, ops = _protocol(SRC)
     # the key warpgroup never frees dSb: the chain's second publish waits forever
@@ -240,7 +276,11 @@ def _variants():
             ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True),
             # and the pair's rows zeroed in the kernel (FLASHQLA_TILELANG_GVA_ZERO=kernel), both walks
             ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, True),
-            ("float16", "float16", 128, 128, False, False, False, None, True, False, True, True)]
+            ("float16", "float16", 128, 128, False, False, False, None, True, False, True, True),
+            # light halo steps (FLASHQLA_TILELANG_HALO_STEP=light): with the GVA pair sum, without, and pair_zero
+            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, False, True),
+            ("float16", "float16", 128, 128, False, False, False, None, True, True, False, False, True),
+            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, True, True)]
 
 
 @pytest.mark.compile
@@ -743,3 +783,118 @@ def test_gpu_whole_pair_zero(dtype, monkeypatch):
                 assert torch.equal(a, b), case.name
         for name in env:
             monkeypatch.delenv(name)
+
+
+def test_halo_step_switch_and_key(monkeypatch):
+    """``FLASHQLA_TILELANG_HALO_STEP``: ``whole`` (default until measured) or ``light``, anything else a ValueError
+    naming the variable; the light_halo flag goes last in the whole-V kernel's key, only for a walk over segments
+    (the plain walk's key is the same either way) and never for a traced build."""
+    from flashqla.backends.tilelang import _compile, ops
+    monkeypatch.delenv("FLASHQLA_TILELANG_HALO_STEP", raising=False)
+    assert ops.halo_step_mode() == "whole"
+
+    def keys():
+        with _compile.record_keys() as rec:
+            ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, True, True)
+            ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, True, True, True, True)
+        return [key for name, _, key in rec if name == "bwd_whole_sm90"]
+
+    plain, halo = keys()
+    monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STEP", "light")
+    assert ops.halo_step_mode() == "light"
+    plain_l, halo_l = keys()
+    assert plain_l == plain
+    assert halo_l == halo + (False, True)
+    for bad in ("on", "1", "chain"):
+        monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STEP", bad)
+        with pytest.raises(ValueError, match="FLASHQLA_TILELANG_HALO_STEP"):
+            ops.halo_step_mode()
+    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
+    with pytest.raises(AssertionError, match="light_halo"):
+        build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, light_halo=True)
+
+
+@pytest.mark.compile
+def test_whole_light_halo_lowers():
+    # light_halo as the backend builds it (ex2.approx, halo, the GVA pair sum): beside check_ws_kernel's (wgmma
+    # pipelined: a halo loop of the key role's own had serialised it), the halo loops are there and lean -- the
+    # wgmma count grows by the chain's two products and the value role's four per halo loop body only, and the
+    # vn / S / v loads are predicated on the halo
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
+
+    def build(light):
+        return tilelang.compile(build_bwd_whole("bfloat16", "bfloat16", 128, 128, True, True, hw_ex2=True, halo=True,
+                                                gva_pair=True, light_halo=light), out_idx=None, target=TARGET)
+
+    kern = build(True)
+    check_ws_kernel(kern, "bwd_whole light_halo halo")
+    light, whole = kern.get_kernel_source(), build(False).get_kernel_source()
+    gemms = lambda src: src.count("tl::warpgroup_commit_batch()")   # noqa: E731
+    assert gemms(light) == gemms(whole) + 6, (gemms(light), gemms(whole))
+    assert light.count("< nhalo; ++") == 2          # the chain's and the value role's halo loops
+    assert len(re.findall(r"if \(nhalo <= i_\d+\)", light)) == 3     # the producer's three loads
+    assert len(re.findall(r"if \(i_\d+ < nhalo\)", light)) == 1        # the key role's halo branch
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_whole_light_halo(dtype, monkeypatch):
+    # FLASHQLA_TILELANG_HALO_STEP=light: the whole-V backward over segments with halos of different lengths per
+    # head (logsigmoid gates ~3-4 chunks, strong decay ~1, no decay: the halo runs to the sequence end), GVA pairs
+    # and ratio 1, on memory the caching allocator has just held NaN in: every gradient bitwise the whole-step
+    # build's (the halo's dS comes from the same operations; a compiler's last-bit difference elsewhere is allowed
+    # within 1e-5 and printed), then 20 runs bitwise equal; and the segment suite's non-L2-norm cases against the
+    # oracle with light steps
+    import flashqla
+    from flashqla.backends.tilelang import _compile
+    from flashqla.testing import make_inputs
+    from test_tilelang_segments import _GPU_SEG_CASES, _oracle_run
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "auto")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "8")
+
+    def poison():
+        junk = torch.full((1 << 28,), float("nan"), dtype=torch.float32, device="cuda")
+        del junk
+
+    cases = [Case("light_pair", 2, 4, 128, 128, seqlens=(64 * 40 + 9, 1, 300)),
+             Case("light_ratio1", 2, 2, 128, 128, seqlens=(64 * 30 + 5, 640, 0)),
+             Case("light_strong", 2, 4, 128, 128, seqlens=(64 * 33,), gate="strong"),
+             Case("light_no_decay", 2, 4, 128, 128, seqlens=(64 * 17 + 3, 64), gate="zero")]
+    for case in cases:
+        inp = make_inputs(case, dtype, "cuda")
+        leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+        def grads(mode):
+            monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STEP", mode)
+            poison()
+            o, ht = flashqla.chunk_gated_delta_rule(*leaves[:5], scale=case.scale, initial_state=leaves[5],
+                                                    output_final_state=True, cu_seqlens=inp["cu_seqlens"],
+                                                    backend="tilelang")
+            return torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))
+
+        whole, light = grads("whole"), grads("light")
+        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), light, whole):
+            assert torch.isfinite(a).all(), (case.name, name)
+            assert_equal_but_compiler_bits(a, b, f"{case.name} {name}", "the whole-step build")
+        for _ in range(20):
+            for a, b in zip(light, grads("light")):
+                assert torch.equal(a, b), case.name
+    # (the key's light_halo flag, the last of 13: ops.bwd_whole_kernel)
+    assert any(n == "bwd_whole_sm90" and len(k) == 13 and k[12] is True for n, k in _compile.cached_kernels()), \
+        "the light-halo kernel did not run"
+    if dtype == torch.bfloat16:
+        monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STEP", "light")
+        for case in _GPU_SEG_CASES:
+            if case.l2norm:
+                continue
+            res = _oracle_run(case, True, "2", monkeypatch, "whole")
+            print(case.name, {k: f"{v:.2e}" for k, v in res.errors.items()})
+            assert res.ok, f"{case.name}: {res.failures} (all {res.errors})"

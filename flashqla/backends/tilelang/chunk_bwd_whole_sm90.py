@@ -67,6 +67,16 @@ plain walk's over more chunks.  A whole step per halo chunk costs more than the 
 ~3 chunks at the benchmarks' gates against 100+ per segment.  Row masks use the sequence's end; only a sequence's
 first segment writes ``dh0``.
 
+``light_halo`` (with ``halo``; ``FLASHQLA_TILELANG_HALO_STEP=light``): each role first runs the halo's steps in a
+loop of its own, then the segment's chunks in the main loop.  A halo step needs only the chain's dS, so it runs
+``dSb``, ``dOs``, ``q^T dOs``, ``k^T dVg`` (chain) and ``Pm``, ``k dSb``, ``Pm^T dO``, ``X^T dvn``, ``dVg`` (value:
+~2.5 of its ~5.8 M MAC, the dependent part of the step), skips the chain's ``<S, dSb>``, and the key role only
+waits and arrives.  The producer loads q, dO, X, k and G; vn, S and v are not read, and their ``full`` phases
+complete without a load.  Every halo loop has its main loop's barrier operations in the same order (a CPU test
+compares them), so the protocol, and its model, are the plain walk's.  The halo loops hold no wgmma accumulator
+across a branch: the main loops are unchanged but for their first step, and their row bound is the sequence end.
+At 16/32 one 32k sequence the longest CTA walks 128 chunks and a 4-chunk halo.
+
 ``gva_pair`` (GVA ratio 2 only; ``BACKWARD_PLAN.md`` section 7): the key role adds its dq / dk rows, rounded to the
 dtype, into the group's row of ``dq`` / ``dk`` ``[NT, Hqk, K]``, which the host zeroes, with bf16x2 / f16x2 reductions
 (``red.global.add.noftz``, round to nearest) instead of storing them per value head for a separate sum kernel.  Each
@@ -129,7 +139,7 @@ NREGS = (160, 168, 160, 24)
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
                     trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False,
-                    gva_pair: bool = False, pair_zero: bool = False):
+                    gva_pair: bool = False, pair_zero: bool = False, light_halo: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
     exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
@@ -137,12 +147,15 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     ``seg_table`` / ``walk_end`` are placeholders otherwise); ``gva_pair``: dq / dk summed over GVA pairs in the
     kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``); ``pair_zero`` (with
     ``gva_pair``, without ``trace``): the kernel zeroes those rows itself, ``trace_out`` then carries the pair's
-    words, zeroed (the docstring's last section)."""
+    words, zeroed (the docstring's last section); ``light_halo`` (with ``halo``, without ``trace``): halo steps run
+    only what the chain needs (the docstring's ``light_halo``)."""
     import tilelang.language as T
 
     from ._common import EX2_APPROX_SRC, PAIR_ZERO_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows, symbolic_sizes
 
     assert not pair_zero or (gva_pair and not trace), "pair_zero needs gva_pair and no trace"
+    assert not light_halo or (halo and not trace), "light_halo needs halo and no trace"
+    light = light_halo
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
@@ -176,7 +189,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         # the row bound of step i's stores: the sequence's end, or (a halo chunk) the chunk's start: nothing.  A
         # bound, not an ``if`` around the stores: that ``if`` around the key role's dk stores made ptxas serialise
         # every wgmma of the kernel (its accumulators live across the branch; session 18, lowering for sm_90a)
-        return T.if_then_else(i >= nhalo, eos, bos) if halo else eos
+        return T.if_then_else(i >= nhalo, eos, bos) if halo and not light else eos
 
     def zero_step(words, dq_out, dk_out, j, nchunks, nhalo, bos0, eos, c0, hq, nseg, hqk):
         # pair_zero, the ticket-0 CTA: walk step j's dq / dk rows of the pair zeroed, then its flag set (the
@@ -327,7 +340,42 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.copy(dht[n, hv, :, :], dS_f)
                 else:
                     T.clear(dS_f)
-                for i in T.serial(nchunks):
+                if light:
+                    # ~~ light halo ~~ (the main loop's barrier operations in its order: a test compares them)
+                    for i in T.serial(nhalo):
+                        s = i % 2
+                        ci = nchunks - 1 - i
+                        bos = bos0 + ci * C
+                        T.barrier_wait(full_in[1], i % 2)          # k, G
+                        T.barrier_wait(dsb_free, (i + 1) % 2)
+                        T.copy(dS_f, dSb_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dsb_ready)
+                        # (S is not loaded in a halo step: <S, dSb> only feeds dg, which a halo chunk does not store)
+                        T.barrier_wait(full_in[4], i % 2)          # S
+                        T.barrier_arrive(empty_in[4])
+                        T.barrier_arrive(vec_ready[s])
+                        T.barrier_wait(full_in[3], i % 2)          # dO
+                        for jb in T.unroll(V // DB):
+                            for r, j in T.Parallel(C, DB):
+                                dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
+                            for r, j in T.Parallel(C, DB):
+                                dos_f[r, j] = T.if_then_else(bos + r < eos, dos_f[r, j], 0.0)
+                            T.copy(dos_f, dOs_s[:, jb * DB:(jb + 1) * DB])
+                        T.fence_proxy_async()
+                        T.barrier_arrive(empty_in[3])
+                        glast[0] = fexp(G_s[C - 1])
+                        for a, b in T.Parallel(K, V):
+                            dS_f[a, b] = dS_f[a, b] * glast[0]
+                        T.barrier_wait(full_in[0], i % 2)          # q
+                        T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
+                        T.barrier_arrive(empty_in[0])
+                        T.barrier_wait(dvg_ready, i % 2)
+                        T.gemm(k_s, dvn_s, dS_f, transpose_A=True)
+                        T.barrier_arrive(dvg_free)
+                        T.barrier_arrive(empty_in[1])
+                    # ~~ light halo end ~~
+                for i in (T.serial(nhalo, nchunks) if light else T.serial(nchunks)):
                     s = i % 2
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
@@ -401,7 +449,66 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     for r in T.Parallel(C):
                         bn_f[r] = T.if_then_else(
                             bos0 + (nchunks - 1) * C + r < eos, T.cast(beta[bos0 + (nchunks - 1) * C + r, hv], acc), 0.0)
-                for i in T.serial(nchunks):
+                if light:
+                    # ~~ light halo ~~ (only what the chain's dS needs: dVg = -eG b X^T dvn, dvn = D k dSb + Pm^T dO;
+                    # the dQK, Ws and vector hand-offs are published empty, as no halo chunk stores a gradient)
+                    for i in T.serial(nhalo):
+                        s = i % 2
+                        ci = nchunks - 1 - i
+                        bos = bos0 + ci * C
+                        for r in T.Parallel(C):
+                            b_s[r] = bn_f[r]
+                        if i + 1 < nchunks:
+                            for r in T.Parallel(C):
+                                bn_f[r] = T.cast(beta[bos - C + r, hv], acc)
+                        T.barrier_wait(full_in[1], i % 2)          # k, G
+                        T.barrier_wait(full_in[0], i % 2)          # q
+                        T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
+                        for r, j in T.Parallel(C, C):
+                            M_f[r, j] = P_f[r, j] * scale * fexp(G_s[r] - G_s[j])
+                        for r, j in T.Parallel(C, C):
+                            M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
+                        T.copy(M_f, Pm_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(empty_in[0])
+                        T.barrier_wait(full_in[3], i % 2)          # dO
+                        T.barrier_wait(full_in[5], i % 2)          # vn
+                        T.barrier_arrive(empty_in[5])
+                        T.barrier_wait(dqk_free, (i + 1) % 2)
+                        T.barrier_arrive(dqk_ready)
+                        T.barrier_wait(dsb_ready, i % 2)
+                        T.gemm(k_s, dSb_s, A_f, clear_accum=True)
+                        T.barrier_arrive(dsb_free)
+                        for r in T.Parallel(C):
+                            rowf_f[r] = fexp(G_s[C - 1] - G_s[r])
+                        for r, j in T.Parallel(C, V):
+                            A_f[r, j] = A_f[r, j] * rowf_f[r]
+                        T.gemm(Pm_s, do_s, A_f, transpose_A=True)
+                        T.barrier_arrive(empty_in[3])
+                        T.barrier_wait(dvg_free, (i + 1) % 2)
+                        for r, j in T.Parallel(C, V):
+                            A_f[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
+                        T.copy(A_f, dvn_s)
+                        T.fence_proxy_async()
+                        T.barrier_wait(full_in[6], i % 2)          # X
+                        T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
+                        for r in T.Parallel(C):
+                            bf_f[r] = b_s[r]
+                        T.barrier_wait(y_ready, i % 2)
+                        for r in T.Parallel(C):
+                            rowf_f[r] = -fexp(G_s[r])
+                        for r, j in T.Parallel(C, V):
+                            dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(dvg_ready)
+                        T.barrier_arrive(empty_in[2])
+                        T.barrier_wait(ws_free, (i + 1) % 2)
+                        T.barrier_arrive(empty_in[6])
+                        T.barrier_arrive(ws_ready)
+                        T.barrier_arrive(empty_in[1])
+                        T.barrier_arrive(vec_ready[s])
+                    # ~~ light halo end ~~
+                for i in (T.serial(nhalo, nchunks) if light else T.serial(nchunks)):
                     s = i % 2
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
@@ -565,156 +672,187 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     s = i % 2
                     ci = nchunks - 1 - i
                     bos = bos0 + ci * C
-                    # Y = v - diag(eG) k S over v's tile -> value
-                    T.barrier_wait(full_in[1], i % 2)          # k, G
-                    T.barrier_wait(full_in[4], i % 2)          # S
-                    stamp(trace_out, "key: k, S ready", i, tx, 256, hv, n)
-                    T.gemm(k_s, S_s, U_f, clear_accum=True)
-                    stamp(trace_out, "key: k S done", i, tx, 256, hv, n)
-                    # (eG once per row, not per element)
-                    for r in T.Parallel(C):
-                        kr_f[r] = fexp(G_s[r])
-                    T.barrier_wait(full_in[2], i % 2)          # v
-                    for r, j in T.Parallel(C, V):
-                        U_f[r, j] = T.cast(v_s[r, j], acc) - kr_f[r] * U_f[r, j]
-                    T.copy(U_f, v_s)
-                    T.fence_proxy_async()
-                    T.barrier_arrive(y_ready)
-                    stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
-                    # Z's column sums as the row sums of the [j, r] frame (vn dO^T, k q^T; a column reduction of a
-                    # wgmma fragment would be a cross-warp AllReduce on bar.sync 1, shared by every warpgroup).
-                    # Here, not in the value role, which sets the step (session 15 run 5), and before dk's
-                    # accumulators are live (after them this role spilled).  t / tq are [C, C] at K / 2 = C.
-                    T.barrier_wait(full_in[5], i % 2)          # vn
-                    T.barrier_wait(full_in[3], i % 2)          # dO
-                    T.barrier_wait(full_in[0], i % 2)          # q
-                    T.gemm(vn_s, do_s, t_f, transpose_B=True, clear_accum=True)
-                    T.gemm(k_s, q_s, tq_f, transpose_B=True, clear_accum=True)
-                    for j, r in T.Parallel(C, C):
-                        t_f[j, r] = t_f[j, r] * scale * fexp(G_s[r] - G_s[j])
-                    for j, r in T.Parallel(C, C):
-                        t_f[j, r] = T.if_then_else((j <= r) & (bos + r < eos), t_f[j, r], 0.0) * tq_f[j, r]
-                    T.reduce_sum(t_f, kr_f, dim=1)
-                    for r in T.Parallel(C):
-                        cz_s[r] = kr_f[r]
-                    stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
-                    # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
-                    T.barrier_wait(dqk_ready, i % 2)
-                    if pair_zero:
-                        T.barrier_wait(zero_ready, i % 2)
-                    stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
-                    for hb in T.unroll(2):
-                        T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
-                        for r, d in T.Parallel(C, KH):
-                            tq_f[r, d] = t_f[r, d] * T.cast(q_s[r, hb * KH + d], acc)
-                        T.reduce_sum(tq_f, kr_f, dim=1)
-                        if hb == 0:
-                            for r in T.Parallel(C):
-                                kg_s[r] = kr_f[r]
-                        else:
-                            for r in T.Parallel(C):
-                                kg_s[r] = (kg_s[r] + kr_f[r]) * scale * fexp(G_s[r])
-                        for r, d in T.Parallel(C, KH):
-                            t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
-                        T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                        grad_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH, pend)
-                    T.barrier_arrive(empty_in[3])
-                    stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
-                    # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
-                    T.barrier_wait(dsb_ready, i % 2)
-                    T.gemm(vn_s, dSb_s[0:KH, :], dk0_f, transpose_B=True, clear_accum=True)
-                    T.gemm(vn_s, dSb_s[KH:K, :], dk1_f, transpose_B=True, clear_accum=True)
-                    T.barrier_arrive(dsb_free)
-                    T.barrier_arrive(empty_in[5])
-                    stamp(trace_out, "key: dSb freed", i, tx, 256, hv, n)
-                    for r, d in T.Parallel(C, KH):
-                        t_f[r, d] = dk0_f[r, d] * T.cast(k_s[r, d], acc)
-                    T.reduce_sum(t_f, kr_f, dim=1)
-                    for r in T.Parallel(C):
-                        dD_s[r] = kr_f[r]
-                    for r, d in T.Parallel(C, KH):
-                        t_f[r, d] = dk1_f[r, d] * T.cast(k_s[r, KH + d], acc)
-                    T.reduce_sum(t_f, kr_f, dim=1)
-                    for r in T.Parallel(C):
-                        dD_s[r] = dD_s[r] + kr_f[r]
-                    # D once per row; dD_s keeps D dD, the only form the dg warp reads
-                    for r in T.Parallel(C):
-                        kr_f[r] = fexp(G_s[C - 1] - G_s[r])
-                    for r in T.Parallel(C):
-                        dD_s[r] = dD_s[r] * kr_f[r]
-                    for r, d in T.Parallel(C, KH):
-                        dk0_f[r, d] = dk0_f[r, d] * kr_f[r]
-                    for r, d in T.Parallel(C, KH):
-                        dk1_f[r, d] = dk1_f[r, d] * kr_f[r]
-                    stamp(trace_out, "key: dD done", i, tx, 256, hv, n)
-                    # dk += dQK^T q
-                    T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
-                    T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
-                    T.barrier_arrive(dqk_free)
-                    T.barrier_arrive(empty_in[0])
-                    stamp(trace_out, "key: dQK^T q done", i, tx, 256, hv, n)
-                    # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
-                    T.barrier_wait(dvg_ready, i % 2)
-                    stamp(trace_out, "key: dVg ready", i, tx, 256, hv, n)
-                    for hb in T.unroll(2):
-                        T.gemm(dvn_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
-                        if hb == 0:
-                            for r, d in T.Parallel(C, KH):
-                                dk0_f[r, d] = dk0_f[r, d] + t_f[r, d]
-                        else:
-                            for r, d in T.Parallel(C, KH):
-                                dk1_f[r, d] = dk1_f[r, d] + t_f[r, d]
-                        for r, d in T.Parallel(C, KH):
-                            t_f[r, d] = t_f[r, d] * T.cast(k_s[r, hb * KH + d], acc)
+                    # (light_halo: a halo step is this role's barriers only, in the main branch's order, so the other
+                    # roles' phases stay those of the main loop.  An if / else in the one loop, not a loop of its own
+                    # ahead of it: that loop, barriers only, made ptxas serialise every wgmma of the kernel (C7512).
+                    # Without light_halo the condition is a Python False and the else branch is the whole loop body)
+                    if (i < nhalo) if light else False:
+                        # ~~ light halo ~~
+                        T.barrier_wait(full_in[1], i % 2)          # k, G
+                        T.barrier_wait(full_in[4], i % 2)          # S
+                        T.barrier_wait(full_in[2], i % 2)          # v
+                        T.barrier_arrive(y_ready)
+                        T.barrier_wait(full_in[5], i % 2)          # vn
+                        T.barrier_wait(full_in[3], i % 2)          # dO
+                        T.barrier_wait(full_in[0], i % 2)          # q
+                        T.barrier_wait(dqk_ready, i % 2)
+                        if pair_zero:
+                            T.barrier_wait(zero_ready, i % 2)
+                        T.barrier_arrive(empty_in[3])
+                        T.barrier_wait(dsb_ready, i % 2)
+                        T.barrier_arrive(dsb_free)
+                        T.barrier_arrive(empty_in[5])
+                        T.barrier_arrive(dqk_free)
+                        T.barrier_arrive(empty_in[0])
+                        T.barrier_wait(dvg_ready, i % 2)
+                        T.barrier_arrive(dvg_free)
+                        T.barrier_arrive(empty_in[4])
+                        T.barrier_wait(ws_ready, i % 2)
+                        T.barrier_arrive(ws_free)
+                        T.barrier_arrive(empty_in[1])
+                        T.barrier_wait(vec_ready[s], (i // 2) % 2)
+                        # ~~ light halo end ~~
+                    else:
+                        # Y = v - diag(eG) k S over v's tile -> value
+                        T.barrier_wait(full_in[1], i % 2)          # k, G
+                        T.barrier_wait(full_in[4], i % 2)          # S
+                        stamp(trace_out, "key: k, S ready", i, tx, 256, hv, n)
+                        T.gemm(k_s, S_s, U_f, clear_accum=True)
+                        stamp(trace_out, "key: k S done", i, tx, 256, hv, n)
+                        # (eG once per row, not per element)
+                        for r in T.Parallel(C):
+                            kr_f[r] = fexp(G_s[r])
+                        T.barrier_wait(full_in[2], i % 2)          # v
+                        for r, j in T.Parallel(C, V):
+                            U_f[r, j] = T.cast(v_s[r, j], acc) - kr_f[r] * U_f[r, j]
+                        T.copy(U_f, v_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(y_ready)
+                        stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
+                        # Z's column sums as the row sums of the [j, r] frame (vn dO^T, k q^T; a column reduction of a
+                        # wgmma fragment would be a cross-warp AllReduce on bar.sync 1, shared by every warpgroup).
+                        # Here, not in the value role, which sets the step (session 15 run 5), and before dk's
+                        # accumulators are live (after them this role spilled).  t / tq are [C, C] at K / 2 = C.
+                        T.barrier_wait(full_in[5], i % 2)          # vn
+                        T.barrier_wait(full_in[3], i % 2)          # dO
+                        T.barrier_wait(full_in[0], i % 2)          # q
+                        T.gemm(vn_s, do_s, t_f, transpose_B=True, clear_accum=True)
+                        T.gemm(k_s, q_s, tq_f, transpose_B=True, clear_accum=True)
+                        for j, r in T.Parallel(C, C):
+                            t_f[j, r] = t_f[j, r] * scale * fexp(G_s[r] - G_s[j])
+                        for j, r in T.Parallel(C, C):
+                            t_f[j, r] = T.if_then_else((j <= r) & (bos + r < eos), t_f[j, r], 0.0) * tq_f[j, r]
                         T.reduce_sum(t_f, kr_f, dim=1)
                         for r in T.Parallel(C):
-                            kg_s[r] = kg_s[r] + kr_f[r]
-                    T.barrier_arrive(dvg_free)
-                    T.barrier_arrive(empty_in[4])
-                    stamp(trace_out, "key: dVg S^T done", i, tx, 256, hv, n)
-                    # dk += Ws k, stored
-                    T.barrier_wait(ws_ready, i % 2)
-                    stamp(trace_out, "key: Ws ready", i, tx, 256, hv, n)
-                    T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
-                    T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
-                    T.barrier_arrive(ws_free)
-                    # k's (and G's) last read in this role: the next chunk's k may load while dk is stored and
-                    # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
-                    T.barrier_arrive(empty_in[1])
-                    stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                    grad_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0, pend)
-                    grad_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH, pend)
-                    stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
-                    # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
-                    # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
-                    # rows 2l, 2l + 1
-                    T.barrier_wait(vec_ready[s], (i // 2) % 2)
-                    for r in T.Parallel(C):
-                        kg_s[r] = T.if_then_else(bos + r < eos, vz_s[s, r] - cz_s[r] + kg_s[r] - dD_s[r], 0.0) \
-                            + va_s[s, r]
-                    if tx < 288:
-                        lane = tx - 256
-                        part = T.alloc_var(acc)
-                        part = (sdr_s[s, lane] + sdr_s[s, lane + 32] + sdr_s[s, lane + 64] + sdr_s[s, lane + 96]) \
-                            + dD_s[lane] + dD_s[lane + 32]
-                        last = T.alloc_var(acc)
-                        last = T.warp_reduce_sum(part)
-                        lo = T.alloc_var(acc)
-                        lo = kg_s[2 * lane]
-                        suf = T.alloc_var(acc)
-                        suf = lo + kg_s[2 * lane + 1]
-                        for sh in T.unroll(5):
-                            y = T.alloc_var(acc)
-                            y = T.shfl_down(suf, 1 << sh)
-                            if lane + (1 << sh) < 32:
-                                suf = suf + y
-                        if bos + 2 * lane < store_end(i, nhalo, bos, eos):
-                            dg_out[bos + 2 * lane, hv] = suf + last
-                            db_out[bos + 2 * lane, hv] = vb_s[s, 2 * lane]
-                        if bos + 2 * lane + 1 < store_end(i, nhalo, bos, eos):
-                            dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
-                            db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
-                    stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
+                            cz_s[r] = kr_f[r]
+                        stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
+                        # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
+                        T.barrier_wait(dqk_ready, i % 2)
+                        if pair_zero:
+                            T.barrier_wait(zero_ready, i % 2)
+                        stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
+                        for hb in T.unroll(2):
+                            T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
+                            for r, d in T.Parallel(C, KH):
+                                tq_f[r, d] = t_f[r, d] * T.cast(q_s[r, hb * KH + d], acc)
+                            T.reduce_sum(tq_f, kr_f, dim=1)
+                            if hb == 0:
+                                for r in T.Parallel(C):
+                                    kg_s[r] = kr_f[r]
+                            else:
+                                for r in T.Parallel(C):
+                                    kg_s[r] = (kg_s[r] + kr_f[r]) * scale * fexp(G_s[r])
+                            for r, d in T.Parallel(C, KH):
+                                t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
+                            T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
+                            grad_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH, pend)
+                        T.barrier_arrive(empty_in[3])
+                        stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
+                        # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
+                        T.barrier_wait(dsb_ready, i % 2)
+                        T.gemm(vn_s, dSb_s[0:KH, :], dk0_f, transpose_B=True, clear_accum=True)
+                        T.gemm(vn_s, dSb_s[KH:K, :], dk1_f, transpose_B=True, clear_accum=True)
+                        T.barrier_arrive(dsb_free)
+                        T.barrier_arrive(empty_in[5])
+                        stamp(trace_out, "key: dSb freed", i, tx, 256, hv, n)
+                        for r, d in T.Parallel(C, KH):
+                            t_f[r, d] = dk0_f[r, d] * T.cast(k_s[r, d], acc)
+                        T.reduce_sum(t_f, kr_f, dim=1)
+                        for r in T.Parallel(C):
+                            dD_s[r] = kr_f[r]
+                        for r, d in T.Parallel(C, KH):
+                            t_f[r, d] = dk1_f[r, d] * T.cast(k_s[r, KH + d], acc)
+                        T.reduce_sum(t_f, kr_f, dim=1)
+                        for r in T.Parallel(C):
+                            dD_s[r] = dD_s[r] + kr_f[r]
+                        # D once per row; dD_s keeps D dD, the only form the dg warp reads
+                        for r in T.Parallel(C):
+                            kr_f[r] = fexp(G_s[C - 1] - G_s[r])
+                        for r in T.Parallel(C):
+                            dD_s[r] = dD_s[r] * kr_f[r]
+                        for r, d in T.Parallel(C, KH):
+                            dk0_f[r, d] = dk0_f[r, d] * kr_f[r]
+                        for r, d in T.Parallel(C, KH):
+                            dk1_f[r, d] = dk1_f[r, d] * kr_f[r]
+                        stamp(trace_out, "key: dD done", i, tx, 256, hv, n)
+                        # dk += dQK^T q
+                        T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
+                        T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
+                        T.barrier_arrive(dqk_free)
+                        T.barrier_arrive(empty_in[0])
+                        stamp(trace_out, "key: dQK^T q done", i, tx, 256, hv, n)
+                        # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
+                        T.barrier_wait(dvg_ready, i % 2)
+                        stamp(trace_out, "key: dVg ready", i, tx, 256, hv, n)
+                        for hb in T.unroll(2):
+                            T.gemm(dvn_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
+                            if hb == 0:
+                                for r, d in T.Parallel(C, KH):
+                                    dk0_f[r, d] = dk0_f[r, d] + t_f[r, d]
+                            else:
+                                for r, d in T.Parallel(C, KH):
+                                    dk1_f[r, d] = dk1_f[r, d] + t_f[r, d]
+                            for r, d in T.Parallel(C, KH):
+                                t_f[r, d] = t_f[r, d] * T.cast(k_s[r, hb * KH + d], acc)
+                            T.reduce_sum(t_f, kr_f, dim=1)
+                            for r in T.Parallel(C):
+                                kg_s[r] = kg_s[r] + kr_f[r]
+                        T.barrier_arrive(dvg_free)
+                        T.barrier_arrive(empty_in[4])
+                        stamp(trace_out, "key: dVg S^T done", i, tx, 256, hv, n)
+                        # dk += Ws k, stored
+                        T.barrier_wait(ws_ready, i % 2)
+                        stamp(trace_out, "key: Ws ready", i, tx, 256, hv, n)
+                        T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
+                        T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
+                        T.barrier_arrive(ws_free)
+                        # k's (and G's) last read in this role: the next chunk's k may load while dk is stored and
+                        # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
+                        T.barrier_arrive(empty_in[1])
+                        stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
+                        grad_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0, pend)
+                        grad_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH, pend)
+                        stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
+                        # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
+                        # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
+                        # rows 2l, 2l + 1
+                        T.barrier_wait(vec_ready[s], (i // 2) % 2)
+                        for r in T.Parallel(C):
+                            kg_s[r] = T.if_then_else(bos + r < eos, vz_s[s, r] - cz_s[r] + kg_s[r] - dD_s[r], 0.0) \
+                                + va_s[s, r]
+                        if tx < 288:
+                            lane = tx - 256
+                            part = T.alloc_var(acc)
+                            part = (sdr_s[s, lane] + sdr_s[s, lane + 32] + sdr_s[s, lane + 64] + sdr_s[s, lane + 96]) \
+                                + dD_s[lane] + dD_s[lane + 32]
+                            last = T.alloc_var(acc)
+                            last = T.warp_reduce_sum(part)
+                            lo = T.alloc_var(acc)
+                            lo = kg_s[2 * lane]
+                            suf = T.alloc_var(acc)
+                            suf = lo + kg_s[2 * lane + 1]
+                            for sh in T.unroll(5):
+                                y = T.alloc_var(acc)
+                                y = T.shfl_down(suf, 1 << sh)
+                                if lane + (1 << sh) < 32:
+                                    suf = suf + y
+                            if bos + 2 * lane < store_end(i, nhalo, bos, eos):
+                                dg_out[bos + 2 * lane, hv] = suf + last
+                                db_out[bos + 2 * lane, hv] = vb_s[s, 2 * lane]
+                            if bos + 2 * lane + 1 < store_end(i, nhalo, bos, eos):
+                                dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
+                                db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
+                        stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
             else:
                 # ---------------- producer: one warp issues every TMA load ----------------
                 T.set_max_nreg(R_PROD, 0)
@@ -727,8 +865,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         # then k with G at the end of the step): every tile but k is in flight or loaded when k
                         # is released, so a step waits on one load, not on a burst of seven (session 15's trace).
                         # Written out, not looped: the protocol-model test reads every barrier operation here.
+                        # light_halo: vn, S and v are not read in a halo step, so their phases complete unloaded (a
+                        # Python True without it: the loads as they were)
                         T.barrier_wait(empty_in[5], (i + 1) % 2)
-                        T.tma_copy(vn[c, hv, :, :], vn_s, barrier=full_in[5])
+                        if (i >= nhalo) if light else True:
+                            T.tma_copy(vn[c, hv, :, :], vn_s, barrier=full_in[5])
                         T.barrier_arrive(full_in[5])
                         T.barrier_wait(empty_in[0], (i + 1) % 2)
                         T.tma_copy(q[bos:bos + C, hq, :], q_s, barrier=full_in[0])
@@ -737,11 +878,13 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.tma_copy(do[bos:bos + C, hv, :], do_s, barrier=full_in[3])
                         T.barrier_arrive(full_in[3])
                         T.barrier_wait(empty_in[4], (i + 1) % 2)
-                        T.tma_copy(h[c, hv, :, :], S_s, barrier=full_in[4])
+                        if (i >= nhalo) if light else True:
+                            T.tma_copy(h[c, hv, :, :], S_s, barrier=full_in[4])
                         T.barrier_arrive(full_in[4])
                         stamp(trace_out, "producer: S issued", i, tx, 384, hv, n)
                         T.barrier_wait(empty_in[2], (i + 1) % 2)
-                        T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=full_in[2])
+                        if (i >= nhalo) if light else True:
+                            T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=full_in[2])
                         T.barrier_arrive(full_in[2])
                         T.barrier_wait(empty_in[6], (i + 1) % 2)
                         T.tma_copy(X[c, hv, :, :], X_s, barrier=full_in[6])

@@ -544,11 +544,20 @@ def hw_ex2(part: str = "fwd") -> bool:
     return choice == "approx"
 
 
+def halo_step_mode() -> str:
+    """How the whole-V backward runs the halo chunks of a walk over segments (``FLASHQLA_TILELANG_HALO_STEP``):
+    ``whole`` (default until measured on a GPU: every role runs the whole step and stores nothing) or ``light``
+    (``build_bwd_whole(light_halo=True)``, session 34: only the chain's dS and the value role's part of it, the key
+    role waits; ~4 halo chunks a segment at 16/32 one 32k sequence).  A traced build runs whole halo steps."""
+    return env_choice("FLASHQLA_TILELANG_HALO_STEP", ("whole", "light"), "whole")
+
+
 def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva_pair=False, pair_zero=False):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
-    # (trace, nregs, hw_ex2, halo, gva_pair, pair_zero)
+    light = bool(halo) and BWD_TRACE_BUFFER is None and halo_step_mode() == "light"
+    # (trace, nregs, hw_ex2, halo, gva_pair, pair_zero, light_halo)
     key = _key(key, (BWD_TRACE_BUFFER is not None, False), (whole_nregs(), None), (hw_ex2("bwd_whole"), False),
-               (bool(halo), False), (bool(gva_pair), False), (bool(pair_zero), False))
+               (bool(halo), False), (bool(gva_pair), False), (bool(pair_zero), False), (light, False))
     return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
 
 
