@@ -206,6 +206,36 @@ def gpu_backward_deterministic(variant: str, monkeypatch, runs: int = 20) -> Non
 
 
 
+
+def gpu_switch_bitwise(case, dtype, monkeypatch, switch: str, base: str, other: str, runs: int = 20) -> None:
+    """Forward + backward of ``case`` under ``switch=base`` and ``switch=other``, each on memory the caching
+    allocator has just held NaN in (so a row no CTA wrote would show): every gradient of ``other`` finite and
+    bitwise ``base``'s (a compiler's last-bit difference is allowed within 1e-5 and printed), then ``runs`` runs of
+    ``other`` bitwise equal."""
+    import flashqla
+    from flashqla.testing import make_inputs
+
+    inp = make_inputs(case, dtype, "cuda")
+    leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
+
+    def grads(mode):
+        monkeypatch.setenv(switch, mode)
+        junk = torch.full((1 << 28,), float("nan"), dtype=torch.float32, device="cuda")
+        del junk
+        o, ht = flashqla.chunk_gated_delta_rule(*leaves[:5], scale=case.scale, initial_state=leaves[5],
+                                                output_final_state=True, cu_seqlens=inp["cu_seqlens"],
+                                                backend="tilelang")
+        return torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))
+
+    ref, got = grads(base), grads(other)
+    for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), got, ref):
+        assert torch.isfinite(a).all(), (case.name, name)
+        assert_equal_but_compiler_bits(a, b, f"{case.name} {name}", f"{switch}={base}")
+    for _ in range(runs):
+        for a, b in zip(got, grads(other)):
+            assert torch.equal(a, b), case.name
+
+
 def test_whole_protocol_is_parsed():
     counts, ops = _protocol(SRC)
     assert set(ops) == set(ROLES)
@@ -740,9 +770,7 @@ def test_gpu_whole_pair_zero(dtype, monkeypatch):
     # compiler's last-bit difference in the other roles is allowed within 1e-5 and printed), over the plain walk
     # with more CTAs than SMs (so some pairs are not resident together: the ticket decides who zeroes) and the walk
     # in segments with halos of different lengths per head; and 20 runs bitwise equal
-    import flashqla
     from flashqla.backends.tilelang import _compile
-    from flashqla.testing import make_inputs
 
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
@@ -750,10 +778,6 @@ def test_gpu_whole_pair_zero(dtype, monkeypatch):
     # (the key's pair_zero flag: ops.bwd_whole_kernel)
     assert any(n == "bwd_whole_sm90" and k[11:13] == (True,) for n, k in _compile.cached_kernels()), \
         "the pair-zero kernel did not run"
-
-    def poison():
-        junk = torch.full((1 << 28,), float("nan"), dtype=torch.float32, device="cuda")
-        del junk
 
     cases = [
         (Case("pair_zero_many_ctas", 48, 96, 128, 128, seqlens=(700, 64, 1, 333, 0, 129)), {}),
@@ -763,24 +787,7 @@ def test_gpu_whole_pair_zero(dtype, monkeypatch):
     for case, env in cases:
         for name, val in env.items():
             monkeypatch.setenv(name, val)
-        inp = make_inputs(case, dtype, "cuda")
-        leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
-
-        def grads(mode):
-            monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", mode)
-            poison()
-            o, ht = flashqla.chunk_gated_delta_rule(*leaves[:5], scale=case.scale, initial_state=leaves[5],
-                                                    output_final_state=True, cu_seqlens=inp["cu_seqlens"],
-                                                    backend="tilelang")
-            return torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))
-
-        host, kern = grads("host"), grads("kernel")
-        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), kern, host):
-            assert torch.isfinite(a).all(), (case.name, name)
-            assert_equal_but_compiler_bits(a, b, f"{case.name} {name}", "the host-memset build")
-        for _ in range(20):
-            for a, b in zip(kern, grads("kernel")):
-                assert torch.equal(a, b), case.name
+        gpu_switch_bitwise(case, dtype, monkeypatch, "FLASHQLA_TILELANG_GVA_ZERO", "host", "kernel")
         for name in env:
             monkeypatch.delenv(name)
 
@@ -851,42 +858,19 @@ def test_gpu_whole_light_halo(dtype, monkeypatch):
     # build's (the halo's dS comes from the same operations; a compiler's last-bit difference elsewhere is allowed
     # within 1e-5 and printed), then 20 runs bitwise equal; and the segment suite's non-L2-norm cases against the
     # oracle with light steps
-    import flashqla
     from flashqla.backends.tilelang import _compile
-    from flashqla.testing import make_inputs
     from test_tilelang_segments import _GPU_SEG_CASES, _oracle_run
 
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
     monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "auto")
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "8")
 
-    def poison():
-        junk = torch.full((1 << 28,), float("nan"), dtype=torch.float32, device="cuda")
-        del junk
-
     cases = [Case("light_pair", 2, 4, 128, 128, seqlens=(64 * 40 + 9, 1, 300)),
              Case("light_ratio1", 2, 2, 128, 128, seqlens=(64 * 30 + 5, 640, 0)),
              Case("light_strong", 2, 4, 128, 128, seqlens=(64 * 33,), gate="strong"),
              Case("light_no_decay", 2, 4, 128, 128, seqlens=(64 * 17 + 3, 64), gate="zero")]
     for case in cases:
-        inp = make_inputs(case, dtype, "cuda")
-        leaves = [inp[n].detach().clone().requires_grad_() for n in ("q", "k", "v", "g", "beta", "initial_state")]
-
-        def grads(mode):
-            monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STEP", mode)
-            poison()
-            o, ht = flashqla.chunk_gated_delta_rule(*leaves[:5], scale=case.scale, initial_state=leaves[5],
-                                                    output_final_state=True, cu_seqlens=inp["cu_seqlens"],
-                                                    backend="tilelang")
-            return torch.autograd.grad((o, ht), leaves, (inp["do"], inp["dht"]))
-
-        whole, light = grads("whole"), grads("light")
-        for name, a, b in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), light, whole):
-            assert torch.isfinite(a).all(), (case.name, name)
-            assert_equal_but_compiler_bits(a, b, f"{case.name} {name}", "the whole-step build")
-        for _ in range(20):
-            for a, b in zip(light, grads("light")):
-                assert torch.equal(a, b), case.name
+        gpu_switch_bitwise(case, dtype, monkeypatch, "FLASHQLA_TILELANG_HALO_STEP", "whole", "light")
     # (the key's light_halo flag, the last of 13: ops.bwd_whole_kernel)
     assert any(n == "bwd_whole_sm90" and len(k) == 13 and k[12] is True for n, k in _compile.cached_kernels()), \
         "the light-halo kernel did not run"
