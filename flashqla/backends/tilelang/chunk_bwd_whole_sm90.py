@@ -67,15 +67,15 @@ plain walk's over more chunks.  A whole step per halo chunk costs more than the 
 ~3 chunks at the benchmarks' gates against 100+ per segment.  Row masks use the sequence's end; only a sequence's
 first segment writes ``dh0``.
 
-``light_halo`` (with ``halo``; ``FLASHQLA_TILELANG_HALO_STEP=light``): each role first runs the halo's steps in a
-loop of its own, then the segment's chunks in the main loop.  A halo step needs only the chain's dS, so it runs
-``dSb``, ``dOs``, ``q^T dOs``, ``k^T dVg`` (chain) and ``Pm``, ``k dSb``, ``Pm^T dO``, ``X^T dvn``, ``dVg`` (value:
-~2.5 of its ~5.8 M MAC, the dependent part of the step), skips the chain's ``<S, dSb>``, and the key role only
-waits and arrives.  The producer loads q, dO, X, k and G; vn, S and v are not read, and their ``full`` phases
-complete without a load.  Every halo loop has its main loop's barrier operations in the same order (a CPU test
-compares them), so the protocol, and its model, are the plain walk's.  The halo loops hold no wgmma accumulator
-across a branch: the main loops are unchanged but for their first step, and their row bound is the sequence end.
-At 16/32 one 32k sequence the longest CTA walks 128 chunks and a 4-chunk halo.
+``light_halo`` (with ``halo``; ``FLASHQLA_TILELANG_HALO_STEP=light``): a halo step runs only what the chain's dS
+needs: ``dSb``, ``dOs``, ``q^T dOs``, ``k^T dVg`` (chain, without ``<S, dSb>``) and ``Pm``, ``k dSb``, ``Pm^T dO``,
+``X^T dvn``, ``dVg`` (value: ~2.5 of its ~5.8 M MAC, the dependent part of the step); the key role only waits and
+arrives.  The chain and the value role run the halo steps in a loop of their own ahead of the main loop (which
+then starts at the segment's first chunk, its row bound the sequence end); the key role takes them in an if /
+else of its one loop (a loop of its own made ptxas serialise every wgmma); the producer predicates its vn, S and v
+loads, whose ``full`` phases then complete without one.  Every halo region has its main loop's barrier operations
+in the same order (a CPU test compares them), so the protocol, and its model, are the plain walk's.  At 16/32 one
+32k sequence the longest CTA walks 128 chunks and a 4-chunk halo.
 
 ``gva_pair`` (GVA ratio 2 only; ``BACKWARD_PLAN.md`` section 7): the key role adds its dq / dk rows, rounded to the
 dtype, into the group's row of ``dq`` / ``dk`` ``[NT, Hqk, K]``, which the host zeroes, with bf16x2 / f16x2 reductions
@@ -197,6 +197,34 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         # plain function, not a T.macro: a macro's parameter names rename the kernel's symbolic sizes
         return T.call_extern("handle", "flq_pair_zero_step", words.data, dq_out.data, dk_out.data, j, nchunks,
                              nhalo, bos0, eos, c0, hq, nseg, hqk)
+
+    @T.macro
+    def chain_dos(do_s, G_s, dos_f, dOs_s, scale, bos, eos):
+        # dOs = bf16(scale eG dO), rows past the sequence end 0, by column blocks (the chain's, in its halo and
+        # main steps alike)
+        for jb in T.unroll(V // DB):
+            for r, j in T.Parallel(C, DB):
+                dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
+            for r, j in T.Parallel(C, DB):
+                dos_f[r, j] = T.if_then_else(bos + r < eos, dos_f[r, j], 0.0)
+            T.copy(dos_f, dOs_s[:, jb * DB:(jb + 1) * DB])
+
+    @T.macro
+    def value_pm(P_f, G_s, M_f, Pm_s, scale, bos, eos):
+        # Pm = bf16(scale P E M) [r, j] from P = q k^T (the value role's, in its halo and main steps alike)
+        for r, j in T.Parallel(C, C):
+            M_f[r, j] = P_f[r, j] * scale * fexp(G_s[r] - G_s[j])
+        for r, j in T.Parallel(C, C):
+            M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
+        T.copy(M_f, Pm_s)
+
+    @T.macro
+    def value_dvg(A_f, bf_f, G_s, rowf_f, dvn_s):
+        # dVg = bf16(-eG bf16(dY)) over dvn, dY = b Z' (eG once per row, not per element)
+        for r in T.Parallel(C):
+            rowf_f[r] = -fexp(G_s[r])
+        for r, j in T.Parallel(C, V):
+            dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
 
     @T.macro
     def stamp(trace_out, name, i, tx, tx0, hv, n):
@@ -356,12 +384,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.barrier_arrive(empty_in[4])
                         T.barrier_arrive(vec_ready[s])
                         T.barrier_wait(full_in[3], i % 2)          # dO
-                        for jb in T.unroll(V // DB):
-                            for r, j in T.Parallel(C, DB):
-                                dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
-                            for r, j in T.Parallel(C, DB):
-                                dos_f[r, j] = T.if_then_else(bos + r < eos, dos_f[r, j], 0.0)
-                            T.copy(dos_f, dOs_s[:, jb * DB:(jb + 1) * DB])
+                        chain_dos(do_s, G_s, dos_f, dOs_s, scale, bos, eos)
                         T.fence_proxy_async()
                         T.barrier_arrive(empty_in[3])
                         glast[0] = fexp(G_s[C - 1])
@@ -411,12 +434,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.barrier_arrive(vec_ready[s])
                     # dS = e^{G_last} dS + q^T dOs
                     T.barrier_wait(full_in[3], i % 2)          # dO
-                    for jb in T.unroll(V // DB):
-                        for r, j in T.Parallel(C, DB):
-                            dos_f[r, j] = T.cast(do_s[r, jb * DB + j], acc) * (scale * fexp(G_s[r]))
-                        for r, j in T.Parallel(C, DB):
-                            dos_f[r, j] = T.if_then_else(bos + r < eos, dos_f[r, j], 0.0)
-                        T.copy(dos_f, dOs_s[:, jb * DB:(jb + 1) * DB])
+                    chain_dos(do_s, G_s, dos_f, dOs_s, scale, bos, eos)
                     T.fence_proxy_async()
                     T.barrier_arrive(empty_in[3])
                     glast[0] = fexp(G_s[C - 1])
@@ -464,11 +482,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.barrier_wait(full_in[1], i % 2)          # k, G
                         T.barrier_wait(full_in[0], i % 2)          # q
                         T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = P_f[r, j] * scale * fexp(G_s[r] - G_s[j])
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
-                        T.copy(M_f, Pm_s)
+                        value_pm(P_f, G_s, M_f, Pm_s, scale, bos, eos)
                         T.fence_proxy_async()
                         T.barrier_arrive(empty_in[0])
                         T.barrier_wait(full_in[3], i % 2)          # dO
@@ -495,10 +509,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         for r in T.Parallel(C):
                             bf_f[r] = b_s[r]
                         T.barrier_wait(y_ready, i % 2)
-                        for r in T.Parallel(C):
-                            rowf_f[r] = -fexp(G_s[r])
-                        for r, j in T.Parallel(C, V):
-                            dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
+                        value_dvg(A_f, bf_f, G_s, rowf_f, dvn_s)
                         T.fence_proxy_async()
                         T.barrier_arrive(dvg_ready)
                         T.barrier_arrive(empty_in[2])
@@ -530,11 +541,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     # store latency chain per element, ~4 K cycles for a [64, 64] pass (session 15's SASS and
                     # trace).  Unmasked, exp(G_r - G_j) may overflow above the diagonal or past the end; the
                     # mask's select drops those values.
-                    for r, j in T.Parallel(C, C):
-                        M_f[r, j] = P_f[r, j] * scale * fexp(G_s[r] - G_s[j])
-                    for r, j in T.Parallel(C, C):
-                        M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
-                    T.copy(M_f, Pm_s)
+                    value_pm(P_f, G_s, M_f, Pm_s, scale, bos, eos)
                     T.fence_proxy_async()
                     T.barrier_arrive(empty_in[0])
                     stamp(trace_out, "value: Pm written", i, tx, 128, hv, n)
@@ -604,10 +611,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                     T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
                     stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
                     # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key (eG once per row, not per element)
-                    for r in T.Parallel(C):
-                        rowf_f[r] = -fexp(G_s[r])
-                    for r, j in T.Parallel(C, V):
-                        dvn_s[r, j] = rowf_f[r] * T.cast(T.cast(bf_f[r] * A_f[r, j], dtype), acc)
+                    value_dvg(A_f, bf_f, G_s, rowf_f, dvn_s)
                     T.fence_proxy_async()
                     T.barrier_arrive(dvg_ready)
                     stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
