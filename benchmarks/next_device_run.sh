@@ -77,8 +77,6 @@
 #                                                 pztests: the tests alone (PZ_K)
 #   bash benchmarks/next_device_run.sh halolight  FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo steps run
 #                                                 only the chain's dS: the fwd+bwd graph A/B (HL_ROWS), then its GPU tests (hltests alone)
-#   bash benchmarks/next_device_run.sh paircta    FLASHQLA_TILELANG_GVA_ZERO=cta (session 35): one CTA per (segment, GVA pair), no
-#                                                 memset: the fwd+bwd graph A/B (PC_ROWS, PC_VARIANTS), then its GPU tests (pctests)
 #   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
 #                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
@@ -598,18 +596,6 @@ case "$STEP" in
         "--variants=${HL_VARIANTS:--;FLASHQLA_TILELANG_HALO_STEP=light}" ;&
   hltests)
     TAIL=12 run_step "light halo GPU tests" ${HL_TEST_S:-240} $PYT tests/test_tilelang_bwd_whole.py -k "${HL_K:-light_halo}" ;;
-  paircta)
-    # FLASHQLA_TILELANG_GVA_ZERO=cta (session 35): one CTA per (segment, GVA pair) walks both heads of the pair,
-    # storing the first's dq / dk rows and adding the second's, so the host's memset of both outputs (0.083 ms at
-    # 16/32 1x32768, H100) goes; the segments are half as long, so each CTA walks a second halo.  The fwd+bwd
-    # CUDA-graph A/B with and without light halo steps (PC_ROWS, PC_VARIANTS; the sweep's diff column compares
-    # each variant's outputs and gradients with the first's), then the GPU tests (pctests alone, PC_K selects)
-    TAIL=30 run_step "pair CTA graph A/B fwdbwd" ${PC_SWEEP_S:-240} python benchmarks/sweep_variants.py \
-        --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_cta_graph_fwdbwd.json \
-        --rows ${PC_ROWS:-16/32:1x32768,16/32:2x16384} \
-        "--variants=${PC_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=cta;FLASHQLA_TILELANG_HALO_STEP=light;FLASHQLA_TILELANG_HALO_STEP=light FLASHQLA_TILELANG_GVA_ZERO=cta}" ;&
-  pctests)
-    TAIL=12 run_step "pair CTA GPU tests" ${PC_TEST_S:-300} $PYT tests/test_tilelang_bwd_whole.py -k "${PC_K:-pair_cta}" ;;
   trainbv)
     # the fused training forward's V-block (session 25): at 16/32 1x32768 its walk takes 0.661 ms against the inference
     # walk's 0.407 (H100), the state / v_new saves on the chain's cycle; at BV 128 the walk has one S buffer (nb = 1),
@@ -801,7 +787,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | paircta | pctests | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

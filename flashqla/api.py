@@ -242,8 +242,7 @@ def _tilelang_backward_note(q, spec, varlen_meta) -> str:
     from .backends.tilelang.ops import bwd_plan, gva_in_kernel
     from .cp import _seq_bounds
     _, lens = _seq_bounds(q.shape[0], q.shape[1], varlen_meta)
-    why = bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True,
-                   ratio=spec.Hv // spec.Hqk)[2]
+    why = bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device, explain=True)[2]
     if spec.Hv != spec.Hqk:
         why += f"; {gva_in_kernel(spec.Hv // spec.Hqk)[1]}"
     return why
@@ -298,8 +297,7 @@ def _tilelang_forward_note(q, spec, varlen_meta) -> str:
         elif plan is not None and train_fused_mode() != "all":
             form = "unfused (its walk runs in segments; FLASHQLA_TILELANG_TRAIN_FUSED=1)"
         elif bwd_whole_ok(spec.K, spec.V, spec.use_qk_l2norm) and \
-                bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device,
-                         ratio=spec.Hv // spec.Hqk)[0] == "whole":
+                bwd_plan(lens, spec.Hv, spec.K, spec.V, spec.use_qk_l2norm, q.device)[0] == "whole":
             form = "fused (Tb and X; the whole-V backward reads no w or u)"
         else:
             form = "unfused (the split backward reads w)"

@@ -151,10 +151,8 @@ def check_ws_kernel(kern, label: str) -> None:
     assert "LOCAL:0" in usage or "unavailable" in usage, usage
     stack = re.search(r"STACK:(\d+)", usage)
     # (the walk over segments, "halo": 136 bytes in session 18 -- the segment's scalars from its tables, also
-    # loop-invariant; an if around the key role's dk stores instead of a row bound had serialised its wgmma.
-    # One CTA per GVA pair, "pair_cta": 256 bytes in session 35, the loop over the pair's heads around each role's
-    # step loops; the chain's main step then has 60 local loads against 29)
-    limit = 256 if "pair_cta" in label else 136 if "halo" in label else 112
+    # loop-invariant; an if around the key role's dk stores instead of a row bound had serialised its wgmma)
+    limit = 136 if "halo" in label else 112
     assert stack is None or int(stack.group(1)) <= limit, f"spills: {usage}"
     if "unavailable" not in usage:
         assert _smem_bytes(kern, usage) <= _SM90_SMEM, usage
@@ -275,7 +273,7 @@ def test_whole_light_halo_protocol_is_the_main_loops():
     for role, seq in light.items():
         assert seq == ops[role], role
     body = _role_bodies(SRC.read_text())["producer"]
-    assert body.count("if (local(i, base) >= nhalo) if light else True:") == 3
+    assert body.count("if (i >= nhalo) if light else True:") == 3
     # (a halo branch that forgot an arrival would differ from its main loop; stepped alone it deadlocks)
     broken = dict(ops, key=[o for o in light["key"] if o[1] != "dsb_free"])
     with pytest.raises(AssertionError, match="deadlock"):
@@ -312,10 +310,7 @@ def _variants():
             # light halo steps (FLASHQLA_TILELANG_HALO_STEP=light): with the GVA pair sum, without, and pair_zero
             ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, False, True),
             ("float16", "float16", 128, 128, False, False, False, None, True, True, False, False, True),
-            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, True, True),
-            # one CTA per GVA pair (FLASHQLA_TILELANG_GVA_ZERO=cta), light and whole halo steps
-            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, False, True, True),
-            ("float16", "float16", 128, 128, False, False, False, None, True, True, True, False, False, True)]
+            ("bfloat16", "bfloat16", 128, 128, True, True, False, None, True, True, True, True, True)]
 
 
 @pytest.mark.compile
@@ -330,8 +325,7 @@ def test_whole_kernel_lowers_for_sm90a(args):
 
     # (48 bytes at session 15's code: loop-invariant addresses that each role reloads a few times per chunk step,
     # not values of the passes; one version of that session had 96 and was slower)
-    label = f"bwd_whole{args}" + (" halo" if len(args) > 9 and args[9] else "") + \
-        (" pair_cta" if len(args) > 13 and args[13] else "")
+    label = f"bwd_whole{args}" + (" halo" if len(args) > 9 and args[9] else "")
     check_ws_kernel(tilelang.compile(build_bwd_whole(*args), out_idx=None, target=TARGET), label)
 
 
@@ -796,118 +790,6 @@ def test_gpu_whole_pair_zero(dtype, monkeypatch):
         gpu_switch_bitwise(case, dtype, monkeypatch, "FLASHQLA_TILELANG_GVA_ZERO", "host", "kernel")
         for name in env:
             monkeypatch.delenv(name)
-
-
-@pytest.mark.compile
-def test_whole_pair_cta_lowers():
-    # FLASHQLA_TILELANG_GVA_ZERO=cta (build_bwd_whole(pair_cta=True)) as the backend builds it: beside
-    # check_ws_kernel's checks (wgmma pipelined under the loop over the pair's heads), every role loops over the two
-    # heads, dq / dk go through the predicated store-or-add helper only (no plain pair reductions, which would need
-    # zeroed rows), in as many calls as the memset build's reductions, and its step loops run from the first head's
-    # step count on
-    if not HAVE_TILELANG:
-        pytest.skip("tilelang is not importable here")
-    import tilelang
-
-    from flashqla.backends.tilelang._compile import TARGET
-    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
-
-    def build(cta):
-        return tilelang.compile(build_bwd_whole("bfloat16", "bfloat16", 128, 128, True, True, hw_ex2=True, halo=True,
-                                                gva_pair=True, light_halo=True, pair_cta=cta), out_idx=None,
-                                target=TARGET)
-
-    kern = build(True)
-    check_ws_kernel(kern, "bwd_whole pair_cta halo pair_cta")
-    src, memset = kern.get_kernel_source(), build(False).get_kernel_source()
-    body = src[src.index("__global__"):]
-    assert len(re.findall(r"for \(int head(?:_\d+)? = 0; head(?:_\d+)? < 2; \+\+head(?:_\d+)?\)", body)) == 4
-    assert "flq_red_pair_" not in body
-    assert body.count("flq_put_pair_bf16(") == memset[memset.index("__global__"):].count("flq_red_pair_bf16(") > 0
-    assert "setp.ne.s32 p" in src and "@!p st.global.b32" in src
-    assert body.count("* first_steps)") >= 8
-    with pytest.raises(AssertionError, match="pair_cta"):
-        build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, halo=True, pair_cta=True)
-    with pytest.raises(AssertionError, match="pair_cta"):
-        build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=True, pair_cta=True)
-
-
-def test_pair_cta_plan(monkeypatch):
-    """``FLASHQLA_TILELANG_GVA_ZERO=cta``: the whole-V backward's plan for a split walk at GVA ratio 2 has one CTA
-    per (segment, pair) -- at 16/32 one 32k sequence on 132 SMs, 8 segments of 64 chunks (128 CTAs) where a CTA per
-    value head has 4 of 128 -- and says so; ratio 1, the memset mode, unsplit walks and the split backward keep a
-    CTA per value head; the key's pair_cta flag is the 14th entry, set only for that build."""
-    from flashqla.backends.tilelang import _compile, ops
-    from flashqla.dispatch.device import fake_device
-
-    dev = torch.device("cuda")
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "cta")
-    with fake_device("cuda", (9, 0), sm_count=132):
-        variant, plan, why = ops.bwd_plan([32768], 32, 128, 128, False, dev, explain=True, ratio=2)
-        assert variant == "whole" and plan.pair_cta and (plan.num_segments, plan.seg_chunks) == (8, 64), plan
-        assert "one CTA per (segment, GVA pair)" in why and "GVA_ZERO=cta" in why
-        plan1 = ops.bwd_plan([32768], 32, 128, 128, False, dev, ratio=1)[1]
-        assert not plan1.pair_cta and plan1.num_segments == 4
-        assert ops.bwd_plan([8192] * 4, 32, 128, 128, False, dev, ratio=2)[1] is None
-        monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "ws")
-        assert not ops.bwd_plan([32768], 32, 128, 128, False, dev, ratio=2)[1].pair_cta
-        monkeypatch.delenv("FLASHQLA_TILELANG_BWD")
-        monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "host")
-        plan = ops.bwd_plan([32768], 32, 128, 128, False, dev, ratio=2)[1]
-        assert not plan.pair_cta and plan.num_segments == 4
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "bogus")
-    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_GVA_ZERO"):
-        ops.pair_rows_mode()
-    monkeypatch.delenv("FLASHQLA_TILELANG_GVA_ZERO")
-    with _compile.record_keys() as rec:
-        ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True)
-        ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, False, True)
-    base, cta = [key for name, _, key in rec if name == "bwd_whole_sm90"]
-    assert len(cta) == 14 and cta[13] is True and cta[:len(base)] == base
-    assert len(base) < 14
-
-
-@pytest.mark.gpu
-@needs_sm90
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-def test_gpu_whole_pair_cta(dtype, monkeypatch):
-    # FLASHQLA_TILELANG_GVA_ZERO=cta: one CTA per (segment, GVA pair) walks both heads, storing the first's dq / dk
-    # rows and adding the second's, with no zeroed outputs.  On memory the caching allocator has just held NaN in
-    # (a row no CTA stored would show), against the memset build over the same forced segments: every gradient
-    # bitwise equal (the same two roundings; a compiler's last-bit difference elsewhere is allowed within 1e-5 and
-    # printed), with whole and light halo steps, halos of every kind (logsigmoid, strong decay, no decay: the halo
-    # runs to the sequence end, from dht), empty and one-token sequences and more pairs than SMs' worth of one
-    # head; then 20 runs bitwise equal; and the segment suite's non-L2-norm cases against the oracle
-    from flashqla.backends.tilelang import _compile
-    from test_tilelang_segments import _GPU_SEG_CASES, _oracle_run
-
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD", "whole")
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
-    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "auto")
-    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "8")
-    cases = [Case("cta_pair", 2, 4, 128, 128, seqlens=(64 * 40 + 9, 1, 300)),
-             Case("cta_strong", 2, 4, 128, 128, seqlens=(64 * 33,), gate="strong"),
-             Case("cta_no_decay", 2, 4, 128, 128, seqlens=(64 * 17 + 3, 64, 0), gate="zero"),
-             Case("cta_many_pairs", 24, 48, 128, 128, seqlens=(64 * 12 + 5, 700, 1))]
-    for step in ("whole", "light"):
-        monkeypatch.setenv("FLASHQLA_TILELANG_HALO_STEP", step)
-        for case in cases:
-            gpu_switch_bitwise(case, dtype, monkeypatch, "FLASHQLA_TILELANG_GVA_ZERO", "host", "cta",
-                               runs=20 if step == "light" else 0)
-    # (the key's pair_cta flag, the last of 14: ops.bwd_whole_kernel)
-    assert any(n == "bwd_whole_sm90" and len(k) == 14 and k[13] is True for n, k in _compile.cached_kernels()), \
-        "the pair-CTA kernel did not run"
-    if dtype == torch.bfloat16:
-        monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "cta")
-        ran = 0
-        for case in _GPU_SEG_CASES:
-            if case.l2norm or case.Hv != 2 * case.Hqk:
-                continue
-            res = _oracle_run(case, True, "2", monkeypatch, "whole")
-            print(case.name, {k: f"{v:.2e}" for k, v in res.errors.items()})
-            assert res.ok, f"{case.name}: {res.failures} (all {res.errors})"
-            ran += 1
-        assert ran >= 1
 
 
 def test_halo_step_switch_and_key(monkeypatch):

@@ -590,7 +590,7 @@ def test_host_path_split_forward(case, grads, simulated_kernels, monkeypatch):
             # (key entries 10 and 11: the walk over segments, and the in-kernel GVA pair sum where asked for)
             key = [k for n, k in simulated_kernels.keys if n == "bwd_whole_sm90"][0]
             assert key[9] and (key[10:11] == (True,)) == (pair and case.Hv == 2 * case.Hqk), key
-        _, bv, tables, ends, _ = aux["bwd_split"]
+        _, bv, tables, ends = aux["bwd_split"]
         assert tables.num_segments > len(case.seqlens or [0] * case.B)
         co = tables.chunk_offsets
         assert bool((ends.cpu() > co[1:, None].cpu()).any()), "no gradient walk ran a halo"

@@ -131,47 +131,19 @@ def make_red_rows(C: int):
     return red_rows
 
 
-def make_put_rows(C: int):
-    """A ``T.macro`` ``(out, src_f, bos, eos, h, col0, pend, head)`` as :func:`make_red_rows`'s, whose pairs are
-    stored where ``head`` (of the GVA pair) is 0 and added where it is not (one predicated ``st.global.b32`` or ``red``, no branch:
-    ``PUT_PAIR_SRC``).  For a CTA that writes both heads of a GVA pair (``build_bwd_whole(pair_cta=True)``): its
-    first head's rows are stored and its second head's added onto them, the same two roundings as two adds onto a
-    zeroed row (``0 + a = a``, then ``rn(a + b)``) without the zeroing."""
-    import tilelang.language as T
-
-    @T.macro
-    def put_rows(out, src_f, bos, eos, h, col0, pend, head):
-        fn = "flq_put_pair_bf16" if str(out.dtype) == "bfloat16" else "flq_put_pair_f16"
-        if bos + C <= eos:
-            for r, d in T.Parallel(C, src_f.shape[1]):
-                T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
-                              T.address_of(pend[0]), head)
-        else:
-            for r, d in T.Parallel(C, src_f.shape[1]):
-                if bos + r < eos:
-                    T.call_extern("handle", fn, out.data, pair_offset(out, bos + r, h, col0 + d), src_f[r, d], d % 2,
-                                  T.address_of(pend[0]), head)
-
-    return put_rows
-
-
-def make_grad_rows(C: int, gva_pair: bool, pair_cta: bool = False):
-    """A ``T.macro`` ``(out, src_f, bos, eos, hv, col0, pend, head)``: a dq / dk tile of value head ``hv`` stored into
+def make_grad_rows(C: int, gva_pair: bool):
+    """A ``T.macro`` ``(out, src_f, bos, eos, hv, col0, pend)``: a dq / dk tile of value head ``hv`` stored into
     its own row of ``out`` [NT, Hv, D] (:func:`make_store_rows`), or with ``gva_pair`` (GVA ratio 2) added into its
-    pair's row ``hv // 2`` of ``out`` [NT, Hqk, D] (:func:`make_red_rows`; ``pend`` is its local), or with
-    ``pair_cta`` as well stored there where ``head`` is 0 and added where it is not (:func:`make_put_rows`; ``head``
-    is unused otherwise).  The backward kernels' ``gva_pair`` option, in one place."""
+    pair's row ``hv // 2`` of ``out`` [NT, Hqk, D] (:func:`make_red_rows`; ``pend`` is its local).  The backward
+    kernels' ``gva_pair`` option, in one place."""
     import tilelang.language as T
 
     store_rows = make_store_rows(C)
     red_rows = make_red_rows(C)
-    put_rows = make_put_rows(C)
 
     @T.macro
-    def grad_rows(out, src_f, bos, eos, hv, col0, pend, head):
-        if pair_cta:
-            put_rows(out, src_f, bos, eos, hv // 2, col0, pend, head)
-        elif gva_pair:
+    def grad_rows(out, src_f, bos, eos, hv, col0, pend):
+        if gva_pair:
             red_rows(out, src_f, bos, eos, hv // 2, col0, pend)
         else:
             store_rows(out, src_f, bos, eos, hv, col0)
@@ -193,24 +165,6 @@ __device__ __forceinline__ void flq_red_pair_{t}(const void *base, long long off
 }}
 """
 RED_PAIR_SRC = "".join(_RED_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
-
-# ``make_put_rows``'s pairs: stored where ``add`` is 0, added where it is not, by one predicated instruction each
-# (a branch around them, with the key role's wgmma accumulators live across it, could serialise its wgmma)
-_PUT_PAIR_TEMPLATE = """
-__device__ __forceinline__ void flq_put_pair_{t}(const void *base, long long offset, float x, int odd, float *pend,
-                                                 int add) {{
-  if (!odd) {{
-    *pend = x;
-  }} else {{
-    unsigned packed;
-    asm("cvt.rn.{t}x2.f32 %0, %1, %2;" : "=r"(packed) : "f"(x), "f"(*pend));
-    asm volatile("{{ .reg .pred p; setp.ne.s32 p, %2, 0; @p red.global.add.noftz.{t}x2 [%0], %1; "
-                 "@!p st.global.b32 [%0], %1; }}"
-                 :: "l"((const unsigned short *)base + offset), "r"(packed), "r"(add));
-  }}
-}}
-"""
-PUT_PAIR_SRC = "".join(_PUT_PAIR_TEMPLATE.format(t=t) for t in ("bf16", "f16"))
 
 # The GVA pair's zeroing inside the whole-V backward (``build_bwd_whole(pair_zero=True)``; its docstring has the
 # protocol).  One warp runs each helper; the words are 64-bit (the kernel's int64 ``trace_out`` parameter carries

@@ -216,7 +216,7 @@ def build_bwd_dqk_v2(dtype: str, K: int, V: int, l2norm: bool, threads: int = 25
                     qdq_s[r] = red_f[r] * nq_s[r] * nq_s[r]
                 for r, d in T.Parallel(C, K):
                     dOS_f[r, d] = nq_s[r] * (dOS_f[r, d] - qdq_s[r] * T.cast(q_s[r, d], acc))
-            grad_rows(dq_out, dOS_f, bos, eos, hv, 0, pend, 0)
+            grad_rows(dq_out, dOS_f, bos, eos, hv, 0, pend)
 
             # partial dk
             for r, d in T.Parallel(C, K):

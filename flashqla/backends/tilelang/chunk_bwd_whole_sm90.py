@@ -102,18 +102,6 @@ The sums are the same two adds onto +0 as with the memset.  The words (tickets, 
 query/key head), zero at launch) travel in the int64 ``trace_out`` parameter (so the build without it keeps its
 signature and its cached kernels); ``trace`` and ``pair_zero`` are exclusive.
 
-``pair_cta`` (with ``gva_pair`` and ``halo``; ``FLASHQLA_TILELANG_GVA_ZERO=cta``): the grid is ``(Hqk, segments)``
-and each role walks the pair's two value heads one after the other, in a loop over the head around its loops over
-the steps.  The step index runs on over both walks, so every barrier parity is that of one walk of both heads'
-steps and the protocol, and its model, are the plain walk's.  The key role stores its first head's dq / dk rows
-and adds its second head's onto them (one predicated ``st`` / ``red`` per pair of columns, ``PUT_PAIR_SRC``; the
-same thread stores and then adds each element, so program order is all it needs): the two roundings of the memset
-form, ``rn(a + b)`` with ``a`` rounded, and no zeroed outputs, no flags, no CTA waiting on another.  The planner
-(``ops._pair_cta_plan``) gives it segments of half the length, so a CTA walks as many chunks as before plus a
-second halo.  Its cost: the outer loop's live values spill more (ptxas, bf16 with halo and light steps: 256 bytes
-of stack against 96; per main step, chain 12 / 60 local stores / loads against 10 / 29, value 4 / 23 against 2 /
-10, key unchanged).
-
 A third form, ``pair_store`` (session 31: no zeroing, the pair's first CTA storing its rows and the other adding
 after a flag per chunk), was removed in session 33: on an H100 its gradients differed from the memset build's
 (relative L2 0.25) and the kernel took 2.133 against 1.784 ms at 16/32 one 32k sequence.
@@ -151,8 +139,7 @@ NREGS = (160, 168, 160, 24)
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
                     trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False,
-                    gva_pair: bool = False, pair_zero: bool = False, light_halo: bool = False,
-                    pair_cta: bool = False):
+                    gva_pair: bool = False, pair_zero: bool = False, light_halo: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
     exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
@@ -161,23 +148,18 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``); ``pair_zero`` (with
     ``gva_pair``, without ``trace``): the kernel zeroes those rows itself, ``trace_out`` then carries the pair's
     words, zeroed (the docstring's last section); ``light_halo`` (with ``halo``, without ``trace``): halo steps run
-    only what the chain needs (the docstring's ``light_halo``); ``pair_cta`` (with ``gva_pair``, without
-    ``pair_zero`` or ``trace``): one CTA per GVA pair walks both its heads, no zeroed outputs (the docstring's
-    ``pair_cta``)."""
+    only what the chain needs (the docstring's ``light_halo``)."""
     import tilelang.language as T
 
-    from ._common import (EX2_APPROX_SRC, PAIR_ZERO_SRC, PUT_PAIR_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows,
-                          symbolic_sizes)
+    from ._common import EX2_APPROX_SRC, PAIR_ZERO_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows, symbolic_sizes
 
     assert not pair_zero or (gva_pair and not trace), "pair_zero needs gva_pair and no trace"
     assert not light_halo or (halo and not trace), "light_halo needs halo and no trace"
-    assert not pair_cta or (gva_pair and halo and not pair_zero and not trace), \
-        "pair_cta needs gva_pair and halo, no pair_zero or trace"
     light = light_halo
 
     C = CHUNK
     KH = K // 2        # K halves of the key warpgroup's [C, K] products
-    grad_rows = make_grad_rows(C, gva_pair, pair_cta)   # dq / dk: per value head, or into the GVA pair's row
+    grad_rows = make_grad_rows(C, gva_pair)   # dq / dk: per value head, or into the GVA pair's row
     SQ = 8             # column block of <S, dSb> (the chain's)
     DB = 16            # column block of the chain's dOs pass
     acc = "float32"
@@ -208,35 +190,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         # bound, not an ``if`` around the stores: that ``if`` around the key role's dk stores made ptxas serialise
         # every wgmma of the kernel (its accumulators live across the branch; session 18, lowering for sm_90a)
         return T.if_then_else(i >= nhalo, eos, bos) if halo and not light else eos
-
-    # pair_cta: each role walks the pair's two heads one after the other, its step index i running on over both
-    # walks (so every barrier parity is the one walk's), ``base`` the first head's step count where the second
-    # starts; without it the one head's walk, ``base`` None and the loops and indices as they were
-    def heads():
-        return T.serial(2) if pair_cta else [None]
-
-    def head_walk(walk_end, chunk_offsets, seg_table, n, c0, hv):
-        # (halo chunks, chunks, whether the walk starts from dht) of head hv's walk of segment / sequence n
-        if halo:
-            return (walk_end[n, hv] - chunk_offsets[n + 1], walk_end[n, hv] - c0,
-                    walk_end[n, hv] == seg_table[n, 1])
-        return 0, chunk_offsets[n + 1] - c0, None
-
-    def pair_head(p, hq, first_steps, walk_end, chunk_offsets, seg_table, n, c0):
-        # pair_cta: (value head, its walk's halo chunks, chunks, whether from dht, its first step's index) of the
-        # pair's head p (0 or 1)
-        hv = hq * 2 + p
-        return (hv, *head_walk(walk_end, chunk_offsets, seg_table, n, c0, hv), p * first_steps)
-
-    def walk_steps(lo, hi, base):
-        # the steps [lo, hi) of this head's walk, as indices of the CTA's whole walk
-        if base is None:
-            return T.serial(hi) if isinstance(lo, int) and lo == 0 else T.serial(lo, hi)
-        return T.serial(base + lo, base + hi)
-
-    def local(i, base):
-        # step i's index in its head's walk
-        return i if base is None else i - base
 
     def zero_step(words, dq_out, dk_out, j, nchunks, nhalo, bos0, eos, c0, hq, nseg, hqk):
         # pair_zero, the ticket-0 CTA: walk step j's dq / dk rows of the pair zeroed, then its flag set (the
@@ -305,12 +258,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         seg_table: T.Tensor((SGN, 4), "int32"),
         walk_end: T.Tensor((WEN, WEH), "int32"),
     ):
-        # (pair_cta: the grid's first axis runs over the GVA pairs, each CTA's roles then over its two value heads)
-        with T.Kernel(Hqk if pair_cta else Hv, NS, threads=512) as (hv, n):
+        with T.Kernel(Hv, NS, threads=512) as (hv, n):
             # (one import per kernel: a second one is an annotation clash)
             if hw_ex2 or gva_pair:
                 T.import_source((EX2_APPROX_SRC if hw_ex2 else "") + (RED_PAIR_SRC if gva_pair else "")
-                                + (PAIR_ZERO_SRC if pair_zero else "") + (PUT_PAIR_SRC if pair_cta else ""))
+                                + (PAIR_ZERO_SRC if pair_zero else ""))
             # ---- input tiles (TMA), single-buffered
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
@@ -385,7 +337,7 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
 
             tx = T.get_thread_binding()
             # (gva_pair: ratio 2 by contract, a shift instead of a signed division in every reduction's address)
-            hq = hv if pair_cta else (hv // 2 if gva_pair else hv // ratio)
+            hq = hv // 2 if gva_pair else hv // ratio
             bos0 = cu_seqlens[n]
             if not halo:
                 eos = cu_seqlens[n + 1]
@@ -394,104 +346,43 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                 # the walk: the halo's chunks past the segment's end (ci >= the segment's chunk count), then its own
                 seq = seg_table[n, 0]
                 eos = seg_table[n, 3]
-                if not pair_cta:
-                    nhalo = walk_end[n, hv] - chunk_offsets[n + 1]
-                    from_dht = walk_end[n, hv] == seg_table[n, 1]
+                nhalo = walk_end[n, hv] - chunk_offsets[n + 1]
+                from_dht = walk_end[n, hv] == seg_table[n, 1]
                 is_first = seg_table[n, 2] != 0
-                if not pair_cta:
-                    nchunks = walk_end[n, hv] - c0
-            elif not pair_cta:
+                nchunks = walk_end[n, hv] - c0
+            else:
                 nhalo = 0
                 nchunks = chunk_offsets[n + 1] - c0
-            if pair_cta:
-                # the first head's step count: where the second head's steps start
-                first_steps = head_walk(walk_end, chunk_offsets, seg_table, n, c0, hq * 2)[1]
 
             if tx < 128:
                 # ---------------- chain ----------------
                 T.set_max_nreg(R_CHAIN, 1)
-                for head in heads():
-                    if pair_cta:
-                        hv, nhalo, nchunks, from_dht, base = pair_head(head, hq, first_steps, walk_end, chunk_offsets,
-                                                                       seg_table, n, c0)
+                if has_dht:
+                    if halo:
+                        # a halo that reaches the sequence end walks from dht (no approximation at all)
+                        # (a select, not an if / else around the copy: that branch made ptxas serialise every wgmma)
+                        T.copy(dht[seq, hv, :, :], dS_f)
+                        for a, b in T.Parallel(K, V):
+                            dS_f[a, b] = T.if_then_else(from_dht, dS_f[a, b], 0.0)
                     else:
-                        base = None
-                    if has_dht:
-                        if halo:
-                            # a halo that reaches the sequence end walks from dht (no approximation at all)
-                            # (a select, not an if / else around the copy: that branch made ptxas serialise every wgmma)
-                            T.copy(dht[seq, hv, :, :], dS_f)
-                            for a, b in T.Parallel(K, V):
-                                dS_f[a, b] = T.if_then_else(from_dht, dS_f[a, b], 0.0)
-                        else:
-                            T.copy(dht[n, hv, :, :], dS_f)
-                    else:
-                        T.clear(dS_f)
-                    if light:
-                        # ~~ light halo ~~ (the main loop's barrier operations in its order: a test compares them)
-                        for i in walk_steps(0, nhalo, base):
-                            s = i % 2
-                            ci = nchunks - 1 - local(i, base)
-                            bos = bos0 + ci * C
-                            T.barrier_wait(full_in[1], i % 2)          # k, G
-                            T.barrier_wait(dsb_free, (i + 1) % 2)
-                            T.copy(dS_f, dSb_s)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(dsb_ready)
-                            # (S is not loaded in a halo step: <S, dSb> only feeds dg, which a halo chunk does not store)
-                            T.barrier_wait(full_in[4], i % 2)          # S
-                            T.barrier_arrive(empty_in[4])
-                            T.barrier_arrive(vec_ready[s])
-                            T.barrier_wait(full_in[3], i % 2)          # dO
-                            chain_dos(do_s, G_s, dos_f, dOs_s, scale, bos, eos)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(empty_in[3])
-                            glast[0] = fexp(G_s[C - 1])
-                            for a, b in T.Parallel(K, V):
-                                dS_f[a, b] = dS_f[a, b] * glast[0]
-                            T.barrier_wait(full_in[0], i % 2)          # q
-                            T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
-                            T.barrier_arrive(empty_in[0])
-                            T.barrier_wait(dvg_ready, i % 2)
-                            T.gemm(k_s, dvn_s, dS_f, transpose_A=True)
-                            T.barrier_arrive(dvg_free)
-                            T.barrier_arrive(empty_in[1])
-                        # ~~ light halo end ~~
-                    for i in walk_steps(nhalo if light else 0, nchunks, base):
+                        T.copy(dht[n, hv, :, :], dS_f)
+                else:
+                    T.clear(dS_f)
+                if light:
+                    # ~~ light halo ~~ (the main loop's barrier operations in its order: a test compares them)
+                    for i in T.serial(nhalo):
                         s = i % 2
-                        ci = nchunks - 1 - local(i, base)
+                        ci = nchunks - 1 - i
                         bos = bos0 + ci * C
                         T.barrier_wait(full_in[1], i % 2)          # k, G
-                        stamp(trace_out, "chain: k, G ready", i, tx, 0, hv, n)
                         T.barrier_wait(dsb_free, (i + 1) % 2)
-                        stamp(trace_out, "chain: dSb free", i, tx, 0, hv, n)
                         T.copy(dS_f, dSb_s)
                         T.fence_proxy_async()
                         T.barrier_arrive(dsb_ready)
-                        stamp(trace_out, "chain: dSb published", i, tx, 0, hv, n)
-                        # <S, dSb> by column blocks, its row sums for the dg warp (slot s: the key warpgroup reads
-                        # slot s of chunk i before it frees dSb of chunk i + 1, which this role waits for before
-                        # writing slot s again at chunk i + 2)
+                        # (S is not loaded in a halo step: <S, dSb> only feeds dg, which a halo chunk does not store)
                         T.barrier_wait(full_in[4], i % 2)          # S
-                        # (summed in registers, stored once: see the value role on stores between shared loads.  These two
-                        # passes as serial loops, ~170 fewer SASS instructions against the instruction cache's pressure,
-                        # made the kernel 2.5% slower: session 16 run 10)
-                        for qb in T.unroll(V // SQ):
-                            for a, b in T.Parallel(K, SQ):
-                                sd_f[a, b] = T.cast(S_s[a, qb * SQ + b], acc) * T.cast(dSb_s[a, qb * SQ + b], acc)
-                            T.reduce_sum(sd_f, sdr_f, dim=1)
-                            if qb == 0:
-                                for a in T.Parallel(K):
-                                    sda_f[a] = sdr_f[a]
-                            else:
-                                for a in T.Parallel(K):
-                                    sda_f[a] = sda_f[a] + sdr_f[a]
-                        # scaled by e^{G_last} here: the dg warp runs after the key role released G
-                        for a in T.Parallel(K):
-                            sdr_s[s, a] = sda_f[a] * fexp(G_s[C - 1])
                         T.barrier_arrive(empty_in[4])
                         T.barrier_arrive(vec_ready[s])
-                        # dS = e^{G_last} dS + q^T dOs
                         T.barrier_wait(full_in[3], i % 2)          # dO
                         chain_dos(do_s, G_s, dos_f, dOs_s, scale, bos, eos)
                         T.fence_proxy_async()
@@ -502,480 +393,512 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                         T.barrier_wait(full_in[0], i % 2)          # q
                         T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
                         T.barrier_arrive(empty_in[0])
-                        stamp(trace_out, "chain: q^T dOs done", i, tx, 0, hv, n)
-                        # dS += k^T dVg
                         T.barrier_wait(dvg_ready, i % 2)
-                        stamp(trace_out, "chain: dVg ready", i, tx, 0, hv, n)
                         T.gemm(k_s, dvn_s, dS_f, transpose_A=True)
                         T.barrier_arrive(dvg_free)
                         T.barrier_arrive(empty_in[1])
-                        stamp(trace_out, "chain: step done", i, tx, 0, hv, n)
-                    if need_dh0:
-                        if halo:
-                            if is_first:
-                                T.copy(dS_f, dh0[seq, hv, :, :])
+                    # ~~ light halo end ~~
+                for i in (T.serial(nhalo, nchunks) if light else T.serial(nchunks)):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    T.barrier_wait(full_in[1], i % 2)          # k, G
+                    stamp(trace_out, "chain: k, G ready", i, tx, 0, hv, n)
+                    T.barrier_wait(dsb_free, (i + 1) % 2)
+                    stamp(trace_out, "chain: dSb free", i, tx, 0, hv, n)
+                    T.copy(dS_f, dSb_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dsb_ready)
+                    stamp(trace_out, "chain: dSb published", i, tx, 0, hv, n)
+                    # <S, dSb> by column blocks, its row sums for the dg warp (slot s: the key warpgroup reads
+                    # slot s of chunk i before it frees dSb of chunk i + 1, which this role waits for before
+                    # writing slot s again at chunk i + 2)
+                    T.barrier_wait(full_in[4], i % 2)          # S
+                    # (summed in registers, stored once: see the value role on stores between shared loads.  These two
+                    # passes as serial loops, ~170 fewer SASS instructions against the instruction cache's pressure,
+                    # made the kernel 2.5% slower: session 16 run 10)
+                    for qb in T.unroll(V // SQ):
+                        for a, b in T.Parallel(K, SQ):
+                            sd_f[a, b] = T.cast(S_s[a, qb * SQ + b], acc) * T.cast(dSb_s[a, qb * SQ + b], acc)
+                        T.reduce_sum(sd_f, sdr_f, dim=1)
+                        if qb == 0:
+                            for a in T.Parallel(K):
+                                sda_f[a] = sdr_f[a]
                         else:
-                            T.copy(dS_f, dh0[n, hv, :, :])
+                            for a in T.Parallel(K):
+                                sda_f[a] = sda_f[a] + sdr_f[a]
+                    # scaled by e^{G_last} here: the dg warp runs after the key role released G
+                    for a in T.Parallel(K):
+                        sdr_s[s, a] = sda_f[a] * fexp(G_s[C - 1])
+                    T.barrier_arrive(empty_in[4])
+                    T.barrier_arrive(vec_ready[s])
+                    # dS = e^{G_last} dS + q^T dOs
+                    T.barrier_wait(full_in[3], i % 2)          # dO
+                    chain_dos(do_s, G_s, dos_f, dOs_s, scale, bos, eos)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(empty_in[3])
+                    glast[0] = fexp(G_s[C - 1])
+                    for a, b in T.Parallel(K, V):
+                        dS_f[a, b] = dS_f[a, b] * glast[0]
+                    T.barrier_wait(full_in[0], i % 2)          # q
+                    T.gemm(q_s, dOs_s, dS_f, transpose_A=True)
+                    T.barrier_arrive(empty_in[0])
+                    stamp(trace_out, "chain: q^T dOs done", i, tx, 0, hv, n)
+                    # dS += k^T dVg
+                    T.barrier_wait(dvg_ready, i % 2)
+                    stamp(trace_out, "chain: dVg ready", i, tx, 0, hv, n)
+                    T.gemm(k_s, dvn_s, dS_f, transpose_A=True)
+                    T.barrier_arrive(dvg_free)
+                    T.barrier_arrive(empty_in[1])
+                    stamp(trace_out, "chain: step done", i, tx, 0, hv, n)
+                if need_dh0:
+                    if halo:
+                        if is_first:
+                            T.copy(dS_f, dh0[seq, hv, :, :])
+                    else:
+                        T.copy(dS_f, dh0[n, hv, :, :])
             elif tx < 256:
                 # ---------------- value ----------------
                 T.set_max_nreg(R_VALUE, 1)
-                for head in heads():
-                    if pair_cta:
-                        hv, nhalo, nchunks, from_dht, base = pair_head(head, hq, first_steps, walk_end, chunk_offsets,
-                                                                       seg_table, n, c0)
-                    else:
-                        base = None
-                    # beta of the next chunk is loaded into registers at the start of a step and written to b_s at the
-                    # start of the next, so the HBM latency overlaps a whole step (read at the start of its own step,
-                    # or at the end of the one before, it cost ~1.5 K resp. ~3.5 K cycles: session 15 runs 4-5)
-                    if nchunks > 0:
-                        for r in T.Parallel(C):
-                            bn_f[r] = T.if_then_else(
-                                bos0 + (nchunks - 1) * C + r < eos, T.cast(beta[bos0 + (nchunks - 1) * C + r, hv], acc), 0.0)
-                    if light:
-                        # ~~ light halo ~~ (only what the chain's dS needs: dVg = -eG b X^T dvn, dvn = D k dSb + Pm^T dO;
-                        # the dQK, Ws and vector hand-offs are published empty, as no halo chunk stores a gradient)
-                        for i in walk_steps(0, nhalo, base):
-                            s = i % 2
-                            ci = nchunks - 1 - local(i, base)
-                            bos = bos0 + ci * C
-                            for r in T.Parallel(C):
-                                b_s[r] = bn_f[r]
-                            if local(i, base) + 1 < nchunks:
-                                for r in T.Parallel(C):
-                                    bn_f[r] = T.cast(beta[bos - C + r, hv], acc)
-                            T.barrier_wait(full_in[1], i % 2)          # k, G
-                            T.barrier_wait(full_in[0], i % 2)          # q
-                            T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
-                            value_pm(P_f, G_s, M_f, Pm_s, scale, bos, eos)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(empty_in[0])
-                            T.barrier_wait(full_in[3], i % 2)          # dO
-                            T.barrier_wait(full_in[5], i % 2)          # vn
-                            T.barrier_arrive(empty_in[5])
-                            T.barrier_wait(dqk_free, (i + 1) % 2)
-                            T.barrier_arrive(dqk_ready)
-                            T.barrier_wait(dsb_ready, i % 2)
-                            T.gemm(k_s, dSb_s, A_f, clear_accum=True)
-                            T.barrier_arrive(dsb_free)
-                            for r in T.Parallel(C):
-                                rowf_f[r] = fexp(G_s[C - 1] - G_s[r])
-                            for r, j in T.Parallel(C, V):
-                                A_f[r, j] = A_f[r, j] * rowf_f[r]
-                            T.gemm(Pm_s, do_s, A_f, transpose_A=True)
-                            T.barrier_arrive(empty_in[3])
-                            T.barrier_wait(dvg_free, (i + 1) % 2)
-                            for r, j in T.Parallel(C, V):
-                                A_f[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
-                            T.copy(A_f, dvn_s)
-                            T.fence_proxy_async()
-                            T.barrier_wait(full_in[6], i % 2)          # X
-                            T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
-                            for r in T.Parallel(C):
-                                bf_f[r] = b_s[r]
-                            T.barrier_wait(y_ready, i % 2)
-                            value_dvg(A_f, bf_f, G_s, rowf_f, dvn_s)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(dvg_ready)
-                            T.barrier_arrive(empty_in[2])
-                            T.barrier_wait(ws_free, (i + 1) % 2)
-                            T.barrier_arrive(empty_in[6])
-                            T.barrier_arrive(ws_ready)
-                            T.barrier_arrive(empty_in[1])
-                            T.barrier_arrive(vec_ready[s])
-                        # ~~ light halo end ~~
-                    for i in walk_steps(nhalo if light else 0, nchunks, base):
+                # beta of the next chunk is loaded into registers at the start of a step and written to b_s at the
+                # start of the next, so the HBM latency overlaps a whole step (read at the start of its own step,
+                # or at the end of the one before, it cost ~1.5 K resp. ~3.5 K cycles: session 15 runs 4-5)
+                if nchunks > 0:
+                    for r in T.Parallel(C):
+                        bn_f[r] = T.if_then_else(
+                            bos0 + (nchunks - 1) * C + r < eos, T.cast(beta[bos0 + (nchunks - 1) * C + r, hv], acc), 0.0)
+                if light:
+                    # ~~ light halo ~~ (only what the chain's dS needs: dVg = -eG b X^T dvn, dvn = D k dSb + Pm^T dO;
+                    # the dQK, Ws and vector hand-offs are published empty, as no halo chunk stores a gradient)
+                    for i in T.serial(nhalo):
                         s = i % 2
-                        ci = nchunks - 1 - local(i, base)
+                        ci = nchunks - 1 - i
                         bos = bos0 + ci * C
                         for r in T.Parallel(C):
                             b_s[r] = bn_f[r]
-                        if local(i, base) + 1 < nchunks:
-                            # (the chunk before this one: whole, as only a sequence's last chunk can be short)
+                        if i + 1 < nchunks:
                             for r in T.Parallel(C):
                                 bn_f[r] = T.cast(beta[bos - C + r, hv], acc)
                         T.barrier_wait(full_in[1], i % 2)          # k, G
                         T.barrier_wait(full_in[0], i % 2)          # q
-                        stamp(trace_out, "value: q, k ready", i, tx, 128, hv, n)
-                        # P = q k^T, Pm = bf16(scale P E M) [r, j]
                         T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
-                        # Every elementwise pass computes in registers, masks in a second loop and then stores its
-                        # tile in one T.copy.  A masked value whose shared loads sit inside T.if_then_else is one
-                        # branch per element, and a pass that stores to shared memory between its loads of G / b is
-                        # kept in program order (the stores may alias the loads): either way one load -> ex2 ->
-                        # store latency chain per element, ~4 K cycles for a [64, 64] pass (session 15's SASS and
-                        # trace).  Unmasked, exp(G_r - G_j) may overflow above the diagonal or past the end; the
-                        # mask's select drops those values.
                         value_pm(P_f, G_s, M_f, Pm_s, scale, bos, eos)
                         T.fence_proxy_async()
                         T.barrier_arrive(empty_in[0])
-                        stamp(trace_out, "value: Pm written", i, tx, 128, hv, n)
-                        # dQK = scale E M (dO vn^T) -> key; Z = dQK P: its row sums here, its column sums as the row
-                        # sums of the [j, r] frame below (a column reduction of a wgmma fragment would be a cross-warp
-                        # AllReduce on bar.sync 1, which every warpgroup would share)
                         T.barrier_wait(full_in[3], i % 2)          # dO
                         T.barrier_wait(full_in[5], i % 2)          # vn
-                        T.gemm(do_s, vn_s, M_f, transpose_B=True, clear_accum=True)
                         T.barrier_arrive(empty_in[5])
-                        stamp(trace_out, "value: dO vn^T done", i, tx, 128, hv, n)
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = M_f[r, j] * scale * fexp(G_s[r] - G_s[j])
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
                         T.barrier_wait(dqk_free, (i + 1) % 2)
-                        T.copy(M_f, dQK_s)
-                        T.fence_proxy_async()
                         T.barrier_arrive(dqk_ready)
-                        stamp(trace_out, "value: dQK published", i, tx, 128, hv, n)
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = M_f[r, j] * P_f[r, j]
-                        T.reduce_sum(M_f, vr_f, dim=1)
-                        for r in T.Parallel(C):
-                            vz_s[s, r] = vr_f[r]
-                        stamp(trace_out, "value: Z rows done", i, tx, 128, hv, n)
-                        # acc = diag(D) k dSb + Pm^T dO  (dv_new's gradient), rows past the end 0
                         T.barrier_wait(dsb_ready, i % 2)
-                        stamp(trace_out, "value: dSb ready", i, tx, 128, hv, n)
                         T.gemm(k_s, dSb_s, A_f, clear_accum=True)
                         T.barrier_arrive(dsb_free)
-                        stamp(trace_out, "value: k dSb done", i, tx, 128, hv, n)
                         for r in T.Parallel(C):
                             rowf_f[r] = fexp(G_s[C - 1] - G_s[r])
                         for r, j in T.Parallel(C, V):
                             A_f[r, j] = A_f[r, j] * rowf_f[r]
                         T.gemm(Pm_s, do_s, A_f, transpose_A=True)
                         T.barrier_arrive(empty_in[3])
-                        stamp(trace_out, "value: Pm^T dO done", i, tx, 128, hv, n)
                         T.barrier_wait(dvg_free, (i + 1) % 2)
                         for r, j in T.Parallel(C, V):
                             A_f[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
                         T.copy(A_f, dvn_s)
                         T.fence_proxy_async()
-                        stamp(trace_out, "value: dvn written", i, tx, 128, hv, n)
-                        # Z' = X^T dvn; dv = dY = b Z'
                         T.barrier_wait(full_in[6], i % 2)          # X
                         T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
-                        stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
                         for r in T.Parallel(C):
                             bf_f[r] = b_s[r]
-                        # (a whole chunk stores without a test per element, which would be a branch per store; storing dv
-                        # after dVg is published spilled: session 15 run 5.  Staging dv in Pm_s / dX_s for TMA stores,
-                        # alone, within the dVg pass, or with dq / dk staged too, was 5-7% slower in session 16 runs 3-5:
-                        # per-element shared stores and the named barriers around each stage cost more than these
-                        # scattered 4-byte stores, and releasing staging tiles late coupled the roles)
-                        if bos + C <= store_end(local(i, base), nhalo, bos, eos):
-                            for r, j in T.Parallel(C, V):
-                                dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
-                        else:
-                            for r, j in T.Parallel(C, V):
-                                if bos + r < store_end(local(i, base), nhalo, bos, eos):
-                                    dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
-                        stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
-                        # m = dvn Y^T, before dVg overwrites dvn
                         T.barrier_wait(y_ready, i % 2)
-                        T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
-                        stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
-                        # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key (eG once per row, not per element)
                         value_dvg(A_f, bf_f, G_s, rowf_f, dvn_s)
                         T.fence_proxy_async()
                         T.barrier_arrive(dvg_ready)
-                        stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
-                        # db = rowsum(Z' Y)
-                        for r, j in T.Parallel(C, V):
-                            A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
-                        T.reduce_sum(A_f, vk_f, dim=1)
                         T.barrier_arrive(empty_in[2])
-                        for r in T.Parallel(C):
-                            vb_s[s, r] = vk_f[r]
-                        stamp(trace_out, "value: db done", i, tx, 128, hv, n)
-                        # dX = bf16(m diag(b)); T1 = X^T dX; dA^T = -(X T1^T), dA = -(T1 X^T) (strict)
-                        T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = M_f[r, j] * b_s[j]
-                        T.copy(M_f, dX_s)
-                        T.fence_proxy_async()
-                        stamp(trace_out, "value: KK, dX done", i, tx, 128, hv, n)
-                        T.gemm(X_s, dX_s, M_f, transpose_A=True, clear_accum=True)
-                        T.copy(M_f, dX_s)
-                        T.fence_proxy_async()
-                        stamp(trace_out, "value: T1 written", i, tx, 128, hv, n)
                         T.barrier_wait(ws_free, (i + 1) % 2)
-                        # W^T[r, j] = dA[j, r] b_j E[j, r] (j > r) into Ws, and in the same pass the column sums of
-                        # dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] as row sums over the dA^T frame
-                        T.gemm(X_s, dX_s, M_f, transpose_B=True, clear_accum=True)
-                        for r, j in T.Parallel(C, C):
-                            P_f[r, j] = -M_f[r, j] * b_s[j] * fexp(G_s[j] - G_s[r])
-                        for r, j in T.Parallel(C, C):
-                            P_f[r, j] = T.if_then_else(j > r, P_f[r, j], 0.0)
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = P_f[r, j] * KK_f[r, j]
-                        T.reduce_sum(M_f, vc_f, dim=1)
-                        stamp(trace_out, "value: W^T pass done", i, tx, 128, hv, n)
-                        # then W from dA, added to the same elements, and dA KK E's row sums (db and dAA's rows)
-                        T.gemm(dX_s, X_s, M_f, transpose_B=True, clear_accum=True)
                         T.barrier_arrive(empty_in[6])
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = -M_f[r, j] * fexp(G_s[r] - G_s[j])
-                        for r, j in T.Parallel(C, C):
-                            M_f[r, j] = T.if_then_else(r > j, M_f[r, j], 0.0)
-                        for r, j in T.Parallel(C, C):
-                            P_f[r, j] = P_f[r, j] + M_f[r, j] * bf_f[r]
-                        T.copy(P_f, Ws_s)
-                        for r, j in T.Parallel(C, C):
-                            KK_f[r, j] = M_f[r, j] * KK_f[r, j]
-                        T.fence_proxy_async()
                         T.barrier_arrive(ws_ready)
-                        stamp(trace_out, "value: Ws published", i, tx, 128, hv, n)
-                        T.reduce_sum(KK_f, vk_f, dim=1)
                         T.barrier_arrive(empty_in[1])
-                        for r in T.Parallel(C):
-                            vb_s[s, r] = vb_s[s, r] + vk_f[r]
-                        for r in T.Parallel(C):
-                            va_s[s, r] = b_s[r] * vk_f[r] - vc_f[r]
                         T.barrier_arrive(vec_ready[s])
-                        stamp(trace_out, "value: step done", i, tx, 128, hv, n)
+                    # ~~ light halo end ~~
+                for i in (T.serial(nhalo, nchunks) if light else T.serial(nchunks)):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    for r in T.Parallel(C):
+                        b_s[r] = bn_f[r]
+                    if i + 1 < nchunks:
+                        # (the chunk before this one: whole, as only a sequence's last chunk can be short)
+                        for r in T.Parallel(C):
+                            bn_f[r] = T.cast(beta[bos - C + r, hv], acc)
+                    T.barrier_wait(full_in[1], i % 2)          # k, G
+                    T.barrier_wait(full_in[0], i % 2)          # q
+                    stamp(trace_out, "value: q, k ready", i, tx, 128, hv, n)
+                    # P = q k^T, Pm = bf16(scale P E M) [r, j]
+                    T.gemm(q_s, k_s, P_f, transpose_B=True, clear_accum=True)
+                    # Every elementwise pass computes in registers, masks in a second loop and then stores its
+                    # tile in one T.copy.  A masked value whose shared loads sit inside T.if_then_else is one
+                    # branch per element, and a pass that stores to shared memory between its loads of G / b is
+                    # kept in program order (the stores may alias the loads): either way one load -> ex2 ->
+                    # store latency chain per element, ~4 K cycles for a [64, 64] pass (session 15's SASS and
+                    # trace).  Unmasked, exp(G_r - G_j) may overflow above the diagonal or past the end; the
+                    # mask's select drops those values.
+                    value_pm(P_f, G_s, M_f, Pm_s, scale, bos, eos)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(empty_in[0])
+                    stamp(trace_out, "value: Pm written", i, tx, 128, hv, n)
+                    # dQK = scale E M (dO vn^T) -> key; Z = dQK P: its row sums here, its column sums as the row
+                    # sums of the [j, r] frame below (a column reduction of a wgmma fragment would be a cross-warp
+                    # AllReduce on bar.sync 1, which every warpgroup would share)
+                    T.barrier_wait(full_in[3], i % 2)          # dO
+                    T.barrier_wait(full_in[5], i % 2)          # vn
+                    T.gemm(do_s, vn_s, M_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(empty_in[5])
+                    stamp(trace_out, "value: dO vn^T done", i, tx, 128, hv, n)
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = M_f[r, j] * scale * fexp(G_s[r] - G_s[j])
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = T.if_then_else((j <= r) & (bos + r < eos), M_f[r, j], 0.0)
+                    T.barrier_wait(dqk_free, (i + 1) % 2)
+                    T.copy(M_f, dQK_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dqk_ready)
+                    stamp(trace_out, "value: dQK published", i, tx, 128, hv, n)
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = M_f[r, j] * P_f[r, j]
+                    T.reduce_sum(M_f, vr_f, dim=1)
+                    for r in T.Parallel(C):
+                        vz_s[s, r] = vr_f[r]
+                    stamp(trace_out, "value: Z rows done", i, tx, 128, hv, n)
+                    # acc = diag(D) k dSb + Pm^T dO  (dv_new's gradient), rows past the end 0
+                    T.barrier_wait(dsb_ready, i % 2)
+                    stamp(trace_out, "value: dSb ready", i, tx, 128, hv, n)
+                    T.gemm(k_s, dSb_s, A_f, clear_accum=True)
+                    T.barrier_arrive(dsb_free)
+                    stamp(trace_out, "value: k dSb done", i, tx, 128, hv, n)
+                    for r in T.Parallel(C):
+                        rowf_f[r] = fexp(G_s[C - 1] - G_s[r])
+                    for r, j in T.Parallel(C, V):
+                        A_f[r, j] = A_f[r, j] * rowf_f[r]
+                    T.gemm(Pm_s, do_s, A_f, transpose_A=True)
+                    T.barrier_arrive(empty_in[3])
+                    stamp(trace_out, "value: Pm^T dO done", i, tx, 128, hv, n)
+                    T.barrier_wait(dvg_free, (i + 1) % 2)
+                    for r, j in T.Parallel(C, V):
+                        A_f[r, j] = T.if_then_else(bos + r < eos, A_f[r, j], 0.0)
+                    T.copy(A_f, dvn_s)
+                    T.fence_proxy_async()
+                    stamp(trace_out, "value: dvn written", i, tx, 128, hv, n)
+                    # Z' = X^T dvn; dv = dY = b Z'
+                    T.barrier_wait(full_in[6], i % 2)          # X
+                    T.gemm(X_s, dvn_s, A_f, transpose_A=True, clear_accum=True)
+                    stamp(trace_out, "value: X^T dvn done", i, tx, 128, hv, n)
+                    for r in T.Parallel(C):
+                        bf_f[r] = b_s[r]
+                    # (a whole chunk stores without a test per element, which would be a branch per store; storing dv
+                    # after dVg is published spilled: session 15 run 5.  Staging dv in Pm_s / dX_s for TMA stores,
+                    # alone, within the dVg pass, or with dq / dk staged too, was 5-7% slower in session 16 runs 3-5:
+                    # per-element shared stores and the named barriers around each stage cost more than these
+                    # scattered 4-byte stores, and releasing staging tiles late coupled the roles)
+                    if bos + C <= store_end(i, nhalo, bos, eos):
+                        for r, j in T.Parallel(C, V):
+                            dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                    else:
+                        for r, j in T.Parallel(C, V):
+                            if bos + r < store_end(i, nhalo, bos, eos):
+                                dv_out[bos + r, hv, j] = T.cast(bf_f[r] * A_f[r, j], dtype)
+                    stamp(trace_out, "value: dv stored", i, tx, 128, hv, n)
+                    # m = dvn Y^T, before dVg overwrites dvn
+                    T.barrier_wait(y_ready, i % 2)
+                    T.gemm(dvn_s, v_s, M_f, transpose_B=True, clear_accum=True)
+                    stamp(trace_out, "value: dvn Y^T done", i, tx, 128, hv, n)
+                    # dVg = bf16(-eG bf16(dY)) over dvn -> chain, key (eG once per row, not per element)
+                    value_dvg(A_f, bf_f, G_s, rowf_f, dvn_s)
+                    T.fence_proxy_async()
+                    T.barrier_arrive(dvg_ready)
+                    stamp(trace_out, "value: dVg published", i, tx, 128, hv, n)
+                    # db = rowsum(Z' Y)
+                    for r, j in T.Parallel(C, V):
+                        A_f[r, j] = A_f[r, j] * T.cast(v_s[r, j], acc)
+                    T.reduce_sum(A_f, vk_f, dim=1)
+                    T.barrier_arrive(empty_in[2])
+                    for r in T.Parallel(C):
+                        vb_s[s, r] = vk_f[r]
+                    stamp(trace_out, "value: db done", i, tx, 128, hv, n)
+                    # dX = bf16(m diag(b)); T1 = X^T dX; dA^T = -(X T1^T), dA = -(T1 X^T) (strict)
+                    T.gemm(k_s, k_s, KK_f, transpose_B=True, clear_accum=True)
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = M_f[r, j] * b_s[j]
+                    T.copy(M_f, dX_s)
+                    T.fence_proxy_async()
+                    stamp(trace_out, "value: KK, dX done", i, tx, 128, hv, n)
+                    T.gemm(X_s, dX_s, M_f, transpose_A=True, clear_accum=True)
+                    T.copy(M_f, dX_s)
+                    T.fence_proxy_async()
+                    stamp(trace_out, "value: T1 written", i, tx, 128, hv, n)
+                    T.barrier_wait(ws_free, (i + 1) % 2)
+                    # W^T[r, j] = dA[j, r] b_j E[j, r] (j > r) into Ws, and in the same pass the column sums of
+                    # dAA[r, j] = dA[r, j] b_r KK[r, j] E[r, j] as row sums over the dA^T frame
+                    T.gemm(X_s, dX_s, M_f, transpose_B=True, clear_accum=True)
+                    for r, j in T.Parallel(C, C):
+                        P_f[r, j] = -M_f[r, j] * b_s[j] * fexp(G_s[j] - G_s[r])
+                    for r, j in T.Parallel(C, C):
+                        P_f[r, j] = T.if_then_else(j > r, P_f[r, j], 0.0)
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = P_f[r, j] * KK_f[r, j]
+                    T.reduce_sum(M_f, vc_f, dim=1)
+                    stamp(trace_out, "value: W^T pass done", i, tx, 128, hv, n)
+                    # then W from dA, added to the same elements, and dA KK E's row sums (db and dAA's rows)
+                    T.gemm(dX_s, X_s, M_f, transpose_B=True, clear_accum=True)
+                    T.barrier_arrive(empty_in[6])
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = -M_f[r, j] * fexp(G_s[r] - G_s[j])
+                    for r, j in T.Parallel(C, C):
+                        M_f[r, j] = T.if_then_else(r > j, M_f[r, j], 0.0)
+                    for r, j in T.Parallel(C, C):
+                        P_f[r, j] = P_f[r, j] + M_f[r, j] * bf_f[r]
+                    T.copy(P_f, Ws_s)
+                    for r, j in T.Parallel(C, C):
+                        KK_f[r, j] = M_f[r, j] * KK_f[r, j]
+                    T.fence_proxy_async()
+                    T.barrier_arrive(ws_ready)
+                    stamp(trace_out, "value: Ws published", i, tx, 128, hv, n)
+                    T.reduce_sum(KK_f, vk_f, dim=1)
+                    T.barrier_arrive(empty_in[1])
+                    for r in T.Parallel(C):
+                        vb_s[s, r] = vb_s[s, r] + vk_f[r]
+                    for r in T.Parallel(C):
+                        va_s[s, r] = b_s[r] * vk_f[r] - vc_f[r]
+                    T.barrier_arrive(vec_ready[s])
+                    stamp(trace_out, "value: step done", i, tx, 128, hv, n)
             elif tx < 384:
                 # ---------------- key ----------------
                 T.set_max_nreg(R_KEY, 1)
-                for head in heads():
-                    if pair_cta:
-                        hv, nhalo, nchunks, from_dht, base = pair_head(head, hq, first_steps, walk_end, chunk_offsets,
-                                                                       seg_table, n, c0)
+                for i in T.serial(nchunks):
+                    s = i % 2
+                    ci = nchunks - 1 - i
+                    bos = bos0 + ci * C
+                    # (light_halo: a halo step is this role's barriers only, in the main branch's order, so the other
+                    # roles' phases stay those of the main loop.  An if / else in the one loop, not a loop of its own
+                    # ahead of it: that loop, barriers only, made ptxas serialise every wgmma of the kernel (C7512).
+                    # Without light_halo the condition is a Python False and the else branch is the whole loop body)
+                    if (i < nhalo) if light else False:
+                        # ~~ light halo ~~
+                        T.barrier_wait(full_in[1], i % 2)          # k, G
+                        T.barrier_wait(full_in[4], i % 2)          # S
+                        T.barrier_wait(full_in[2], i % 2)          # v
+                        T.barrier_arrive(y_ready)
+                        T.barrier_wait(full_in[5], i % 2)          # vn
+                        T.barrier_wait(full_in[3], i % 2)          # dO
+                        T.barrier_wait(full_in[0], i % 2)          # q
+                        T.barrier_wait(dqk_ready, i % 2)
+                        if pair_zero:
+                            T.barrier_wait(zero_ready, i % 2)
+                        T.barrier_arrive(empty_in[3])
+                        T.barrier_wait(dsb_ready, i % 2)
+                        T.barrier_arrive(dsb_free)
+                        T.barrier_arrive(empty_in[5])
+                        T.barrier_arrive(dqk_free)
+                        T.barrier_arrive(empty_in[0])
+                        T.barrier_wait(dvg_ready, i % 2)
+                        T.barrier_arrive(dvg_free)
+                        T.barrier_arrive(empty_in[4])
+                        T.barrier_wait(ws_ready, i % 2)
+                        T.barrier_arrive(ws_free)
+                        T.barrier_arrive(empty_in[1])
+                        T.barrier_wait(vec_ready[s], (i // 2) % 2)
+                        # ~~ light halo end ~~
                     else:
-                        base = None
-                    for i in walk_steps(0, nchunks, base):
-                        s = i % 2
-                        ci = nchunks - 1 - local(i, base)
-                        bos = bos0 + ci * C
-                        # (light_halo: a halo step is this role's barriers only, in the main branch's order, so the other
-                        # roles' phases stay those of the main loop.  An if / else in the one loop, not a loop of its own
-                        # ahead of it: that loop, barriers only, made ptxas serialise every wgmma of the kernel (C7512).
-                        # Without light_halo the condition is a Python False and the else branch is the whole loop body)
-                        if (local(i, base) < nhalo) if light else False:
-                            # ~~ light halo ~~
-                            T.barrier_wait(full_in[1], i % 2)          # k, G
-                            T.barrier_wait(full_in[4], i % 2)          # S
-                            T.barrier_wait(full_in[2], i % 2)          # v
-                            T.barrier_arrive(y_ready)
-                            T.barrier_wait(full_in[5], i % 2)          # vn
-                            T.barrier_wait(full_in[3], i % 2)          # dO
-                            T.barrier_wait(full_in[0], i % 2)          # q
-                            T.barrier_wait(dqk_ready, i % 2)
-                            if pair_zero:
-                                T.barrier_wait(zero_ready, i % 2)
-                            T.barrier_arrive(empty_in[3])
-                            T.barrier_wait(dsb_ready, i % 2)
-                            T.barrier_arrive(dsb_free)
-                            T.barrier_arrive(empty_in[5])
-                            T.barrier_arrive(dqk_free)
-                            T.barrier_arrive(empty_in[0])
-                            T.barrier_wait(dvg_ready, i % 2)
-                            T.barrier_arrive(dvg_free)
-                            T.barrier_arrive(empty_in[4])
-                            T.barrier_wait(ws_ready, i % 2)
-                            T.barrier_arrive(ws_free)
-                            T.barrier_arrive(empty_in[1])
-                            T.barrier_wait(vec_ready[s], (i // 2) % 2)
-                            # ~~ light halo end ~~
-                        else:
-                            # Y = v - diag(eG) k S over v's tile -> value
-                            T.barrier_wait(full_in[1], i % 2)          # k, G
-                            T.barrier_wait(full_in[4], i % 2)          # S
-                            stamp(trace_out, "key: k, S ready", i, tx, 256, hv, n)
-                            T.gemm(k_s, S_s, U_f, clear_accum=True)
-                            stamp(trace_out, "key: k S done", i, tx, 256, hv, n)
-                            # (eG once per row, not per element)
-                            for r in T.Parallel(C):
-                                kr_f[r] = fexp(G_s[r])
-                            T.barrier_wait(full_in[2], i % 2)          # v
-                            for r, j in T.Parallel(C, V):
-                                U_f[r, j] = T.cast(v_s[r, j], acc) - kr_f[r] * U_f[r, j]
-                            T.copy(U_f, v_s)
-                            T.fence_proxy_async()
-                            T.barrier_arrive(y_ready)
-                            stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
-                            # Z's column sums as the row sums of the [j, r] frame (vn dO^T, k q^T; a column reduction of a
-                            # wgmma fragment would be a cross-warp AllReduce on bar.sync 1, shared by every warpgroup).
-                            # Here, not in the value role, which sets the step (session 15 run 5), and before dk's
-                            # accumulators are live (after them this role spilled).  t / tq are [C, C] at K / 2 = C.
-                            T.barrier_wait(full_in[5], i % 2)          # vn
-                            T.barrier_wait(full_in[3], i % 2)          # dO
-                            T.barrier_wait(full_in[0], i % 2)          # q
-                            T.gemm(vn_s, do_s, t_f, transpose_B=True, clear_accum=True)
-                            T.gemm(k_s, q_s, tq_f, transpose_B=True, clear_accum=True)
-                            for j, r in T.Parallel(C, C):
-                                t_f[j, r] = t_f[j, r] * scale * fexp(G_s[r] - G_s[j])
-                            for j, r in T.Parallel(C, C):
-                                t_f[j, r] = T.if_then_else((j <= r) & (bos + r < eos), t_f[j, r], 0.0) * tq_f[j, r]
-                            T.reduce_sum(t_f, kr_f, dim=1)
-                            for r in T.Parallel(C):
-                                cz_s[r] = kr_f[r]
-                            stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
-                            # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
-                            T.barrier_wait(dqk_ready, i % 2)
-                            if pair_zero:
-                                T.barrier_wait(zero_ready, i % 2)
-                            stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
-                            for hb in T.unroll(2):
-                                T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
-                                for r, d in T.Parallel(C, KH):
-                                    tq_f[r, d] = t_f[r, d] * T.cast(q_s[r, hb * KH + d], acc)
-                                T.reduce_sum(tq_f, kr_f, dim=1)
-                                if hb == 0:
-                                    for r in T.Parallel(C):
-                                        kg_s[r] = kr_f[r]
-                                else:
-                                    for r in T.Parallel(C):
-                                        kg_s[r] = (kg_s[r] + kr_f[r]) * scale * fexp(G_s[r])
-                                for r, d in T.Parallel(C, KH):
-                                    t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
-                                T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
-                                grad_rows(dq_out, t_f, bos, store_end(local(i, base), nhalo, bos, eos), hv, hb * KH, pend, head)
-                            T.barrier_arrive(empty_in[3])
-                            stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
-                            # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
-                            T.barrier_wait(dsb_ready, i % 2)
-                            T.gemm(vn_s, dSb_s[0:KH, :], dk0_f, transpose_B=True, clear_accum=True)
-                            T.gemm(vn_s, dSb_s[KH:K, :], dk1_f, transpose_B=True, clear_accum=True)
-                            T.barrier_arrive(dsb_free)
-                            T.barrier_arrive(empty_in[5])
-                            stamp(trace_out, "key: dSb freed", i, tx, 256, hv, n)
+                        # Y = v - diag(eG) k S over v's tile -> value
+                        T.barrier_wait(full_in[1], i % 2)          # k, G
+                        T.barrier_wait(full_in[4], i % 2)          # S
+                        stamp(trace_out, "key: k, S ready", i, tx, 256, hv, n)
+                        T.gemm(k_s, S_s, U_f, clear_accum=True)
+                        stamp(trace_out, "key: k S done", i, tx, 256, hv, n)
+                        # (eG once per row, not per element)
+                        for r in T.Parallel(C):
+                            kr_f[r] = fexp(G_s[r])
+                        T.barrier_wait(full_in[2], i % 2)          # v
+                        for r, j in T.Parallel(C, V):
+                            U_f[r, j] = T.cast(v_s[r, j], acc) - kr_f[r] * U_f[r, j]
+                        T.copy(U_f, v_s)
+                        T.fence_proxy_async()
+                        T.barrier_arrive(y_ready)
+                        stamp(trace_out, "key: Y published", i, tx, 256, hv, n)
+                        # Z's column sums as the row sums of the [j, r] frame (vn dO^T, k q^T; a column reduction of a
+                        # wgmma fragment would be a cross-warp AllReduce on bar.sync 1, shared by every warpgroup).
+                        # Here, not in the value role, which sets the step (session 15 run 5), and before dk's
+                        # accumulators are live (after them this role spilled).  t / tq are [C, C] at K / 2 = C.
+                        T.barrier_wait(full_in[5], i % 2)          # vn
+                        T.barrier_wait(full_in[3], i % 2)          # dO
+                        T.barrier_wait(full_in[0], i % 2)          # q
+                        T.gemm(vn_s, do_s, t_f, transpose_B=True, clear_accum=True)
+                        T.gemm(k_s, q_s, tq_f, transpose_B=True, clear_accum=True)
+                        for j, r in T.Parallel(C, C):
+                            t_f[j, r] = t_f[j, r] * scale * fexp(G_s[r] - G_s[j])
+                        for j, r in T.Parallel(C, C):
+                            t_f[j, r] = T.if_then_else((j <= r) & (bos + r < eos), t_f[j, r], 0.0) * tq_f[j, r]
+                        T.reduce_sum(t_f, kr_f, dim=1)
+                        for r in T.Parallel(C):
+                            cz_s[r] = kr_f[r]
+                        stamp(trace_out, "key: colZ done", i, tx, 256, hv, n)
+                        # dq = scale eG (dO S^T) + dQK k by K halves; ginter = scale eG rowsum(q (dO S^T))
+                        T.barrier_wait(dqk_ready, i % 2)
+                        if pair_zero:
+                            T.barrier_wait(zero_ready, i % 2)
+                        stamp(trace_out, "key: dQK ready", i, tx, 256, hv, n)
+                        for hb in T.unroll(2):
+                            T.gemm(do_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
                             for r, d in T.Parallel(C, KH):
-                                t_f[r, d] = dk0_f[r, d] * T.cast(k_s[r, d], acc)
-                            T.reduce_sum(t_f, kr_f, dim=1)
-                            for r in T.Parallel(C):
-                                dD_s[r] = kr_f[r]
-                            for r, d in T.Parallel(C, KH):
-                                t_f[r, d] = dk1_f[r, d] * T.cast(k_s[r, KH + d], acc)
-                            T.reduce_sum(t_f, kr_f, dim=1)
-                            for r in T.Parallel(C):
-                                dD_s[r] = dD_s[r] + kr_f[r]
-                            # D once per row; dD_s keeps D dD, the only form the dg warp reads
-                            for r in T.Parallel(C):
-                                kr_f[r] = fexp(G_s[C - 1] - G_s[r])
-                            for r in T.Parallel(C):
-                                dD_s[r] = dD_s[r] * kr_f[r]
-                            for r, d in T.Parallel(C, KH):
-                                dk0_f[r, d] = dk0_f[r, d] * kr_f[r]
-                            for r, d in T.Parallel(C, KH):
-                                dk1_f[r, d] = dk1_f[r, d] * kr_f[r]
-                            stamp(trace_out, "key: dD done", i, tx, 256, hv, n)
-                            # dk += dQK^T q
-                            T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
-                            T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
-                            T.barrier_arrive(dqk_free)
-                            T.barrier_arrive(empty_in[0])
-                            stamp(trace_out, "key: dQK^T q done", i, tx, 256, hv, n)
-                            # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
-                            T.barrier_wait(dvg_ready, i % 2)
-                            stamp(trace_out, "key: dVg ready", i, tx, 256, hv, n)
-                            for hb in T.unroll(2):
-                                T.gemm(dvn_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
-                                if hb == 0:
-                                    for r, d in T.Parallel(C, KH):
-                                        dk0_f[r, d] = dk0_f[r, d] + t_f[r, d]
-                                else:
-                                    for r, d in T.Parallel(C, KH):
-                                        dk1_f[r, d] = dk1_f[r, d] + t_f[r, d]
-                                for r, d in T.Parallel(C, KH):
-                                    t_f[r, d] = t_f[r, d] * T.cast(k_s[r, hb * KH + d], acc)
-                                T.reduce_sum(t_f, kr_f, dim=1)
+                                tq_f[r, d] = t_f[r, d] * T.cast(q_s[r, hb * KH + d], acc)
+                            T.reduce_sum(tq_f, kr_f, dim=1)
+                            if hb == 0:
                                 for r in T.Parallel(C):
-                                    kg_s[r] = kg_s[r] + kr_f[r]
-                            T.barrier_arrive(dvg_free)
-                            T.barrier_arrive(empty_in[4])
-                            stamp(trace_out, "key: dVg S^T done", i, tx, 256, hv, n)
-                            # dk += Ws k, stored
-                            T.barrier_wait(ws_ready, i % 2)
-                            stamp(trace_out, "key: Ws ready", i, tx, 256, hv, n)
-                            T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
-                            T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
-                            T.barrier_arrive(ws_free)
-                            # k's (and G's) last read in this role: the next chunk's k may load while dk is stored and
-                            # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
-                            T.barrier_arrive(empty_in[1])
-                            stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
-                            grad_rows(dk_out, dk0_f, bos, store_end(local(i, base), nhalo, bos, eos), hv, 0, pend, head)
-                            grad_rows(dk_out, dk1_f, bos, store_end(local(i, base), nhalo, bos, eos), hv, KH, pend, head)
-                            stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
-                            # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
-                            # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
-                            # rows 2l, 2l + 1
-                            T.barrier_wait(vec_ready[s], (i // 2) % 2)
+                                    kg_s[r] = kr_f[r]
+                            else:
+                                for r in T.Parallel(C):
+                                    kg_s[r] = (kg_s[r] + kr_f[r]) * scale * fexp(G_s[r])
+                            for r, d in T.Parallel(C, KH):
+                                t_f[r, d] = t_f[r, d] * (scale * fexp(G_s[r]))
+                            T.gemm(dQK_s, k_s[:, hb * KH:(hb + 1) * KH], t_f)
+                            grad_rows(dq_out, t_f, bos, store_end(i, nhalo, bos, eos), hv, hb * KH, pend)
+                        T.barrier_arrive(empty_in[3])
+                        stamp(trace_out, "key: dq stored", i, tx, 256, hv, n)
+                        # t = vn dSb^T by K halves: dk = diag(D) t, dD = rowsum(k t)
+                        T.barrier_wait(dsb_ready, i % 2)
+                        T.gemm(vn_s, dSb_s[0:KH, :], dk0_f, transpose_B=True, clear_accum=True)
+                        T.gemm(vn_s, dSb_s[KH:K, :], dk1_f, transpose_B=True, clear_accum=True)
+                        T.barrier_arrive(dsb_free)
+                        T.barrier_arrive(empty_in[5])
+                        stamp(trace_out, "key: dSb freed", i, tx, 256, hv, n)
+                        for r, d in T.Parallel(C, KH):
+                            t_f[r, d] = dk0_f[r, d] * T.cast(k_s[r, d], acc)
+                        T.reduce_sum(t_f, kr_f, dim=1)
+                        for r in T.Parallel(C):
+                            dD_s[r] = kr_f[r]
+                        for r, d in T.Parallel(C, KH):
+                            t_f[r, d] = dk1_f[r, d] * T.cast(k_s[r, KH + d], acc)
+                        T.reduce_sum(t_f, kr_f, dim=1)
+                        for r in T.Parallel(C):
+                            dD_s[r] = dD_s[r] + kr_f[r]
+                        # D once per row; dD_s keeps D dD, the only form the dg warp reads
+                        for r in T.Parallel(C):
+                            kr_f[r] = fexp(G_s[C - 1] - G_s[r])
+                        for r in T.Parallel(C):
+                            dD_s[r] = dD_s[r] * kr_f[r]
+                        for r, d in T.Parallel(C, KH):
+                            dk0_f[r, d] = dk0_f[r, d] * kr_f[r]
+                        for r, d in T.Parallel(C, KH):
+                            dk1_f[r, d] = dk1_f[r, d] * kr_f[r]
+                        stamp(trace_out, "key: dD done", i, tx, 256, hv, n)
+                        # dk += dQK^T q
+                        T.gemm(dQK_s, q_s[:, 0:KH], dk0_f, transpose_A=True)
+                        T.gemm(dQK_s, q_s[:, KH:K], dk1_f, transpose_A=True)
+                        T.barrier_arrive(dqk_free)
+                        T.barrier_arrive(empty_in[0])
+                        stamp(trace_out, "key: dQK^T q done", i, tx, 256, hv, n)
+                        # dk += dVg S^T by K halves; gv = rowsum(k (dVg S^T))
+                        T.barrier_wait(dvg_ready, i % 2)
+                        stamp(trace_out, "key: dVg ready", i, tx, 256, hv, n)
+                        for hb in T.unroll(2):
+                            T.gemm(dvn_s, S_s[hb * KH:(hb + 1) * KH, :], t_f, transpose_B=True, clear_accum=True)
+                            if hb == 0:
+                                for r, d in T.Parallel(C, KH):
+                                    dk0_f[r, d] = dk0_f[r, d] + t_f[r, d]
+                            else:
+                                for r, d in T.Parallel(C, KH):
+                                    dk1_f[r, d] = dk1_f[r, d] + t_f[r, d]
+                            for r, d in T.Parallel(C, KH):
+                                t_f[r, d] = t_f[r, d] * T.cast(k_s[r, hb * KH + d], acc)
+                            T.reduce_sum(t_f, kr_f, dim=1)
                             for r in T.Parallel(C):
-                                kg_s[r] = T.if_then_else(bos + r < eos, vz_s[s, r] - cz_s[r] + kg_s[r] - dD_s[r], 0.0) \
-                                    + va_s[s, r]
-                            if tx < 288:
-                                lane = tx - 256
-                                part = T.alloc_var(acc)
-                                part = (sdr_s[s, lane] + sdr_s[s, lane + 32] + sdr_s[s, lane + 64] + sdr_s[s, lane + 96]) \
-                                    + dD_s[lane] + dD_s[lane + 32]
-                                last = T.alloc_var(acc)
-                                last = T.warp_reduce_sum(part)
-                                lo = T.alloc_var(acc)
-                                lo = kg_s[2 * lane]
-                                suf = T.alloc_var(acc)
-                                suf = lo + kg_s[2 * lane + 1]
-                                for sh in T.unroll(5):
-                                    y = T.alloc_var(acc)
-                                    y = T.shfl_down(suf, 1 << sh)
-                                    if lane + (1 << sh) < 32:
-                                        suf = suf + y
-                                if bos + 2 * lane < store_end(local(i, base), nhalo, bos, eos):
-                                    dg_out[bos + 2 * lane, hv] = suf + last
-                                    db_out[bos + 2 * lane, hv] = vb_s[s, 2 * lane]
-                                if bos + 2 * lane + 1 < store_end(local(i, base), nhalo, bos, eos):
-                                    dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
-                                    db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
-                            stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
+                                kg_s[r] = kg_s[r] + kr_f[r]
+                        T.barrier_arrive(dvg_free)
+                        T.barrier_arrive(empty_in[4])
+                        stamp(trace_out, "key: dVg S^T done", i, tx, 256, hv, n)
+                        # dk += Ws k, stored
+                        T.barrier_wait(ws_ready, i % 2)
+                        stamp(trace_out, "key: Ws ready", i, tx, 256, hv, n)
+                        T.gemm(Ws_s, k_s[:, 0:KH], dk0_f)
+                        T.gemm(Ws_s, k_s[:, KH:K], dk1_f)
+                        T.barrier_arrive(ws_free)
+                        # k's (and G's) last read in this role: the next chunk's k may load while dk is stored and
+                        # the dg warp runs (session 15: the step period was the key role's dg end + the k load)
+                        T.barrier_arrive(empty_in[1])
+                        stamp(trace_out, "key: Ws k done", i, tx, 256, hv, n)
+                        grad_rows(dk_out, dk0_f, bos, store_end(i, nhalo, bos, eos), hv, 0, pend)
+                        grad_rows(dk_out, dk1_f, bos, store_end(i, nhalo, bos, eos), hv, KH, pend)
+                        stamp(trace_out, "key: dk stored", i, tx, 256, hv, n)
+                        # dg: the reverse cumsum of dG over the chunk; the last row's extra term e^{G_last} <S, dSb> +
+                        # sum D dD reaches every row of the cumsum, so it is added to each.  One warp: lane l holds
+                        # rows 2l, 2l + 1
+                        T.barrier_wait(vec_ready[s], (i // 2) % 2)
+                        for r in T.Parallel(C):
+                            kg_s[r] = T.if_then_else(bos + r < eos, vz_s[s, r] - cz_s[r] + kg_s[r] - dD_s[r], 0.0) \
+                                + va_s[s, r]
+                        if tx < 288:
+                            lane = tx - 256
+                            part = T.alloc_var(acc)
+                            part = (sdr_s[s, lane] + sdr_s[s, lane + 32] + sdr_s[s, lane + 64] + sdr_s[s, lane + 96]) \
+                                + dD_s[lane] + dD_s[lane + 32]
+                            last = T.alloc_var(acc)
+                            last = T.warp_reduce_sum(part)
+                            lo = T.alloc_var(acc)
+                            lo = kg_s[2 * lane]
+                            suf = T.alloc_var(acc)
+                            suf = lo + kg_s[2 * lane + 1]
+                            for sh in T.unroll(5):
+                                y = T.alloc_var(acc)
+                                y = T.shfl_down(suf, 1 << sh)
+                                if lane + (1 << sh) < 32:
+                                    suf = suf + y
+                            if bos + 2 * lane < store_end(i, nhalo, bos, eos):
+                                dg_out[bos + 2 * lane, hv] = suf + last
+                                db_out[bos + 2 * lane, hv] = vb_s[s, 2 * lane]
+                            if bos + 2 * lane + 1 < store_end(i, nhalo, bos, eos):
+                                dg_out[bos + 2 * lane + 1, hv] = suf - lo + last
+                                db_out[bos + 2 * lane + 1, hv] = vb_s[s, 2 * lane + 1]
+                        stamp(trace_out, "key: dg stored", i, tx, 256, hv, n)
             else:
                 # ---------------- producer: one warp issues every TMA load ----------------
                 T.set_max_nreg(R_PROD, 0)
                 if tx < 416:
-                    for head in heads():
-                        if pair_cta:
-                            hv, nhalo, nchunks, from_dht, base = pair_head(head, hq, first_steps, walk_end, chunk_offsets,
-                                                                           seg_table, n, c0)
-                        else:
-                            base = None
-                        for i in walk_steps(0, nchunks, base):
-                            ci = nchunks - 1 - local(i, base)
-                            bos = bos0 + ci * C
-                            c = c0 + ci
-                            # in the order the previous chunk's last readers release the tiles (vn, q, dO, S, v, X,
-                            # then k with G at the end of the step): every tile but k is in flight or loaded when k
-                            # is released, so a step waits on one load, not on a burst of seven (session 15's trace).
-                            # Written out, not looped: the protocol-model test reads every barrier operation here.
-                            # light_halo: vn, S and v are not read in a halo step, so their phases complete unloaded (a
-                            # Python True without it: the loads as they were)
-                            T.barrier_wait(empty_in[5], (i + 1) % 2)
-                            if (local(i, base) >= nhalo) if light else True:
-                                T.tma_copy(vn[c, hv, :, :], vn_s, barrier=full_in[5])
-                            T.barrier_arrive(full_in[5])
-                            T.barrier_wait(empty_in[0], (i + 1) % 2)
-                            T.tma_copy(q[bos:bos + C, hq, :], q_s, barrier=full_in[0])
-                            T.barrier_arrive(full_in[0])
-                            T.barrier_wait(empty_in[3], (i + 1) % 2)
-                            T.tma_copy(do[bos:bos + C, hv, :], do_s, barrier=full_in[3])
-                            T.barrier_arrive(full_in[3])
-                            T.barrier_wait(empty_in[4], (i + 1) % 2)
-                            if (local(i, base) >= nhalo) if light else True:
-                                T.tma_copy(h[c, hv, :, :], S_s, barrier=full_in[4])
-                            T.barrier_arrive(full_in[4])
-                            stamp(trace_out, "producer: S issued", i, tx, 384, hv, n)
-                            T.barrier_wait(empty_in[2], (i + 1) % 2)
-                            if (local(i, base) >= nhalo) if light else True:
-                                T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=full_in[2])
-                            T.barrier_arrive(full_in[2])
-                            T.barrier_wait(empty_in[6], (i + 1) % 2)
-                            T.tma_copy(X[c, hv, :, :], X_s, barrier=full_in[6])
-                            T.barrier_arrive(full_in[6])
-                            stamp(trace_out, "producer: X issued", i, tx, 384, hv, n)
-                            T.barrier_wait(empty_in[1], (i + 1) % 2)
-                            T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=full_in[1])
-                            T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
-                            T.barrier_arrive(full_in[1])
-                            stamp(trace_out, "producer: k issued", i, tx, 384, hv, n)
+                    for i in T.serial(nchunks):
+                        ci = nchunks - 1 - i
+                        bos = bos0 + ci * C
+                        c = c0 + ci
+                        # in the order the previous chunk's last readers release the tiles (vn, q, dO, S, v, X,
+                        # then k with G at the end of the step): every tile but k is in flight or loaded when k
+                        # is released, so a step waits on one load, not on a burst of seven (session 15's trace).
+                        # Written out, not looped: the protocol-model test reads every barrier operation here.
+                        # light_halo: vn, S and v are not read in a halo step, so their phases complete unloaded (a
+                        # Python True without it: the loads as they were)
+                        T.barrier_wait(empty_in[5], (i + 1) % 2)
+                        if (i >= nhalo) if light else True:
+                            T.tma_copy(vn[c, hv, :, :], vn_s, barrier=full_in[5])
+                        T.barrier_arrive(full_in[5])
+                        T.barrier_wait(empty_in[0], (i + 1) % 2)
+                        T.tma_copy(q[bos:bos + C, hq, :], q_s, barrier=full_in[0])
+                        T.barrier_arrive(full_in[0])
+                        T.barrier_wait(empty_in[3], (i + 1) % 2)
+                        T.tma_copy(do[bos:bos + C, hv, :], do_s, barrier=full_in[3])
+                        T.barrier_arrive(full_in[3])
+                        T.barrier_wait(empty_in[4], (i + 1) % 2)
+                        if (i >= nhalo) if light else True:
+                            T.tma_copy(h[c, hv, :, :], S_s, barrier=full_in[4])
+                        T.barrier_arrive(full_in[4])
+                        stamp(trace_out, "producer: S issued", i, tx, 384, hv, n)
+                        T.barrier_wait(empty_in[2], (i + 1) % 2)
+                        if (i >= nhalo) if light else True:
+                            T.tma_copy(v[bos:bos + C, hv, :], v_s, barrier=full_in[2])
+                        T.barrier_arrive(full_in[2])
+                        T.barrier_wait(empty_in[6], (i + 1) % 2)
+                        T.tma_copy(X[c, hv, :, :], X_s, barrier=full_in[6])
+                        T.barrier_arrive(full_in[6])
+                        stamp(trace_out, "producer: X issued", i, tx, 384, hv, n)
+                        T.barrier_wait(empty_in[1], (i + 1) % 2)
+                        T.tma_copy(k[bos:bos + C, hq, :], k_s, barrier=full_in[1])
+                        T.tma_copy(G[c, hv, :], G_s, barrier=full_in[1])
+                        T.barrier_arrive(full_in[1])
+                        stamp(trace_out, "producer: k issued", i, tx, 384, hv, n)
                 if pair_zero:
                     if T.And(tx >= 416, tx < 448):
                         # ---------------- zero: the pair's dq / dk rows, zeroed ahead (pair_zero)

@@ -222,7 +222,7 @@ def build_bwd_wy_v2(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, t
                     kd_s[r] = red_f[r] * nk_s[r] * nk_s[r]
                 for r, d in T.Parallel(C, K):
                     dBw_f[r, d] = nk_s[r] * (dBw_f[r, d] - kd_s[r] * T.cast(k_s[r, d], acc))
-            grad_rows(dk_out, dBw_f, bos, eos, hv, 0, pend, 0)
+            grad_rows(dk_out, dBw_f, bos, eos, hv, 0, pend)
 
             # dbeta, dg
             for r in T.Parallel(C):

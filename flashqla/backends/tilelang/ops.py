@@ -552,14 +552,12 @@ def halo_step_mode() -> str:
     return env_choice("FLASHQLA_TILELANG_HALO_STEP", ("whole", "light"), "whole")
 
 
-def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva_pair=False, pair_zero=False,
-                     pair_cta=False):
+def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva_pair=False, pair_zero=False):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
     light = bool(halo) and BWD_TRACE_BUFFER is None and halo_step_mode() == "light"
-    # (trace, nregs, hw_ex2, halo, gva_pair, pair_zero, light_halo, pair_cta)
+    # (trace, nregs, hw_ex2, halo, gva_pair, pair_zero, light_halo)
     key = _key(key, (BWD_TRACE_BUFFER is not None, False), (whole_nregs(), None), (hw_ex2("bwd_whole"), False),
-               (bool(halo), False), (bool(gva_pair), False), (bool(pair_zero), False), (light, False),
-               (bool(pair_cta), False))
+               (bool(halo), False), (bool(gva_pair), False), (bool(pair_zero), False), (light, False))
     return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
 
 
@@ -586,39 +584,10 @@ def pair_rows_mode() -> str:
     """How the whole-V backward's GVA pair-sum rows of dq / dk start (``FLASHQLA_TILELANG_GVA_ZERO``): ``host``
     (default: the host's memset before the launch, 0.083 ms of 2.8 at 16/32 one 32k sequence, H100 session 29 run
     3), ``kernel`` (``build_bwd_whole(pair_zero=True)``: one CTA of each pair zeroes a step's rows two steps ahead
-    and sets a flag, the other waits on it; measured slower in session 30), ``cta`` (``build_bwd_whole(pair_cta=True)``,
-    session 35, until measured: where the whole-V backward's walk runs in segments, one CTA per (segment, GVA pair)
-    walks both heads of the pair one after the other, storing the first head's rows and adding the second's: no
-    zeroing, at about twice the segments of half the length (:func:`_pair_cta_plan`); an unsplit walk keeps the
-    memset).  A
-    ``store`` form (no zeroing: the pair's first CTA stored, the other added after a flag per chunk) was removed in
-    session 33: on an H100 its gradients were wrong and its kernel 0.35 ms slower."""
-    return env_choice("FLASHQLA_TILELANG_GVA_ZERO", ("host", "kernel", "cta"), "host")
-
-
-# the host's memset of a GVA pair-sum output pair (dq and dk [NT, Hqk, K]), as bytes per microsecond: 268 MB in 83
-# us on the H100 (session 29 run 3; 56 us on the H200): what one CTA per GVA pair saves (bwd_plan)
-PAIR_MEMSET_BYTES_PER_US = 3.2e6
-
-
-def _pair_cta_plan(lengths, Hv: int, ratio: int, V: int, sms: int):
-    """``(plan, memset_us)``: the whole-V backward's split walk with one CTA per (segment, GVA pair) walking both
-    heads (:func:`pair_rows_mode` ``cta``: the segment model at ``Hv / 2`` CTAs per segment and twice the step), and
-    the memset it saves; ``(None, 0)`` where the mode is not ``cta``, dq / dk are not summed in the kernel, or the
-    pair walk does not split (:func:`bwd_plan` takes it where the walk with a CTA per value head splits too).  (A switch for now, not a choice of the model's: at 16/32 one 32k sequence on 132
-    SMs it models 1817 us against 1764 + 84 us of memset for a CTA per value head, a margin within the model's
-    error, and the halo steps it doubles are modelled whole.)"""
-    if pair_rows_mode() != "cta" or not gva_in_kernel(ratio)[0]:
-        return None, 0.0
-    plan = segments.segment_plan(lengths, Hv // 2, V, sms, V, backward=True, steps={V: 2 * WHOLE_STEP_US},
-                                 bvs=(V,))
-    if plan is None:
-        return None, 0.0
-    memset_us = 2 * sum(int(n) for n in lengths) * (Hv // 2) * 128 * 2 / PAIR_MEMSET_BYTES_PER_US
-    plan = dataclasses.replace(plan, pair_cta=True, reason=(
-        f"{plan.reason}; one CTA per (segment, GVA pair) walks both heads of the pair (FLASHQLA_TILELANG_GVA_ZERO="
-        f"cta: no zeroed dq / dk, {memset_us:.0f} us of memset saved)"))
-    return plan, memset_us
+    and sets a flag, the other waits on it; measured slower in session 30).  A ``store`` form (no zeroing: the
+    pair's first CTA stored, the other added after a flag per chunk) was removed in session 33: on an H100 its
+    gradients were wrong and its kernel 0.35 ms slower."""
+    return env_choice("FLASHQLA_TILELANG_GVA_ZERO", ("host", "kernel"), "host")
 
 
 def _grad_rows_buffer(pair: bool, NT: int, Hqk: int, Hv: int, D: int, dtype, device,
@@ -643,12 +612,11 @@ def bwd_whole_ok(K: int, V: int, l2norm: bool) -> bool:
 
 
 def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0, has_dht, has_h0,
-                    split=None, pair_cta=False):
+                    split=None):
     """The whole-V fused backward's launch and the GVA sums of its per-value-head dq / dk (in the kernel, for GVA
     pairs under :func:`gva_in_kernel`).  Returns (dq, dk, dv, dg, dbeta) flattened, as ``backward``'s split path
     has them before its reshape.  ``split``: ``(tables, walk ends)`` of its walk in segments with a halo
-    (``FwdResult.bwd_split``), or None; ``pair_cta``: that walk's plan has one CTA per (segment, GVA pair)
-    (:func:`_pair_cta_plan`)."""
+    (``FwdResult.bwd_split``), or None."""
     B, T, Hqk, Hv, K, V = shape
     NT = B * T
     dev, dt = q.device, q.dtype
@@ -657,8 +625,6 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     pair = gva_in_kernel(ratio)[0]
     # (the trace stamps and the pair's words share the kernel's one int64 parameter)
     mode = pair_rows_mode() if pair and BWD_TRACE_BUFFER is None else "host"
-    if mode == "cta" and not pair_cta:
-        mode = "host"       # (the plan has a CTA per value head: its walk does not split, or the memset is cheaper)
     pair_zero = mode == "kernel"
     dq_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev, zeroed=mode == "host")
     dk_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev, zeroed=mode == "host")
@@ -668,20 +634,18 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     if dev.type == "meta":
         # (precompile's key enumeration: also the walk over segments)
         bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True, pair, pair_zero)
-        if pair and pair_rows_mode() == "cta":
-            bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True, pair, False, True)
     if split is not None:
         tables, ends = split
         walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
     else:
         walk_cu, walk_co = meta.cu_seqlens, meta.chunk_offsets
         halo_args = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
-    if mode == "kernel":
+    if mode != "host":
         # a ticket per (grid sequence or segment, query/key head), then a flag per (chunk, query/key head)
         words = torch.zeros((walk_cu.numel() - 1) * Hqk + G.shape[0] * Hqk, 1, dtype=torch.int64, device=dev)
     else:
         words = _trace_arg(dev, bwd=True)
-    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None, pair, pair_zero, mode == "cta")(
+    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None, pair, pair_zero)(
         q, k, v, beta, dof, G, X, hs, vn, walk_cu, walk_co, dhtf,
         dq_h, dk_h, dv, dg, db, dh0, words, float(scale), ratio, *halo_args)
     dq = _grad_rows_total(dq_h, pair, ratio, dt)
@@ -756,7 +720,7 @@ def seq_lengths(varlen, B: int, T: int) -> list:
 
 
 def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bool = False,
-             fwd_split: Optional[bool] = None, ratio: int = 1) -> tuple:
+             fwd_split: Optional[bool] = None) -> tuple:
     """``(variant, plan, why)``: the backward this call runs (:func:`bwd_choice`'s ``whole`` / ``ws`` / ``serial``)
     and the split of its gradient walk into segments with a halo (:mod:`.segments`), or None.
 
@@ -765,9 +729,7 @@ def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bo
     walk (``bwd_whole`` with a halo, ``WHOLE_STEP_US`` per step, one CTA per (segment, head)); the least modelled
     time wins (``FLASHQLA_TILELANG_BWD`` set: that backward, split where it pays).  Without a split this is
     :func:`bwd_choice`.  A V-block forced by ``FLASHQLA_TILELANG_BV`` replaces the split backward's.  ``fwd_split``:
-    whether the forward walks segments, where the caller already planned it (else planned here).  ``ratio``: the
-    GVA ratio (Hv / Hqk), for the whole-V walk with one CTA per GVA pair (:func:`_pair_cta_plan`, whose plan has
-    ``pair_cta`` set)."""
+    whether the forward walks segments, where the caller already planned it (else planned here)."""
     meta = ChunkMeta.of_lengths(lengths)
     # (the fused training forward, whose saving the whole-V backward is credited with, skips split forwards unless
     # FLASHQLA_TILELANG_TRAIN_FUSED=all)
@@ -794,12 +756,7 @@ def bwd_plan(lengths, Hv: int, K: int, V: int, l2norm: bool, device, explain: bo
         plan = segments.segment_plan(lengths, Hv, V, sms, V, backward=True, steps={V: WHOLE_STEP_US}, bvs=(V,))
         # (t_whole is already net of the fused training forward's saving; the split plan's estimate is not)
         credit = _train_fused_credit(meta.num_chunks, Hv, device, fwd_split)
-        t = plan.est_us - credit if plan else t_whole
-        pair_plan, memset_us = _pair_cta_plan(lengths, Hv, ratio, V, sms)
-        if pair_plan is not None and plan is not None:
-            # (net of the memset, which the other plans' models leave out)
-            t, plan = pair_plan.est_us - credit - memset_us, pair_plan
-        cands.append((t, "whole", plan))
+        cands.append((plan.est_us - credit if plan else t_whole, "whole", plan))
     t, variant, plan = min(cands, key=lambda c: c[0])
     if plan is not None and explain:
         name = "whole-V fused backward" if variant == "whole" else "split backward"
@@ -925,7 +882,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     if dev.type != "meta" and (train_fused_here or split_bwd_here):
         if lengths is None:
             lengths = seq_lengths(varlen, B, T)
-        bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev, fwd_split=split is not None, ratio=ratio)
+        bvariant, bplan, _ = bwd_plan(lengths, Hv, K, V, l2norm, dev, fwd_split=split is not None)
     bwd_fixed = "whole" if train_fused_here and bvariant == "whole" else None
     fused = variant == "fused" and (not save or bwd_fixed == "whole")
     # the halo searches of the walks split into segments (the forward's, and the backward's, which needs g), ahead
@@ -1028,7 +985,7 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                 fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo)(
                     qf, kf, Tb, vf, *fwd_args[4:], _trace_arg(dev), scores, *no_halo)
 
-    bwd_split = None if bwd_halo is None else (bvariant, bplan.bv, *bwd_halo, bplan.pair_cta)
+    bwd_split = None if bwd_halo is None else (bvariant, bplan.bv, *bwd_halo)
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
                      X if save else None, hs if save else None, vn if save else None, meta,
                      qf, kf, vf, bf, bwd_split, bwd_fixed)
@@ -1064,9 +1021,9 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     else:
         variant = bwd_choice(meta, Hv, K, V, l2norm, dev)[0]
     if variant == "whole":
-        split = bwd_split[2:4] if bwd_split is not None and dev.type != "meta" else None
+        split = bwd_split[2:] if bwd_split is not None and dev.type != "meta" else None
         dq, dk, dv, dg, db = _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, dh0,
-                                             has_dht, has_h0, split, split is not None and bwd_split[4])
+                                             has_dht, has_h0, split)
         return _grads_shaped(dq, dk, dv, dg, db, dh0 if has_h0 else None, shape)
     dh = torch.empty(NC, Hv, K, V, dtype=dt, device=dev)
     dvn = torch.empty(NC, Hv, CHUNK, V, dtype=dt, device=dev)
@@ -1074,7 +1031,7 @@ def backward(q, k, v, beta, w, G, X, hs, vn, meta: ChunkMeta, shape, scale: floa
     # split backward's ws kernel runs
     halo = bwd_split is not None and variant == "ws" and dev.type != "meta"
     if halo:
-        _, bv, tables, ends, _ = bwd_split
+        _, bv, tables, ends = bwd_split
         walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
     else:
         bv = min(fwd_ws_bv(meta.busy_seqs or NS, Hv, V, dev), BWD_WS_BVS[-1])

@@ -111,7 +111,6 @@ class SegmentPlan:
     est_us: float                   # modelled recurrence time, split
     est_plain_us: float             # and as it is
     reason: str
-    pair_cta: bool = False          # the whole-V backward's walk with one CTA per (segment, GVA pair) (ops)
 
     def describe(self) -> str:
         return self.reason
