@@ -508,7 +508,7 @@ case "$STEP" in
     TAIL=30 run_step "astore graph A/B fwdbwd" ${AS_SWEEP_S:-200} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_astore_graph_fwdbwd.json \
         --rows ${AS_ROWS:-16/32:1x32768,16/32:2x16384} \
-        "--variants=FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage;FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage,astore" 
+        "--variants=FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage;FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage,astore"
     TAIL=40 run_step "astore GPU tests, BV 128" ${AS_TEST_S:-200} $PYT -x \
         tests/test_backend_tilelang.py -k "${AS_K:-async_store and 128}" ;;
   h0split)

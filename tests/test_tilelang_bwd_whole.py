@@ -205,8 +205,6 @@ def gpu_backward_deterministic(variant: str, monkeypatch, runs: int = 20) -> Non
             assert torch.equal(a, b)
 
 
-
-
 def gpu_switch_bitwise(case, dtype, monkeypatch, switch: str, base: str, other: str, runs: int = 20) -> None:
     """Forward + backward of ``case`` under ``switch=base`` and ``switch=other``, each on memory the caching
     allocator has just held NaN in (so a row no CTA wrote would show): every gradient of ``other`` finite and

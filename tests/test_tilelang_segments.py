@@ -676,7 +676,7 @@ def test_explain_notes(monkeypatch):
     monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "off")
     assert "gradient walk" not in _tilelang_backward_note(q, spec, None)
     # a training call's note says which form its forward takes (FLASHQLA_TILELANG_TRAIN_FUSED, ahead of whole-V)
-    train = SimpleNamespace(Hv=32, Hqk=16, K=128, V=128, use_qk_l2norm=False, needs_grad=True)
+    train = SimpleNamespace(Hv=32, K=128, V=128, use_qk_l2norm=False, needs_grad=True)
     q4 = torch.empty(4, 8192, 8, 128)
     monkeypatch.delenv("FLASHQLA_TILELANG_FWD", raising=False)
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD", raising=False)
@@ -685,11 +685,11 @@ def test_explain_notes(monkeypatch):
     # (one long sequence at few heads: the walk is split; under TRAIN_FUSED=1 the training forward stays unfused)
     monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
     assert "training forward: unfused (its walk runs in segments" in _tilelang_forward_note(
-        q, SimpleNamespace(Hv=8, Hqk=4, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
+        q, SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
     monkeypatch.delenv("FLASHQLA_TILELANG_TRAIN_FUSED")      # (all, the default: split forwards fused as well)
     monkeypatch.delenv("FLASHQLA_TILELANG_BWD_SEGMENTS")            # (the whole-V backward over segments)
     assert "training forward: fused (Tb and X" in _tilelang_forward_note(
-        q, SimpleNamespace(Hv=8, Hqk=4, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
+        q, SimpleNamespace(Hv=8, K=128, V=128, use_qk_l2norm=False, needs_grad=True), None)
     monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "0")
     assert "training forward: unfused (w, u and X" in _tilelang_forward_note(q4, train, None)
     monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "1")
