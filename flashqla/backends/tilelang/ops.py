@@ -290,8 +290,10 @@ _WS_OPTS = ("fastexp", "psplit", "tchain", "ostage", "pscores", "astore")
 # results/h200_2026-12-03_s7run2_sweep_fused.json): faster on all six rows, e.g. 16/32 4x8192 0.756 -> 0.670 ms,
 # 16/64 4x8192 1.522 -> 1.344, 2/8 1x32768 0.866 -> 0.813.
 _WS_OPTS_DEFAULT = "fastexp,psplit,ostage"
-# astore (session 24, off until measured; build_fwd_ws's async_store): the o stores and the chain's state / v_new
-# saves wait for their shared-memory reads a chunk later instead of at once
+# astore (session 24, off; build_fwd_ws's async_store): the o stores and the chain's state / v_new saves wait for
+# their shared-memory reads a chunk later instead of at once.  Session 36 (H100, fwd+bwd graphs at 16/32 1x32768 and
+# 2x16384): bitwise the waiting stores' and no faster (training walk 0.662 against 0.657 ms), so the walk's extra
+# time over the inference walk is the saves' HBM traffic, not their shared-memory reads
 
 
 def fwd_ws_options() -> tuple:
