@@ -77,7 +77,6 @@
 #                                                 pztests: the tests alone (PZ_K)
 #   bash benchmarks/next_device_run.sh halolight  FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo steps run
 #                                                 only the chain's dS: the fwd+bwd graph A/B (HL_ROWS), then its GPU tests (hltests alone)
-#   bash benchmarks/next_device_run.sh astoreab   the astore WS option as a fwd+bwd graph A/B (AS_ROWS), then its BV-128 GPU tests (AS_K)
 #   bash benchmarks/next_device_run.sh trainbv    the fused training forward's V-block forced to 64 / 32 against its plan, fwd+bwd
 #                                                 kernel times on #8's rows (session 25)
 #   bash benchmarks/next_device_run.sh intracompact   FLASHQLA_TILELANG_INTRA_COMPACT=1: stage 1 at five CTAs per SM
@@ -93,8 +92,8 @@
 #                                                 segments of 8 / 4 chunks against its plan (session 24)
 #   bash benchmarks/next_device_run.sh fewwaves   FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): forward A/B on the rows whose
 #                                                 walks fill the SMs in two uneven waves (16/48 4x8192, 8/24 4x8192)
-#   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off): the forward's TMA stores wait for their
-#                                                 shared reads a chunk later: GPU tests, fwd and fwd+bwd A/B (#8)
+#   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off; measured no faster in session 36): the fwd+bwd
+#                                                 graph A/B (AS_ROWS), then its GPU tests (AS_K)
 #   bash benchmarks/next_device_run.sh h0split    the split walks' start state as a select (session 24): the segment GPU
 #                                                 tests, then the forward with / without h0 (bench --initial-state)
 #   bash benchmarks/next_device_run.sh cutlassshared  carry [".gpu_cute"]: the shared suite and the GPU suite on cutlass (#5)
@@ -487,30 +486,15 @@ case "$STEP" in
     done ;;
   astore)
     # WS option astore (session 24, off): the o stores and the chain's state / v_new saves wait for their shared
-    # reads a chunk later.  Its GPU tests (bitwise the waiting stores, and the oracle), then the wall-clock A/B in
-    # CUDA graphs, both arms with the options named (so pscores is off in both)
-    TAIL=8 run_step "astore GPU tests" ${AS_TEST_S:-240} $PYT tests/test_backend_tilelang.py -k async_store
-    case $RUN_RC in 0) ;; *) echo "== astore: tests did not pass; the A/B skipped"; continue ;; esac
-    for A in 0 1; do
-      OPTS=fastexp,psplit,ostage; [ $A = 1 ] && OPTS=$OPTS,astore
-      TAIL=14 run_step "astore $A, forward rows" ${AS_FWD_S:-60} env FLASHQLA_TILELANG_WS_OPTS=$OPTS python -m flashqla \
-          bench --preset flashqla-fwd --no-progress --backends tilelang --baselines none ${BENCH_ARGS:-} \
-          --filter "${AS_FWD_FILTER:-1x32768|4x8192}" --out $OUT/astore_fwd_$A
-      TAIL=8 run_step "astore $A, fwd+bwd rows" ${AS_BWD_S:-60} env FLASHQLA_TILELANG_WS_OPTS=$OPTS python -m flashqla \
-          bench --preset flashqla-bwd --no-progress --backends tilelang --baselines none ${BENCH_ARGS:-} \
-          --filter "${AS_BWD_FILTER:-32k in 1 }" --out $OUT/astore_bwd_$A
-    done ;;
-  astoreab)
-    # astore (session 24, off) as a fwd+bwd CUDA-graph A/B first (session 35): at 16/32 1x32768 the training walk
-    # takes 0.654 ms against the inference walk's 0.407 (H100), its state / v_new saves on the roles' cycles; the
-    # sweep's diff column compares the astore arm's outputs and gradients with the waiting stores'.  Then the BV-128
-    # GPU test cases that failed / hung in session 25, with their tracebacks (AS_K selects)
+    # reads a chunk later.  The fwd+bwd CUDA-graph A/B (the sweep's diff column compares the astore arm's outputs and
+    # gradients with the waiting stores'), then its GPU tests (AS_K selects; "async_store and 128" for the BV-128
+    # cases that failed in session 25).  Session 36 (H100): bitwise and no faster (training walk 0.662 against 0.657
+    # ms at 16/32 1x32768), the BV-128 cases passed
     TAIL=30 run_step "astore graph A/B fwdbwd" ${AS_SWEEP_S:-200} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_astore_graph_fwdbwd.json \
         --rows ${AS_ROWS:-16/32:1x32768,16/32:2x16384} \
         "--variants=FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage;FLASHQLA_TILELANG_WS_OPTS=fastexp,psplit,ostage,astore"
-    TAIL=40 run_step "astore GPU tests, BV 128" ${AS_TEST_S:-200} $PYT -x \
-        tests/test_backend_tilelang.py -k "${AS_K:-async_store and 128}" ;;
+    TAIL=40 run_step "astore GPU tests" ${AS_TEST_S:-240} $PYT -x tests/test_backend_tilelang.py -k "${AS_K:-async_store}" ;;
   h0split)
     # session 24: the split walks' start state is a select (an if / else serialised the BV-128 forward's wgmma).  The
     # segment GPU tests (their cases carry h0), then FlashQLA's 1x32768 forward rows without and with an initial
@@ -799,7 +783,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | astoreab | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
