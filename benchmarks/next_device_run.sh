@@ -92,6 +92,7 @@
 #                                                 segments of 8 / 4 chunks against its plan (session 24)
 #   bash benchmarks/next_device_run.sh fewwaves   FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): forward A/B on the rows whose
 #                                                 walks fill the SMs in two uneven waves (16/48 4x8192, 8/24 4x8192)
+#   bash benchmarks/next_device_run.sh dsmem      cycles per 4 KB DSMEM hand-off between a cluster's two CTAs (#8 lever 3)
 #   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off; measured no faster in session 36): the fwd+bwd
 #                                                 graph A/B (AS_ROWS), then its GPU tests (AS_K)
 #   bash benchmarks/next_device_run.sh h0split    the split walks' start state as a select (session 24): the segment GPU
@@ -484,6 +485,14 @@ case "$STEP" in
           python -m flashqla bench --preset flashqla-fwd --no-progress --backends tilelang --baselines none \
           --filter "${TLS_FILTER:-1x2048}" ${BENCH_ARGS:-} --out $OUT/tlshort_$S
     done ;;
+  dsmem)
+    # the DSMEM hand-off between the two CTAs of a cluster (benchmarks/dsmem_handoff.py, session 36): cycles per 4 KB
+    # hand-off with nothing hiding it, 1 pair and 64 pairs at once, before #8's lever 3 (the GVA pair sums through
+    # DSMEM instead of a memset and reductions) is written; ~0.63 us a step is what the memset costs
+    for P in 1 64; do
+      TAIL=6 run_step "DSMEM hand-off, $P pairs" ${DSM_S:-60} python benchmarks/dsmem_handoff.py --pairs $P \
+          --iters ${DSM_ITERS:-4000} --json $OUT/dsmem_handoff_$P.json
+    done ;;
   astore)
     # WS option astore (session 24, off): the o stores and the chain's state / v_new saves wait for their shared
     # reads a chunk later.  The fwd+bwd CUDA-graph A/B (the sweep's diff column compares the astore arm's outputs and
@@ -783,7 +792,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | dsmem | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
