@@ -9,7 +9,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 from test_backend_tilelang import needs_sm90
 
@@ -42,4 +41,3 @@ def test_gpu_handoff_tiles_arrive_whole(tmp_path):
     assert dsmem_handoff.main(["--pairs", "8", "--iters", "200", "--json", str(out)]) == 0
     res = json.loads(out.read_text())
     assert res["ok"] and all(r["cycles_per_handoff_median"] > 0 for r in res["rows"])
-    assert torch.cuda.is_available()
