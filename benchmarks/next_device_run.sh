@@ -92,6 +92,8 @@
 #                                                 segments of 8 / 4 chunks against its plan (session 24)
 #   bash benchmarks/next_device_run.sh fewwaves   FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): forward A/B on the rows whose
 #                                                 walks fill the SMs in two uneven waves (16/48 4x8192, 8/24 4x8192)
+#   bash benchmarks/next_device_run.sh pcluster   FLASHQLA_TILELANG_GVA_ZERO=cluster (session 37): fwd+bwd graph A/B host / cluster /
+#                                                 kernel (PC_ROWS, PC_VARIANTS), then their GPU tests (PC_K)
 #   bash benchmarks/next_device_run.sh dsmem      cycles per 4 KB DSMEM hand-off between a cluster's two CTAs (#8 lever 3)
 #   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off; measured no faster in session 36): the fwd+bwd
 #                                                 graph A/B (AS_ROWS), then its GPU tests (AS_K)
@@ -590,6 +592,17 @@ case "$STEP" in
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_zero_graph_fwdbwd.json \
         --rows ${PZ_ROWS:-16/32:1x32768,8/16:1x32768,16/32:4x8192,8/32:1x32768,16/32:2x16384} \
         "--variants=${PZ_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=kernel}" ;;
+  pcluster)
+    # FLASHQLA_TILELANG_GVA_ZERO=cluster (session 37): the GVA pair's zeroing ahead with the pair as a 2-CTA cluster
+    # (a shared-memory count instead of global flags, no acquire), against the memset (host) and session 30's
+    # global-flag form (kernel, never measured in its relaxed-poll form): the fwd+bwd graph A/B first, then the GPU
+    # tests of both in-kernel forms (PC_K)
+    TAIL=40 run_step "pair cluster graph A/B fwdbwd" ${PC_SWEEP_S:-240} python benchmarks/sweep_variants.py \
+        --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_cluster_graph_fwdbwd.json \
+        --rows ${PC_ROWS:-16/32:1x32768,16/32:2x16384,8/16:1x32768} \
+        "--variants=${PC_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=cluster;FLASHQLA_TILELANG_GVA_ZERO=kernel}"
+    TAIL=30 run_step "pair zero / cluster GPU tests" ${PC_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py \
+        -k "${PC_K:-pair_zero and bfloat16}" ;;
   halolight)
     # FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo chunks run only the chain's dS
     # (chain and part of the value role; the key role waits), ~4 halo chunks a segment at 16/32 1x32768.  The
@@ -792,7 +805,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | dsmem | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | dsmem | pcluster | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results
