@@ -931,3 +931,94 @@ def test_gpu_whole_light_halo(dtype, monkeypatch):
             res = _oracle_run(case, True, "2", monkeypatch, "whole")
             print(case.name, {k: f"{v:.2e}" for k, v in res.errors.items()})
             assert res.ok, f"{case.name}: {res.failures} (all {res.errors})"
+
+
+# ---- FLASHQLA_TILELANG_TRAIN_XBETA: the fused training forward on X and beta (session 37) -------------------------
+
+def test_train_xbeta_switch_and_keys(monkeypatch):
+    """``FLASHQLA_TILELANG_TRAIN_XBETA``: ``0`` (default until measured) or ``1``, anything else a ValueError naming
+    the variable; its flag goes last in stage 1's and the walk's keys, only where it changes the code (the training
+    Tb form with X; the fused walk with its saves), so every other key, and the carried caches, stay as they were."""
+    from flashqla.backends.tilelang import ops
+
+    monkeypatch.delenv("FLASHQLA_TILELANG_TRAIN_XBETA", raising=False)
+    assert ops.train_xbeta() is False
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_XBETA", "1")
+    assert ops.train_xbeta() is True
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_XBETA", "yes")
+    with pytest.raises(ValueError, match="FLASHQLA_TILELANG_TRAIN_XBETA"):
+        ops.train_xbeta()
+    monkeypatch.setattr(ops, "get_kernel", lambda name, builder, key: key)
+    bf = torch.bfloat16
+    base = ops.intra_tb_kernel(bf, bf, 128, False, save_x=True, uniform=True, persist=True)
+    assert ops.intra_tb_kernel(bf, bf, 128, False, save_x=True, uniform=True, persist=True, x_beta=True) == \
+        base + (True,)
+    # (no X, no beta form: the inference Tb form's key is unchanged)
+    assert ops.intra_tb_kernel(bf, bf, 128, False, uniform=True, persist=True, x_beta=True) == \
+        ops.intra_tb_kernel(bf, bf, 128, False, uniform=True, persist=True)
+    walk = ops.fwd_ws_kernel(bf, 128, 128, False, False, False, True, 128, True, False, True)
+    assert ops.fwd_ws_kernel(bf, 128, 128, False, False, False, True, 128, True, False, True, True)[:len(walk)] == walk
+    assert ops.fwd_ws_kernel(bf, 128, 128, False, False, False, True, 128, True, False, True, True)[-1] is True
+    # (the inference walk, no saves: unchanged)
+    inf = ops.fwd_ws_kernel(bf, 128, 128, False, False, False, False, 128, True, False, True)
+    assert ops.fwd_ws_kernel(bf, 128, 128, False, False, False, False, 128, True, False, True, True) == inf
+
+
+@pytest.mark.compile
+@pytest.mark.parametrize("halo", [False, True], ids=["walk", "segments"])
+def test_train_xbeta_lowers(halo):
+    # the x_beta builds as the backend makes them: stage 1's persistent training form writes beta (a [NC, Hv, 64]
+    # fp32 row per chunk) where it wrote Tb, and X; the fused training walk (BV 128, saves) loads beta's tile on the
+    # slot's barrier and stays pipelined, without local memory
+    if not HAVE_TILELANG:
+        pytest.skip("tilelang is not importable here")
+    import tilelang
+
+    from flashqla.backends.tilelang._compile import TARGET
+    from flashqla.backends.tilelang.chunk_fwd_ws_sm90 import build_fwd_ws
+    from flashqla.backends.tilelang.chunk_intra_sm90 import build_intra
+    from test_backend_tilelang import assert_wgmma_pipelined, resource_usage
+
+    if not halo:
+        intra = tilelang.compile(build_intra("bfloat16", "bfloat16", 128, 128, False, True, tb_only=True, hw_ex2=True,
+                                             inv_mma=True, uniform=True, persist=True, x_beta=True),
+                                 out_idx=None, target=TARGET)
+        src = intra.get_kernel_source()
+        body = src[src.index("__global__"):]
+        # (beta in Tb's place: an fp32 output; both written in the body)
+        assert "float* __restrict__ Tb_out" in body
+        assert body.count("Tb_out") >= 2 and body.count("X_out") >= 2
+        with pytest.raises(AssertionError, match="x_beta"):
+            build_intra("bfloat16", "bfloat16", 128, 128, False, False, tb_only=True, x_beta=True)
+    walk = tilelang.compile(build_fwd_ws("bfloat16", 128, 128, 128, False, False, False, True, fast_exp=True,
+                                         psplit=True, fused=True, ostage=True, hw_ex2=True, halo=halo, x_beta=True),
+                            out_idx=None, target=TARGET)
+    assert_wgmma_pipelined(walk, f"fwd_ws x_beta halo={halo}")
+    usage = resource_usage(walk)
+    if "LOCAL:" in usage:
+        assert "LOCAL:0 " in usage, usage
+    src = walk.get_kernel_source()
+    assert "scores_in" in src[src.index("__global__"):]
+    with pytest.raises(AssertionError, match="x_beta"):
+        build_fwd_ws("bfloat16", 128, 128, 128, False, False, False, False, fused=True, x_beta=True)
+
+
+@pytest.mark.gpu
+@needs_sm90
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_gpu_train_xbeta_matches_oracle(dtype, monkeypatch):
+    # FLASHQLA_TILELANG_TRAIN_XBETA=1: the fused training forward on X and beta, then the whole-V backward; the
+    # shared backward cases against the oracle, unsplit and with every walk forced into 2-chunk segments (halos),
+    # and the kernels it built (the x_beta flag last in both keys)
+    from flashqla.backends.tilelang import _compile
+
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_XBETA", "1")
+    monkeypatch.setenv("FLASHQLA_TILELANG_TRAIN_FUSED", "all")
+    monkeypatch.setenv("FLASHQLA_TILELANG_FWD", "fused")
+    gpu_backward_matches_oracle("whole", "bwd_whole_sm90", dtype, monkeypatch)
+    monkeypatch.setenv("FLASHQLA_TILELANG_SEGMENTS", "2")
+    monkeypatch.setenv("FLASHQLA_TILELANG_BWD_SEGMENTS", "2")
+    gpu_backward_matches_oracle("whole", "bwd_whole_sm90", dtype, monkeypatch)
+    built = list(_compile.cached_kernels())
+    assert any(n == "fwd_intra_tbx_sm90" and len(k) > 15 and k[15] for n, k in built), "no x_beta stage 1 ran"
+    assert any(n == "fwd_recurrent_ws_sm90" and len(k) > 20 and k[20] for n, k in built), "no x_beta walk ran"

@@ -81,7 +81,8 @@ def ws_layout(BV: int) -> tuple:
 def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool, store_ht: bool,
                  save_states: bool, ring: int = 0, nbuf: int = 0, fast_exp: bool = False, psplit: bool = False,
                  tchain: bool = False, trace: bool = False, fused: bool = False, ostage: bool = False,
-                 pscores: bool = False, hw_ex2: bool = False, halo: bool = False, async_store: bool = False):
+                 pscores: bool = False, hw_ex2: bool = False, halo: bool = False, async_store: bool = False,
+                 x_beta: bool = False):
     """Options (both on by default in ``ops.fwd_ws_options``, measured on the H200): ``fast_exp`` takes every decay factor as
     ``exp2(x * log2 e)`` (the hardware ex2, ~2 ulp) instead of the accurate ``expf``; ``psplit`` adds a
     fourth warpgroup (512 threads) that builds the row factors and the masked, decayed scores P into two
@@ -145,7 +146,18 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
     tile, a chunk later, and once after its loop.  ``T.copy`` waits right after the store, which puts the store's
     shared-memory read on the role's cycle: the output warpgroup's, whose ``q Sb`` of the next chunk releases Sb to
     the chain, and the chain's own.  The v_new saves of the fused walk over segments (stored by the output
-    warpgroup, whose ``vnew_free`` arrival must follow the read) keep the waiting copy."""
+    warpgroup, whose ``vnew_free`` arrival must follow the read) keep the waiting copy.
+
+    ``x_beta`` (with ``fused`` and ``save_states``, no ``pscores``; ``FLASHQLA_TILELANG_TRAIN_XBETA=1``, session 37,
+    off until measured): the fused training walk takes X itself in ``w`` and beta chunk-major ``[NC, Hv, 64]`` fp32
+    in ``scores_in`` (``build_intra(x_beta=True)``), and folds beta into Y's row factors::
+
+        Y     = diag(beta) (v - exp(G) nk (k Sb))    rows past the sequence end 0
+        v_new = X bf16(Y)
+
+    the same product as ``Tb bf16(Y)`` with beta rounded into the 16-bit Y instead of into Tb.  Stage 1 then
+    writes X only (the whole-V backward reads it), 8 KB less per chunk and head, and the walk reads 256 bytes more
+    (beta's tile, on the slot's ``ready`` barrier)."""
     import tilelang.language as T
 
     from ._common import EX2_APPROX_SRC, ex2_approx, make_l2_row_factors_ring, make_start_state, symbolic_sizes
@@ -167,6 +179,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         H0N, HTN = T.dynamic("H0N"), T.dynamic("HTN")
     SGN, WFN, WFH = (NS, NS, Hv) if halo else T.dynamic("SGN, WFN, WFH")
     PSN, PSH = (NC, Hv) if pscores else T.dynamic("PSN, PSH")
+    assert not x_beta or (fused and save_states and not pscores), "x_beta: the fused training walk"
+    # scores_in: the stage-1 scores (pscores), beta chunk-major (x_beta), else a placeholder
+    SC_SHAPE, SC_DT = ((NC, Hv, C), acc) if x_beta else ((PSN, PSH, C, C), dtype)
     # fused: w holds Tb (64 x 64 per chunk), u holds the packed v rows (see ``fused``)
     W_SHAPE = (NC, Hv, C, C) if fused else (NC, Hv, C, K)
     U_SHAPE = (NT, Hv, V) if fused else (NC, Hv, C, V)
@@ -256,7 +271,7 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
         scale: T.float32,
         ratio: T.int32,
         trace_out: T.Tensor((TR0, TR1), "int64"),
-        scores_in: T.Tensor((PSN, PSH, C, C), dtype),
+        scores_in: T.Tensor(SC_SHAPE, SC_DT),
         seg_table: T.Tensor((SGN, 4), "int32"),
         walk_from: T.Tensor((WFN, WFH), "int32"),
     ):
@@ -276,6 +291,9 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                 o_s = T.alloc_shared((C, BV), dtype)
             nq_s = T.alloc_shared((R, C), acc)
             nk_s = T.alloc_shared((R, C), acc)
+            if x_beta:
+                bt_s = T.alloc_shared((R, C), acc)     # beta of ring slot s
+                rowb_f = T.alloc_fragment((C,), acc)
 
             if tchain:
                 St_f = T.alloc_fragment((BV, K), acc)
@@ -415,9 +433,20 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                             else:
                                 for r in T.Parallel(C):
                                     rowf_f[r] = ex(G_s[s, r])
-                            for r, j in T.Parallel(C, BV):
-                                vn_f[r, j] = T.if_then_else(
-                                    bos + r < eos, T.cast(u_s[s, r, j], acc) - rowf_f[r] * vn_f[r, j], 0.0)
+                            if x_beta:
+                                # Y = beta (v - exp(G) nk (k Sb)): beta folded into both row factors
+                                for r in T.Parallel(C):
+                                    rowb_f[r] = bt_s[s, r]
+                                for r in T.Parallel(C):
+                                    rowf_f[r] = rowf_f[r] * rowb_f[r]
+                                for r, j in T.Parallel(C, BV):
+                                    vn_f[r, j] = T.if_then_else(
+                                        bos + r < eos, T.cast(u_s[s, r, j], acc) * rowb_f[r] - rowf_f[r] * vn_f[r, j],
+                                        0.0)
+                            else:
+                                for r, j in T.Parallel(C, BV):
+                                    vn_f[r, j] = T.if_then_else(
+                                        bos + r < eos, T.cast(u_s[s, r, j], acc) - rowf_f[r] * vn_f[r, j], 0.0)
                             for r, j in T.Parallel(C, BV):
                                 vd_s[r, j] = vn_f[r, j]
                             T.fence_proxy_async()
@@ -587,6 +616,8 @@ def build_fwd_ws(dtype: str, K: int, V: int, BV: int, l2norm: bool, has_h0: bool
                         T.tma_copy(G[c0 + jc, h, :], G_s[s, :], barrier=ready[s])
                         if pscores:
                             T.tma_copy(scores_in[c0 + jc, h, :, :], P_s[s, :, :], barrier=ready[s])
+                        if x_beta:
+                            T.tma_copy(scores_in[c0 + jc, h, :], bt_s[s, :], barrier=ready[s])
                         T.barrier_arrive(ready[s])
 
     return gdn_fwd_recurrent_ws

@@ -75,7 +75,7 @@ COMPACT_CTAS_PER_SM = 5
 def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_x: bool,
                 tb_only: bool = False, scores: bool = False, head_major: bool = False, threads: int = 128,
                 hw_ex2: bool = False, compact: bool = False, inv_mma: bool = False, uniform: bool = False,
-                persist: bool = False):
+                persist: bool = False, x_beta: bool = False):
     """``tb_only`` (the fused forward, ``chunk_fwd_ws_sm90`` with ``fused=True``): no v, w or u; the CTA
     writes ``Tb = X diag(beta)`` ``[NC, Hv, 64, 64]`` in the input dtype (the fused recurrence forms
     ``v_new = Tb (v - diag(exp(G) n) k S)`` itself) and ``G``.  Signature
@@ -115,6 +115,12 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     walks chunks ``p, p + nprog, ...`` of value head h, and issues the next chunk's k-tile TMA load and its gate /
     beta loads (into registers) as soon as this chunk's ``k k^T`` has read the k tile, so they fly while A, the
     inverse and Tb are formed.  Tb, X and G go to global memory straight from the X tile (no staging tile).
+
+    ``x_beta`` (with ``tb_only`` and ``save_x``; ``FLASHQLA_TILELANG_TRAIN_XBETA=1``, session 37, off until measured):
+    the fused training forward's stage 1 writes X and, in ``Tb_out``'s place, beta chunk-major ``[NC, Hv, 64]`` fp32
+    (zero past a sequence's end), not Tb: the recurrence (``build_fwd_ws(x_beta=True)``) forms
+    ``v_new = X bf16(diag(beta) Y)`` from them, so each chunk and head writes 8 KB less (X is written for the
+    backward anyway).
     """
     import tilelang.language as T
 
@@ -138,6 +144,9 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
     assert not persist or (tb_only and inv_mma and not scores and not head_major and not compact), \
         "persist: the padded Tb forms (with or without X) with the tensor-core inverse"
     APAD = C if compact else PAD
+    assert not x_beta or (tb_only and save_x), "x_beta: the training Tb form (with X)"
+    # Tb_out: Tb, or with x_beta beta chunk-major (see the docstring)
+    TB_SHAPE, TB_DT = ((NC, Hv, C), acc) if x_beta else ((NC, Hv, C, C), dtype)
 
     def sw(r, j):
         # the column of A / X entry (r, j) in its tile: XOR-swizzled when compact (see the docstring)
@@ -474,7 +483,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         beta: T.Tensor((NT, Hv), beta_dtype),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
-        Tb_out: T.Tensor((NC, Hv, C, C), dtype),
+        Tb_out: T.Tensor(TB_SHAPE, TB_DT),
         X_out: T.Tensor((NC, Hv, C, C), dtype),
         G_out: T.Tensor((NC, Hv, C), acc),
         ratio: T.int32,
@@ -501,11 +510,17 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             bos, eos = chunk_bounds(c, cu_seqlens, chunk_indices)
             hq = h // ratio
             prologue_tb(k, None, g, beta, k_s, None, g_s, b_s, n_s, cw_s, A_s, X_s, kk_f, bar, bos, eos, h, hq)
-            # Tb for the fused recurrence (as gdn_fwd_intra_tb), X for the whole-V backward (as gdn_fwd_intra)
-            for r, j in T.Parallel(C, C):
-                Tb_s[r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
-                Xb_s[r, j] = T.cast(X_s[r, sw(r, j)], dtype)
-            T.copy(Tb_s, Tb_out[c, h, :, :])
+            # Tb for the fused recurrence (as gdn_fwd_intra_tb), X for the whole-V backward (as gdn_fwd_intra);
+            # x_beta: beta in Tb's place
+            if x_beta:
+                for r, j in T.Parallel(C, C):
+                    Xb_s[r, j] = T.cast(X_s[r, sw(r, j)], dtype)
+                T.copy(b_s, Tb_out[c, h, :])
+            else:
+                for r, j in T.Parallel(C, C):
+                    Tb_s[r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
+                    Xb_s[r, j] = T.cast(X_s[r, sw(r, j)], dtype)
+                T.copy(Tb_s, Tb_out[c, h, :, :])
             T.copy(Xb_s, X_out[c, h, :, :])
             T.copy(g_s, G_out[c, h, :])
 
@@ -526,7 +541,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
         beta: T.Tensor((NT, Hv), beta_dtype),
         cu_seqlens: T.Tensor((NS + 1,), "int32"),
         chunk_indices: T.Tensor((NC, 2), "int32"),
-        Tb_out: T.Tensor((NC, Hv, C, C), dtype),
+        Tb_out: T.Tensor(TB_SHAPE, TB_DT),
         X_out: T.Tensor((XN, XH, C, C), dtype),
         G_out: T.Tensor((NC, Hv, C), acc),
         ratio: T.int32,
@@ -576,8 +591,12 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
                 invert(A_s, X_s)
                 # straight to global memory (coalesced rows): a staging tile would take shared memory that four
                 # CTAs per SM do not have beside k, A and X
-                for r, j in T.Parallel(C, C):
-                    Tb_out[c, h, r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
+                if x_beta:
+                    for r in T.Parallel(C):
+                        Tb_out[c, h, r] = b_s[r]
+                else:
+                    for r, j in T.Parallel(C, C):
+                        Tb_out[c, h, r, j] = T.cast(X_s[r, sw(r, j)] * b_s[j], dtype)
                 if save_x:
                     for r, j in T.Parallel(C, C):
                         X_out[c, h, r, j] = T.cast(X_s[r, sw(r, j)], dtype)

@@ -232,16 +232,18 @@ def intra_persist_programs(num_chunks: int, Hv: int, device) -> int:
     return -(-num_chunks // per_cta)
 
 
-def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, uniform=False, persist=False):
+def intra_tb_kernel(dtype, beta_dtype, K, l2norm, scores=False, save_x=False, uniform=False, persist=False,
+                    x_beta=False):
     """Stage 1 of the fused forward: ``Tb = X diag(beta)`` and G only (``build_intra(tb_only=True)``); with
     ``scores`` also the masked, decayed scores P for the recurrence's ``pscores`` option; with ``save_x`` (the
     fused training forward) also X, for the whole-V backward.  ``uniform``: see :func:`intra_kernel`; ``persist``:
-    :func:`intra_persist` (the kernel then takes the CTAs per head, :func:`intra_persist_programs`, last)."""
+    :func:`intra_persist` (the kernel then takes the CTAs per head, :func:`intra_persist_programs`, last);
+    ``x_beta`` (with ``save_x``): beta chunk-major in Tb's place (:func:`train_xbeta`)."""
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, K, bool(l2norm), bool(save_x), True)
-    # (scores, head_major, threads, hw_ex2, compact, inv_mma)
+    # (scores, head_major, threads, hw_ex2, compact, inv_mma, uniform, persist, x_beta)
     key = _key(key, (bool(scores), False), (intra_head_major(), False), (128, 128), (hw_ex2(), False),
                (intra_compact() and not scores and not persist, False), (intra_inv_mma(), False),
-               (bool(uniform), False), (bool(persist), False))
+               (bool(uniform), False), (bool(persist), False), (bool(x_beta and save_x), False))
     name = "fwd_intra_tbx_sm90" if save_x else "fwd_intra_tbs_sm90" if scores else "fwd_intra_tb_sm90"
     return get_kernel(name, build_intra, key)
 
@@ -267,9 +269,10 @@ def _trace_arg(device, bwd: bool = False) -> torch.Tensor:
 
 
 def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=False, pscores=False,
-                  halo=False):
+                  halo=False, x_beta=False):
     """``pscores``: the caller's :func:`fwd_pscores` choice (stage 1 must have written the scores); ``halo``:
-    the grid runs over segments (:mod:`.segments`)."""
+    the grid runs over segments (:mod:`.segments`); ``x_beta``: the fused training walk on X and beta
+    (:func:`train_xbeta`)."""
     ring, nbuf = fwd_ws_layout(BV)
     fast_exp, psplit, tchain, ostage, _, astore = fwd_ws_options()
     pscores = pscores and fused         # stage 1 writes the scores in its Tb-only form only
@@ -280,7 +283,7 @@ def fwd_ws_kernel(dtype, K, V, l2norm, has_h0, store_ht, save_states, BV, fused=
     # only (see build_fwd_ws)
     flags = (bool(tchain and BV == 64 and not fused and not halo), TRACE_BUFFER is not None, bool(fused),
              bool(ostage), bool(pscores), bool(fast_exp and hw_ex2()), bool(halo),
-             bool(astore and (ostage or save_states)))
+             bool(astore and (ostage or save_states)), bool(x_beta and fused and save_states and not pscores))
     return get_kernel("fwd_recurrent_ws_sm90", build_fwd_ws, _key(key, *((f, False) for f in flags)))
 
 
@@ -377,6 +380,15 @@ def train_fused_mode() -> str:
     fwd+bwd with the GVA pair sum: 16/32 1x32768 3.131 -> 2.784 ms, 8/16 1x32768 1.645 -> 1.493, 2/4 1x32768
     0.519 -> 0.477, 16/32 4x8192 (no segments, so ``1`` and ``all`` are the same walk there) 2.732 -> 2.737."""
     return env_choice("FLASHQLA_TILELANG_TRAIN_FUSED", ("0", "1", "all"), "all")
+
+
+def train_xbeta() -> bool:
+    """``FLASHQLA_TILELANG_TRAIN_XBETA=1`` (session 37, off until measured on a GPU): the fused training forward's
+    stage 1 writes X and beta chunk-major instead of Tb and X (``build_intra(x_beta=True)``), and its walk forms
+    ``v_new = X bf16(diag(beta) Y)`` (``build_fwd_ws(x_beta=True)``): 8 KB less per chunk and head written by
+    stage 1 (~0.13 GB at 16/32 one 32k sequence, where training stage 1 took 0.221 against the inference form's
+    0.190 ms on an H100), and no Tb buffer.  ``0``: Tb and X, as before."""
+    return env_choice("FLASHQLA_TILELANG_TRAIN_XBETA", ("0", "1"), "0") == "1"
 
 
 def fwd_ws_bv(num_seqs: float, Hv: int, V: int, device) -> int:
@@ -903,17 +915,28 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     uni, persist = stage1_forms(_equal_lengths(varlen), NC)
     persist_args = (intra_persist_programs(NC, Hv, dev),) if persist else ()
 
-    def stage1_tb_forms(Tb_out, X_out=None):
+    def stage1_tb_forms(Tb_out, X_out=None, x_beta=False):
         # stage 1's Tb forms that share one signature (no q, no scores): with X for the whole-V backward (X_out
-        # given), or the persistent inference form (X a placeholder); persistent CTAs where ``persist``
+        # given), or the persistent inference form (X a placeholder); persistent CTAs where ``persist``;
+        # ``x_beta``: Tb_out is beta chunk-major [NC, Hv, 64] fp32 (train_xbeta)
         assert X_out is not None or persist
-        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=X_out is not None, uniform=uni, persist=persist)(
+        intra_tb_kernel(dt, bf.dtype, K, l2norm, save_x=X_out is not None, uniform=uni, persist=persist,
+                        x_beta=x_beta)(
             kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb_out,
             X_out if X_out is not None else dummy((1, 1, CHUNK, CHUNK), dt, dev), G, ratio, *persist_args)
 
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
-    if fused and save:
+    x_beta = fused and save and train_xbeta()
+    if x_beta:
+        # the fused training forward on X and beta (train_xbeta): the walk reads X as its w, beta chunk-major in the
+        # scores' place; no Tb
+        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        w = X
+        u = vf
+        scores = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
+        stage1_tb_forms(scores, X, x_beta=True)
+    elif fused and save:
         # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
         u = vf
@@ -979,18 +1002,20 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
                     fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, b, fused, ps, halo)(
                         *fwd_args, _trace_arg(dev), scores, *no_halo)
     else:
-        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores, split is not None)(
-            *fwd_args, _trace_arg(dev), scores, *halo_args)
+        fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, save, bv, fused, pscores, split is not None,
+                      x_beta)(*fwd_args, _trace_arg(dev), scores, *halo_args)
 
     if dev.type == "meta" and save and variant == "fused" and train_fused() and bwd_whole_ok(K, V, l2norm):
         # (precompile's key enumeration: the fused training forward's kernels, which the call path decides on the
         # device from the backward's plan)
+        xb = train_xbeta()
         Tb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        stage1_tb_forms(Tb, torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev))
+        bc = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev) if xb else scores
+        stage1_tb_forms(bc if xb else Tb, torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev), x_beta=xb)
         for b in _meta_bvs(NS, Hv, V, dev):
             for halo in (False, True):
-                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo)(
-                    qf, kf, Tb, vf, *fwd_args[4:], _trace_arg(dev), scores, *no_halo)
+                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo, xb)(
+                    qf, kf, Tb, vf, *fwd_args[4:], _trace_arg(dev), bc, *no_halo)
 
     bwd_split = None if bwd_halo is None else (bvariant, bplan.bv, *bwd_halo)
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
