@@ -94,8 +94,6 @@
 #                                                 walks fill the SMs in two uneven waves (16/48 4x8192, 8/24 4x8192)
 #   bash benchmarks/next_device_run.sh s37        session 37: GVA_ZERO=cluster, TRAIN_XBETA=1 and both, fwd+bwd graph A/B (S37_ROWS,
 #                                                 S37_VARIANTS), then their GPU tests (S37_K)
-#   bash benchmarks/next_device_run.sh pcluster   FLASHQLA_TILELANG_GVA_ZERO=cluster (session 37): fwd+bwd graph A/B host / cluster /
-#                                                 kernel (PC_ROWS, PC_VARIANTS), then their GPU tests (PC_K)
 #   bash benchmarks/next_device_run.sh dsmem      cycles per 4 KB DSMEM hand-off between a cluster's two CTAs (#8 lever 3)
 #   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off; measured no faster in session 36): the fwd+bwd
 #                                                 graph A/B (AS_ROWS), then its GPU tests (AS_K)
@@ -597,24 +595,13 @@ case "$STEP" in
   s37)
     # session 37's two switches in one fwd+bwd graph A/B (S37_ROWS): the cluster pair zeroing
     # (FLASHQLA_TILELANG_GVA_ZERO=cluster), the training forward on X and beta (FLASHQLA_TILELANG_TRAIN_XBETA=1), both;
-    # then their GPU tests (S37_K)
+    # then their GPU tests (S37_K; session 30's global-flag form is S37_VARIANTS=...;FLASHQLA_TILELANG_GVA_ZERO=kernel)
     TAIL=40 run_step "session 37 graph A/B fwdbwd" ${S37_SWEEP_S:-300} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_s37_graph_fwdbwd.json \
         --rows ${S37_ROWS:-16/32:1x32768,16/32:2x16384} \
         "--variants=${S37_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=cluster;FLASHQLA_TILELANG_TRAIN_XBETA=1;FLASHQLA_TILELANG_GVA_ZERO=cluster FLASHQLA_TILELANG_TRAIN_XBETA=1}"
     TAIL=30 run_step "session 37 GPU tests" ${S37_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py \
         -k "${S37_K:-(pair_zero and cluster and bfloat16) or (xbeta and bfloat16)}" ;;
-  pcluster)
-    # FLASHQLA_TILELANG_GVA_ZERO=cluster (session 37): the GVA pair's zeroing ahead with the pair as a 2-CTA cluster
-    # (a shared-memory count instead of global flags, no acquire), against the memset (host) and session 30's
-    # global-flag form (kernel, never measured in its relaxed-poll form): the fwd+bwd graph A/B first, then the GPU
-    # tests of both in-kernel forms (PC_K)
-    TAIL=40 run_step "pair cluster graph A/B fwdbwd" ${PC_SWEEP_S:-240} python benchmarks/sweep_variants.py \
-        --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_pair_cluster_graph_fwdbwd.json \
-        --rows ${PC_ROWS:-16/32:1x32768,16/32:2x16384,8/16:1x32768} \
-        "--variants=${PC_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=cluster;FLASHQLA_TILELANG_GVA_ZERO=kernel}"
-    TAIL=30 run_step "pair zero / cluster GPU tests" ${PC_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py \
-        -k "${PC_K:-pair_zero and bfloat16}" ;;
   halolight)
     # FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo chunks run only the chain's dS
     # (chain and part of the value role; the key role waits), ~4 halo chunks a segment at 16/32 1x32768.  The
@@ -817,7 +804,7 @@ case "$STEP" in
     TAIL=12 run_step "100-run determinism" ${DET_S:-200} $PYT tests/test_reliability.py \
         -k "bitwise_deterministic and (${DET_K:-tilelang})" ;;
   save) save_kcache ;;
-  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | dsmem | pcluster | s37 | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
+  *) echo "unknown step $STEP (gpusuite | gpusuite2 | tritonshared | sweeporder | cpw | intraorder | bwdbench | det | bwdcheck | bwdtrace | bwdex2 | ncubwd | ncusrc | bwdcp | tritongrid | flqfwdgrid | cutlasshostile | tritontests | gvasum | fused | fusedquick | ncuintra | firstcall | profile | hostprof | eagerbench | cpgraph | sweep | sweepbwd | tchain | trace | flashqla | trainfused | trainfusedall | intrainv | intrapersist | persistwalk | trainbv | intracompact | gvapair | newswitches | halostream | tlshort | fewwaves | astore | h0split | flqgridwarm | cutlassaot | cutlassseg | cutlassws | cutlassprep | cutlassgrid | cutlassshared | cutlass | memory | accept8fwd | accept8bwd | pairzero | pzab | pztests | halolight | hltests | dsmem | s37 | bwdtests | memwarm | memfwd | membwd | ncu | save)"; exit 2 ;;
 esac
 done
 pack_results

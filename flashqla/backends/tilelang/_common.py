@@ -193,19 +193,25 @@ __device__ __forceinline__ void flq_pair_publish(const void *words, long long id
   }
   __syncwarp();
 }
-// walk step `step` of a CTA of the pair (its chunk nchunks - 1 - step from c0, rows from bos0, up to eos): nothing
-// for a halo step (step < nhalo) or past the walk; else its two tiles zeroed (dq then dk) and its flag set
-__device__ __forceinline__ void flq_pair_zero_step(const void *words, const void *dq, const void *dk, int step,
-                                                   int nchunks, int nhalo, int bos0, int eos, int c0, int hq,
-                                                   int nseg, int hqk) {
-  if (step >= nchunks || step < nhalo) return;
+// walk step `step` of a CTA of the pair (its chunk nchunks - 1 - step, rows from bos0, up to eos): its two tiles
+// zeroed (dq then dk); -1 for a halo step (step < nhalo) or past the walk, which zero nothing, else the chunk
+__device__ __forceinline__ int flq_pair_zero_tiles(const void *dq, const void *dk, int step, int nchunks, int nhalo,
+                                                   int bos0, int eos, int hq, int hqk) {
+  if (step >= nchunks || step < nhalo) return -1;
   int chunk = nchunks - 1 - step;
   int row0 = bos0 + chunk * 64;
   int rows = min(eos - row0, 64);
   long long off = ((long long)row0 * hqk + hq) * 128;
   flq_zero_rows128(dq, off, (long long)hqk * 128, rows);
   flq_zero_rows128(dk, off, (long long)hqk * 128, rows);
-  flq_pair_publish(words, (long long)nseg * hqk + (long long)(c0 + chunk) * hqk + hq);
+  return chunk;
+}
+// the same step's tiles, then (chunk from c0) its flag set
+__device__ __forceinline__ void flq_pair_zero_step(const void *words, const void *dq, const void *dk, int step,
+                                                   int nchunks, int nhalo, int bos0, int eos, int c0, int hq,
+                                                   int nseg, int hqk) {
+  int chunk = flq_pair_zero_tiles(dq, dk, step, nchunks, nhalo, bos0, eos, hq, hqk);
+  if (chunk >= 0) flq_pair_publish(words, (long long)nseg * hqk + (long long)(c0 + chunk) * hqk + hq);
 }
 __device__ __forceinline__ void flq_pair_wait(const void *words, long long idx) {
   // relaxed polls (an acquire load invalidates L1 each time), one acquire fence once the flag is seen
@@ -249,13 +255,7 @@ __device__ __forceinline__ void flq_pair_cluster_init(void *count) {
 __device__ __forceinline__ void flq_pair_cluster_zero_step(void *count, const void *dq, const void *dk, int step,
                                                            int nchunks, int nhalo, int bos0, int eos, int hq,
                                                            int hqk) {
-  if (step >= nchunks || step < nhalo) return;
-  int chunk = nchunks - 1 - step;
-  int row0 = bos0 + chunk * 64;
-  int rows = min(eos - row0, 64);
-  long long off = ((long long)row0 * hqk + hq) * 128;
-  flq_zero_rows128(dq, off, (long long)hqk * 128, rows);
-  flq_zero_rows128(dk, off, (long long)hqk * 128, rows);
+  if (flq_pair_zero_tiles(dq, dk, step, nchunks, nhalo, bos0, eos, hq, hqk) < 0) return;
   __syncwarp();
   if ((threadIdx.x & 31) == 0) {
     unsigned local = (unsigned)__cvta_generic_to_shared(count), remote;
