@@ -502,7 +502,7 @@ def build_intra(dtype: str, beta_dtype: str, K: int, V: int, l2norm: bool, save_
             cw_s = T.alloc_shared((C,), acc)
             A_s = T.alloc_shared((C, APAD), acc)
             X_s = T.alloc_shared((C, APAD), acc)
-            Tb_s = T.alloc_shared((C, C), dtype)
+            Tb_s = None if x_beta else T.alloc_shared((C, C), dtype)     # (x_beta: no Tb)
             Xb_s = T.alloc_shared((C, C), dtype)
             kk_f = T.alloc_fragment((C, C), acc)
             bar = T.alloc_barrier(threads)

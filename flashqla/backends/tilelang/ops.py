@@ -928,20 +928,18 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
     x_beta = fused and save and train_xbeta()
-    if x_beta:
-        # the fused training forward on X and beta (train_xbeta): the walk reads X as its w, beta chunk-major in the
-        # scores' place; no Tb
-        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        w = X
-        u = vf
-        scores = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
-        stage1_tb_forms(scores, X, x_beta=True)
-    elif fused and save:
-        # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores
-        w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+    if fused and save:
+        # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores.  x_beta
+        # (train_xbeta): the walk reads X as its w and beta chunk-major in the scores' place; no Tb
         u = vf
         X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        stage1_tb_forms(w, X)
+        if x_beta:
+            w = X
+            scores = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
+            stage1_tb_forms(scores, X, x_beta=True)
+        else:
+            w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+            stage1_tb_forms(w, X)
     elif fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
