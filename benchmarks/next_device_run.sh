@@ -602,6 +602,10 @@ case "$STEP" in
         "--variants=${S37_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=cluster;FLASHQLA_TILELANG_TRAIN_XBETA=1;FLASHQLA_TILELANG_GVA_ZERO=cluster FLASHQLA_TILELANG_TRAIN_XBETA=1}"
     TAIL=30 run_step "session 37 GPU tests" ${S37_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py \
         -k "${S37_K:-(pair_zero and cluster and bfloat16) or (xbeta and bfloat16)}" ;;
+  xbetatests)
+    # session 38: the GPU tests of FLASHQLA_TILELANG_TRAIN_XBETA=1 alone (bf16 and f16, unsplit and over 2-chunk
+    # segments), before it becomes the default; session 37's s37 call ran out of time in its test step
+    TAIL=30 run_step "x_beta GPU tests" ${XB_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py -k "${XB_K:-xbeta}" ;;
   halolight)
     # FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo chunks run only the chain's dS
     # (chain and part of the value role; the key role waits), ~4 halo chunks a segment at 16/32 1x32768.  The
