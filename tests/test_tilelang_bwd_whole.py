@@ -738,48 +738,6 @@ def test_whole_pair_zero_lowers():
         build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=False, pair_zero=True)
 
 
-@pytest.mark.compile
-@pytest.mark.parametrize("halo", [False, True], ids=["walk", "segments"])
-def test_whole_pair_cluster_lowers(halo):
-    # FLASHQLA_TILELANG_GVA_ZERO=cluster (build_bwd_whole(pair_zero=True, pair_cluster=True)), as the backend builds
-    # it: a launch in clusters of 2 along the value heads; the count's init (with its cluster barrier) once, the
-    # zeroing step before the walk and in it, the wait once; no ticket and no global flag.  In the SASS: the only
-    # L1 invalidation is the one cluster barrier's at the start (every acquire compiles to CCTL.IVALL, session 30's
-    # cost), the signal is a release fence and one atomic on the peer's shared memory (mapa), and the reductions
-    # stay bf16x2 pairs with the wgmma pipelined (check_ws_kernel)
-    if not HAVE_TILELANG:
-        pytest.skip("tilelang is not importable here")
-    import tilelang
-
-    from flashqla.backends.tilelang._compile import TARGET
-    from flashqla.backends.tilelang.chunk_bwd_whole_sm90 import build_bwd_whole
-    from test_backend_tilelang import kernel_sass
-
-    func = build_bwd_whole("bfloat16", "bfloat16", 128, 128, halo, halo, hw_ex2=True, halo=halo, gva_pair=True,
-                           pair_zero=True, pair_cluster=True)
-    assert '"cluster_dims": [2, 1, 1]' in func.script()
-    kern = tilelang.compile(func, out_idx=None, target=TARGET)
-    check_ws_kernel(kern, f"bwd_whole gva_pair pair_cluster halo={halo}")
-    src = kern.get_kernel_source()
-    body = src[src.index("__global__"):]
-    assert body.count("flq_pair_cluster_init(") == 1
-    assert body.count("flq_pair_cluster_zero_step(") == 2
-    assert body.count("flq_pair_cluster_wait(") == 1
-    assert body.count("flq_cluster_rank(") == 1
-    for gone in ("flq_pair_ticket(", "flq_pair_wait(", "flq_pair_zero_step("):
-        assert gone not in body, gone
-    _check_pair_calls(src, "flq_red_pair_bf16", {"dq_out", "dk_out"}, 6, range(256, 384), random.Random(3))
-    sass = kernel_sass(kern)
-    if sass is not None:
-        assert len(re.findall(r"\bCCTL\.IVALL", sass)) == 1
-        assert len(re.findall(r"\bMEMBAR\.ALL\.GPU", sass)) == 3     # the barrier's release, the two zero steps'
-        assert len(re.findall(r"ATOMG", sass)) == 0
-        assert len(re.findall(r"STG\.E\.128 desc\[\w+\]\[R\d+\.64\], RZ", sass)) >= 2
-        assert len(re.findall(r"REDG\.E\.ADD\.BF16x2\.RN", sass)) >= 128
-    with pytest.raises(AssertionError, match="pair_cluster"):
-        build_bwd_whole("bfloat16", "bfloat16", 128, 128, False, False, gva_pair=True, pair_cluster=True)
-
-
 def test_pair_zero_switch(monkeypatch):
     from flashqla.backends.tilelang import ops
 
@@ -787,8 +745,6 @@ def test_pair_zero_switch(monkeypatch):
     assert ops.pair_rows_mode() == "host"
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
     assert ops.pair_rows_mode() == "kernel"
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "cluster")
-    assert ops.pair_rows_mode() == "cluster"
     # (store, session 31, removed in session 33: wrong gradients on an H100)
     for bad in ("sometimes", "store"):
         monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", bad)
@@ -800,33 +756,26 @@ def test_pair_zero_switch(monkeypatch):
     assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, False) == base
     assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, True) == \
         base + (True,)
-    # cluster: after pair_zero and light_halo (False where the halo steps are whole)
-    assert ops.bwd_whole_kernel(torch.bfloat16, torch.bfloat16, 128, 128, False, False, True, True, True, True) == \
-        base + (True, False, True)
 
 
 @pytest.mark.gpu
 @needs_sm90
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("mode", ["kernel", "cluster"])
-def test_gpu_whole_pair_zero(mode, dtype, monkeypatch):
+def test_gpu_whole_pair_zero(dtype, monkeypatch):
     # FLASHQLA_TILELANG_GVA_ZERO=kernel: the whole-V backward zeroes the GVA pair rows itself.  The shared backward
     # cases against the oracle; then, on memory the caching allocator has just held NaN in (so a row no CTA zeroed
     # would show), against the host memset build: every gradient bitwise equal (the same two adds onto +0; a
     # compiler's last-bit difference in the other roles is allowed within 1e-5 and printed), over the plain walk
     # with more CTAs than SMs (so some pairs are not resident together: the ticket decides who zeroes) and the walk
-    # in segments with halos of different lengths per head; and 20 runs bitwise equal.  ``cluster``: the same with
-    # each pair a 2-CTA cluster (co-resident by construction; the count is of each walk's own steps, so the halos'
-    # different lengths per head are what the segment case checks)
+    # in segments with halos of different lengths per head; and 20 runs bitwise equal
     from flashqla.backends.tilelang import _compile
 
     monkeypatch.setenv("FLASHQLA_TILELANG_GVA", "pair")
-    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", mode)
+    monkeypatch.setenv("FLASHQLA_TILELANG_GVA_ZERO", "kernel")
     gpu_backward_matches_oracle("whole", "bwd_whole_sm90", dtype, monkeypatch)
-    # (the key's pair_zero flag, then light_halo and pair_cluster: ops.bwd_whole_kernel)
-    want = (True,) if mode == "kernel" else (True, False, True)
-    assert any(n == "bwd_whole_sm90" and k[11:] == want for n, k in _compile.cached_kernels()), \
-        f"the pair-zero ({mode}) kernel did not run"
+    # (the key's pair_zero flag: ops.bwd_whole_kernel)
+    assert any(n == "bwd_whole_sm90" and k[11:13] == (True,) for n, k in _compile.cached_kernels()), \
+        "the pair-zero kernel did not run"
 
     cases = [
         (Case("pair_zero_many_ctas", 48, 96, 128, 128, seqlens=(700, 64, 1, 333, 0, 129)), {}),
@@ -836,7 +785,7 @@ def test_gpu_whole_pair_zero(mode, dtype, monkeypatch):
     for case, env in cases:
         for name, val in env.items():
             monkeypatch.setenv(name, val)
-        gpu_switch_bitwise(case, dtype, monkeypatch, "FLASHQLA_TILELANG_GVA_ZERO", "host", mode)
+        gpu_switch_bitwise(case, dtype, monkeypatch, "FLASHQLA_TILELANG_GVA_ZERO", "host", "kernel")
         for name in env:
             monkeypatch.delenv(name)
 

@@ -193,25 +193,19 @@ __device__ __forceinline__ void flq_pair_publish(const void *words, long long id
   }
   __syncwarp();
 }
-// walk step `step` of a CTA of the pair (its chunk nchunks - 1 - step, rows from bos0, up to eos): its two tiles
-// zeroed (dq then dk); -1 for a halo step (step < nhalo) or past the walk, which zero nothing, else the chunk
-__device__ __forceinline__ int flq_pair_zero_tiles(const void *dq, const void *dk, int step, int nchunks, int nhalo,
-                                                   int bos0, int eos, int hq, int hqk) {
-  if (step >= nchunks || step < nhalo) return -1;
+// walk step `step` of a CTA of the pair (its chunk nchunks - 1 - step from c0, rows from bos0, up to eos): nothing
+// for a halo step (step < nhalo) or past the walk; else its two tiles zeroed (dq then dk) and its flag set
+__device__ __forceinline__ void flq_pair_zero_step(const void *words, const void *dq, const void *dk, int step,
+                                                   int nchunks, int nhalo, int bos0, int eos, int c0, int hq,
+                                                   int nseg, int hqk) {
+  if (step >= nchunks || step < nhalo) return;
   int chunk = nchunks - 1 - step;
   int row0 = bos0 + chunk * 64;
   int rows = min(eos - row0, 64);
   long long off = ((long long)row0 * hqk + hq) * 128;
   flq_zero_rows128(dq, off, (long long)hqk * 128, rows);
   flq_zero_rows128(dk, off, (long long)hqk * 128, rows);
-  return chunk;
-}
-// the same step's tiles, then (chunk from c0) its flag set
-__device__ __forceinline__ void flq_pair_zero_step(const void *words, const void *dq, const void *dk, int step,
-                                                   int nchunks, int nhalo, int bos0, int eos, int c0, int hq,
-                                                   int nseg, int hqk) {
-  int chunk = flq_pair_zero_tiles(dq, dk, step, nchunks, nhalo, bos0, eos, hq, hqk);
-  if (chunk >= 0) flq_pair_publish(words, (long long)nseg * hqk + (long long)(c0 + chunk) * hqk + hq);
+  flq_pair_publish(words, (long long)nseg * hqk + (long long)(c0 + chunk) * hqk + hq);
 }
 __device__ __forceinline__ void flq_pair_wait(const void *words, long long idx) {
   // relaxed polls (an acquire load invalidates L1 each time), one acquire fence once the flag is seen
@@ -226,57 +220,6 @@ __device__ __forceinline__ void flq_pair_wait(const void *words, long long idx) 
 }
 """
 
-
-# The GVA pair's zeroing with the pair as a 2-CTA cluster (``build_bwd_whole(pair_zero=True, pair_cluster=True)``,
-# ``FLASHQLA_TILELANG_GVA_ZERO=cluster``; imported after PAIR_ZERO_SRC, whose row zeroing it uses).  Rank 0 (the even
-# value head) zeroes; its signal is one add onto a count in rank 1's shared memory, which rank 1 polls locally.
-# No global flags, no tickets and no acquire anywhere in the walk: on sm_90a every acquire, a fence or a load,
-# is a CCTL.IVALL of the SM's L1 (checked in the SASS; session 30 measured that form +0.28 ms), and here no one
-# reads the zeroed rows through L1: rank 1 only adds onto them (red, at L2), issued after its poll saw the count
-# that rank 0 raised after its release fence (MEMBAR.GPU: the zero stores have reached L2).
-PAIR_CLUSTER_SRC = """
-__device__ __forceinline__ int flq_cluster_rank() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-  return (int)r;
-}
-// every thread of both CTAs, once, before the roles: the count zeroed, then a cluster barrier, so rank 0's first
-// add lands on a zeroed count of a CTA that has started
-__device__ __forceinline__ void flq_pair_cluster_init(void *count) {
-  unsigned size;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(size));
-  if (size != 2u) __trap();   // launched without its clusters: an error, not a race on the pair's rows
-  if (threadIdx.x == 0) *(volatile unsigned *)count = 0u;
-  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
-  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
-}
-// rank 0, walk step `step`: nothing for a halo step or past the walk; else the step's dq / dk rows zeroed, then
-// (the warp's stores ordered before lane 0's release fence by the warp barrier) rank 1's count raised by one
-__device__ __forceinline__ void flq_pair_cluster_zero_step(void *count, const void *dq, const void *dk, int step,
-                                                           int nchunks, int nhalo, int bos0, int eos, int hq,
-                                                           int hqk) {
-  if (flq_pair_zero_tiles(dq, dk, step, nchunks, nhalo, bos0, eos, hq, hqk) < 0) return;
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) {
-    unsigned local = (unsigned)__cvta_generic_to_shared(count), remote;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, 1;" : "=r"(remote) : "r"(local));
-    asm volatile("fence.release.cluster;" ::: "memory");
-    asm volatile("red.relaxed.cluster.shared::cluster.add.u32 [%0], 1;" :: "r"(remote) : "memory");
-  }
-  __syncwarp();
-}
-// rank 1: until rank 0 has zeroed `target` of the walk's own (non-halo) steps; relaxed polls of its own shared
-// memory (LDS, no L1 invalidation)
-__device__ __forceinline__ void flq_pair_cluster_wait(void *count, int target) {
-  if ((threadIdx.x & 31) == 0) {
-    unsigned local = (unsigned)__cvta_generic_to_shared(count), v;
-    do {
-      asm volatile("ld.relaxed.cluster.shared::cta.u32 %0, [%1];" : "=r"(v) : "r"(local) : "memory");
-    } while ((int)v < target);
-  }
-  __syncwarp();
-}
-"""
 
 # ``ex2.approx.ftz.f32`` as a device function (``T.import_source(EX2_APPROX_SRC)`` in the kernel, then
 # ``T.call_extern("float32", "flq_ex2_approx", x)``).  TileLang's ``T.exp2`` (and ``T.__exp``) compile to

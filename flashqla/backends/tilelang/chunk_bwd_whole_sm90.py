@@ -102,21 +102,14 @@ The sums are the same two adds onto +0 as with the memset.  The words (tickets, 
 query/key head), zero at launch) travel in the int64 ``trace_out`` parameter (so the build without it keeps its
 signature and its cached kernels); ``trace`` and ``pair_zero`` are exclusive.
 
-``pair_cluster`` (with ``pair_zero``; ``FLASHQLA_TILELANG_GVA_ZERO=cluster``, session 37): the same zeroing ahead, with
-each GVA pair's two CTAs launched as a 2-CTA cluster along the value heads (``(2h, n)`` and ``(2h + 1, n)``: the
-same segment), so no ticket and no global word.  Rank 0 (the even head) zeroes; after each step's rows its zero
-warp's lane 0 issues a release fence (``MEMBAR.GPU``: the stores have reached L2) and adds one onto a count in rank
-1's shared memory (``mapa`` + ``red.shared::cluster``).  Rank 1's zero warp polls its own count (relaxed LDS) until
-it covers the step, counting only the walk's own steps (the two heads' halos may differ in length; both walks take
-the segment's chunks in the same order).  No acquire: on sm_90a each one, fence or load, is a ``CCTL.IVALL`` of the
-SM's L1, the likely cost of session 30's form; rank 1 never reads the zeroed rows through L1, its reductions are
-performed at L2 and issued after the poll saw the count.  All 512 threads of both CTAs zero the count and pass one
-cluster barrier before the roles start; a launch without clusters traps.  The two CTAs of a cluster are
-co-resident by construction, and rank 0 waits on nothing of rank 1's, so no grid size can hang it.
-
 A third form, ``pair_store`` (session 31: no zeroing, the pair's first CTA storing its rows and the other adding
 after a flag per chunk), was removed in session 33: on an H100 its gradients differed from the memset build's
 (relative L2 0.25) and the kernel took 2.133 against 1.784 ms at 16/32 one 32k sequence.
+A fourth, ``pair_cluster`` (session 37: the same zeroing ahead with each pair's two CTAs as a 2-CTA cluster, the
+signal a release fence and an add onto a count in the other CTA's shared memory, so no global flag and no acquire),
+was removed in session 38: on an H100 the kernel took 2.090 against the memset build's 1.768 ms at 16/32 one 32k
+sequence (fwd+bwd CUDA graph 2.965 against 2.747 ms with the memset; session 38 run 1).  Zeroing in the kernel has
+now cost ~0.3 ms in both signalling forms, ~4x the 0.083 ms memset it removes.
 """
 
 CHUNK = 64
@@ -151,8 +144,7 @@ NREGS = (160, 168, 160, 24)
 
 def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, need_dh0: bool,
                     trace: bool = False, nregs=None, hw_ex2: bool = False, halo: bool = False,
-                    gva_pair: bool = False, pair_zero: bool = False, light_halo: bool = False,
-                    pair_cluster: bool = False):
+                    gva_pair: bool = False, pair_zero: bool = False, light_halo: bool = False):
     """``trace`` (diagnostics): clock64 stamps of ``TRACE_EVENTS`` into the ``trace_out`` parameter (a placeholder
     the kernel never touches otherwise); ``nregs``: setmaxnreg per role (default ``NREGS``); ``hw_ex2``: the
     exponentials as one ``ex2.approx.ftz`` each instead of ``exp2f`` (``_common.EX2_APPROX_SRC``: ~400 fewer
@@ -161,17 +153,13 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
     kernel (the docstring; the launch must have Hv = 2 Hqk and zeroed ``dq`` / ``dk``); ``pair_zero`` (with
     ``gva_pair``, without ``trace``): the kernel zeroes those rows itself, ``trace_out`` then carries the pair's
     words, zeroed (the docstring's last section); ``light_halo`` (with ``halo``, without ``trace``): halo steps run
-    only what the chain needs (the docstring's ``light_halo``); ``pair_cluster`` (with ``pair_zero``): each GVA pair's
-    two CTAs run as a 2-CTA cluster, rank 0 zeroes and signals rank 1 through its shared memory (the docstring's
-    ``pair_cluster``; ``trace_out`` is then a placeholder)."""
+    only what the chain needs (the docstring's ``light_halo``)."""
     import tilelang.language as T
 
-    from ._common import (EX2_APPROX_SRC, PAIR_CLUSTER_SRC, PAIR_ZERO_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows,
-                          symbolic_sizes)
+    from ._common import EX2_APPROX_SRC, PAIR_ZERO_SRC, RED_PAIR_SRC, ex2_approx, make_grad_rows, symbolic_sizes
 
     assert not pair_zero or (gva_pair and not trace), "pair_zero needs gva_pair and no trace"
     assert not light_halo or (halo and not trace), "light_halo needs halo and no trace"
-    assert not pair_cluster or pair_zero, "pair_cluster needs pair_zero"
     light = light_halo
 
     C = CHUNK
@@ -208,14 +196,10 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         # every wgmma of the kernel (its accumulators live across the branch; session 18, lowering for sm_90a)
         return T.if_then_else(i >= nhalo, eos, bos) if halo and not light else eos
 
-    def zero_step(words, dq_out, dk_out, j, nchunks, nhalo, bos0, eos, c0, hq, nseg, hqk, count=None):
+    def zero_step(words, dq_out, dk_out, j, nchunks, nhalo, bos0, eos, c0, hq, nseg, hqk):
         # pair_zero, the ticket-0 CTA: walk step j's dq / dk rows of the pair zeroed, then its flag set (the
         # arithmetic in the helper: in TileLang's int64 forms the producer warpgroup's 24 registers spilled).  A
-        # plain function, not a T.macro: a macro's parameter names rename the kernel's symbolic sizes.
-        # pair_cluster: rank 0, the signal an add onto rank 1's shared count
-        if pair_cluster:
-            return T.call_extern("handle", "flq_pair_cluster_zero_step", count.access_ptr("rw"), dq_out.data,
-                                 dk_out.data, j, nchunks, nhalo, bos0, eos, hq, hqk)
+        # plain function, not a T.macro: a macro's parameter names rename the kernel's symbolic sizes
         return T.call_extern("handle", "flq_pair_zero_step", words.data, dq_out.data, dk_out.data, j, nchunks,
                              nhalo, bos0, eos, c0, hq, nseg, hqk)
 
@@ -279,11 +263,11 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
         seg_table: T.Tensor((SGN, 4), "int32"),
         walk_end: T.Tensor((WEN, WEH), "int32"),
     ):
-        with T.Kernel(Hv, NS, threads=512, cluster_dims=(2, 1, 1) if pair_cluster else None) as (hv, n):
+        with T.Kernel(Hv, NS, threads=512) as (hv, n):
             # (one import per kernel: a second one is an annotation clash)
             if hw_ex2 or gva_pair:
                 T.import_source((EX2_APPROX_SRC if hw_ex2 else "") + (RED_PAIR_SRC if gva_pair else "")
-                                + (PAIR_ZERO_SRC if pair_zero else "") + (PAIR_CLUSTER_SRC if pair_cluster else ""))
+                                + (PAIR_ZERO_SRC if pair_zero else ""))
             # ---- input tiles (TMA), single-buffered
             q_s = T.alloc_shared((C, K), dtype)
             k_s = T.alloc_shared((C, K), dtype)
@@ -355,12 +339,6 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
             vec_ready = T.alloc_barrier(arrive_count=[256, 256])
             if pair_zero:
                 zero_ready = T.alloc_barrier(arrive_count=32)     # zero -> key: this step's pair rows are ready
-            zcount = None
-            if pair_cluster:
-                # rank 1's count of the steps rank 0 has zeroed (rank 0's own is unused); zeroed, then a cluster
-                # barrier over all 512 threads of both CTAs, before any role starts
-                zcount = T.alloc_shared((4,), "int32")
-                T.call_extern("handle", "flq_pair_cluster_init", zcount.access_ptr("rw"))
 
             tx = T.get_thread_binding()
             # (gva_pair: ratio 2 by contract, a shift instead of a signed division in every reduction's address)
@@ -943,33 +921,22 @@ def build_bwd_whole(dtype: str, beta_dtype: str, K: int, V: int, has_dht: bool, 
                             znc = chunk_offsets[n + 1] - zc0
                         zhq = hv // 2
                         ticket = T.alloc_var("int32")
-                        if pair_cluster:
-                            # (the cluster's rank: the even value head of the pair zeroes)
-                            ticket = T.call_extern("int32", "flq_cluster_rank")
-                        else:
-                            ticket = T.call_extern("int32", "flq_pair_ticket", trace_out.data,
-                                                   T.cast(n * Hqk + zhq, "int64"))
+                        ticket = T.call_extern("int32", "flq_pair_ticket", trace_out.data,
+                                               T.cast(n * Hqk + zhq, "int64"))
                         if ticket == 0:
                             for j in T.serial(ZERO_AHEAD):
-                                zero_step(trace_out, dq_out, dk_out, j, znc, zhalo, zb0, zeos, zc0, zhq, NS, Hqk,
-                                          zcount)
+                                zero_step(trace_out, dq_out, dk_out, j, znc, zhalo, zb0, zeos, zc0, zhq, NS, Hqk)
                         for i in T.serial(znc):
                             # (not over one phase ahead of the key role: its previous step has released k)
                             T.barrier_wait(empty_in[1], (i + 1) % 2)
                             if ticket != 0:
                                 if i >= zhalo:
-                                    if pair_cluster:
-                                        # (both walks take the segment's own chunks in the same order; their halos
-                                        # may differ in length, so the count is of own steps)
-                                        T.call_extern("handle", "flq_pair_cluster_wait", zcount.access_ptr("rw"),
-                                                      i - zhalo + 1)
-                                    else:
-                                        T.call_extern("handle", "flq_pair_wait", trace_out.data,
-                                                      T.cast(NS * Hqk + (zc0 + znc - 1 - i) * Hqk + zhq, "int64"))
+                                    T.call_extern("handle", "flq_pair_wait", trace_out.data,
+                                                  T.cast(NS * Hqk + (zc0 + znc - 1 - i) * Hqk + zhq, "int64"))
                             # this step's rows first, the zeroing ahead after: before it, the key role waited for
                             # the zeroing and its fence each step (+0.28 ms at 16/32 1x32768, session 30 run 2)
                             T.barrier_arrive(zero_ready)
                             if ticket == 0:
                                 zero_step(trace_out, dq_out, dk_out, i + ZERO_AHEAD, znc, zhalo, zb0, zeos, zc0, zhq,
-                                          NS, Hqk, zcount)
+                                          NS, Hqk)
     return gdn_bwd_whole

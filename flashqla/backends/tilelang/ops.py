@@ -566,14 +566,12 @@ def halo_step_mode() -> str:
     return env_choice("FLASHQLA_TILELANG_HALO_STEP", ("whole", "light"), "whole")
 
 
-def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva_pair=False, pair_zero=False,
-                     pair_cluster=False):
+def bwd_whole_kernel(dtype, beta_dtype, K, V, has_dht, need_dh0, halo=False, gva_pair=False, pair_zero=False):
     key = (_tl_dtype(dtype), _tl_dtype(beta_dtype), K, V, bool(has_dht), bool(need_dh0))
     light = bool(halo) and BWD_TRACE_BUFFER is None and halo_step_mode() == "light"
-    # (trace, nregs, hw_ex2, halo, gva_pair, pair_zero, light_halo, pair_cluster)
+    # (trace, nregs, hw_ex2, halo, gva_pair, pair_zero, light_halo)
     key = _key(key, (BWD_TRACE_BUFFER is not None, False), (whole_nregs(), None), (hw_ex2("bwd_whole"), False),
-               (bool(halo), False), (bool(gva_pair), False), (bool(pair_zero), False), (light, False),
-               (bool(pair_cluster), False))
+               (bool(halo), False), (bool(gva_pair), False), (bool(pair_zero), False), (light, False))
     return get_kernel("bwd_whole_sm90", build_bwd_whole, key)
 
 
@@ -600,12 +598,10 @@ def pair_rows_mode() -> str:
     """How the whole-V backward's GVA pair-sum rows of dq / dk start (``FLASHQLA_TILELANG_GVA_ZERO``): ``host``
     (default: the host's memset before the launch, 0.083 ms of 2.8 at 16/32 one 32k sequence, H100 session 29 run
     3), ``kernel`` (``build_bwd_whole(pair_zero=True)``: one CTA of each pair zeroes a step's rows two steps ahead
-    and sets a flag, the other waits on it; measured slower in session 30), ``cluster``
-    (``build_bwd_whole(pair_zero=True, pair_cluster=True)``, session 37: the same zeroing ahead with each pair's two
-    CTAs as a 2-CTA cluster, the signal an add onto a count in the other CTA's shared memory instead of a global flag;
-    not yet measured).  A ``store`` form (no zeroing: the pair's first CTA stored, the other added after a flag per
-    chunk) was removed in session 33: on an H100 its gradients were wrong and its kernel 0.35 ms slower."""
-    return env_choice("FLASHQLA_TILELANG_GVA_ZERO", ("host", "kernel", "cluster"), "host")
+    and sets a flag, the other waits on it; measured slower in session 30).  A ``store`` form (no zeroing: the
+    pair's first CTA stored, the other added after a flag per chunk) was removed in session 33: on an H100 its
+    gradients were wrong and its kernel 0.35 ms slower."""
+    return env_choice("FLASHQLA_TILELANG_GVA_ZERO", ("host", "kernel"), "host")
 
 
 def _grad_rows_buffer(pair: bool, NT: int, Hqk: int, Hv: int, D: int, dtype, device,
@@ -643,8 +639,7 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     pair = gva_in_kernel(ratio)[0]
     # (the trace stamps and the pair's words share the kernel's one int64 parameter)
     mode = pair_rows_mode() if pair and BWD_TRACE_BUFFER is None else "host"
-    pair_zero = mode in ("kernel", "cluster")
-    pair_cluster = mode == "cluster"
+    pair_zero = mode == "kernel"
     dq_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev, zeroed=mode == "host")
     dk_h = _grad_rows_buffer(pair, NT, Hqk, Hv, K, dt, dev, zeroed=mode == "host")
     dv = torch.empty(NT, Hv, V, dtype=dt, device=dev)
@@ -652,19 +647,19 @@ def _backward_whole(q, k, v, beta, G, X, hs, vn, meta, shape, scale, dof, dhtf, 
     db = torch.empty(NT, Hv, dtype=f32, device=dev)
     if dev.type == "meta":
         # (precompile's key enumeration: also the walk over segments)
-        bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True, pair, pair_zero, pair_cluster)
+        bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, True, pair, pair_zero)
     if split is not None:
         tables, ends = split
         walk_cu, walk_co, halo_args = tables.cu_seqlens, tables.chunk_offsets, (tables.seg_table_bwd, ends)
     else:
         walk_cu, walk_co = meta.cu_seqlens, meta.chunk_offsets
         halo_args = (dummy((1, 4), torch.int32, dev), dummy((1, 1), torch.int32, dev))
-    if mode == "kernel":
+    if mode != "host":
         # a ticket per (grid sequence or segment, query/key head), then a flag per (chunk, query/key head)
         words = torch.zeros((walk_cu.numel() - 1) * Hqk + G.shape[0] * Hqk, 1, dtype=torch.int64, device=dev)
     else:
         words = _trace_arg(dev, bwd=True)
-    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None, pair, pair_zero, pair_cluster)(
+    bwd_whole_kernel(dt, beta.dtype, K, V, has_dht, has_h0, split is not None, pair, pair_zero)(
         q, k, v, beta, dof, G, X, hs, vn, walk_cu, walk_co, dhtf,
         dq_h, dk_h, dv, dg, db, dh0, words, float(scale), ratio, *halo_args)
     dq = _grad_rows_total(dq_h, pair, ratio, dt)
