@@ -607,6 +607,10 @@ case "$STEP" in
     # session 38: the GPU tests of FLASHQLA_TILELANG_TRAIN_XBETA=1 alone (bf16 and f16, unsplit and over 2-chunk
     # segments), before it becomes the default; session 37's s37 call ran out of time in its test step
     TAIL=30 run_step "x_beta GPU tests" ${XB_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py -k "${XB_K:-xbeta}" ;;
+  xbetaon)
+    # after xbetatests: the steps after this one run with FLASHQLA_TILELANG_TRAIN_XBETA=1 where those tests passed
+    if [ "${RUN_RC:-1}" = 0 ]; then export FLASHQLA_TILELANG_TRAIN_XBETA=1; echo "== TRAIN_XBETA=1 from here on"
+    else echo "== the x_beta tests did not pass (exit ${RUN_RC:-none}): TRAIN_XBETA stays off"; fi ;;
   halolight)
     # FLASHQLA_TILELANG_HALO_STEP=light (session 34): the whole-V backward's halo chunks run only the chain's dS
     # (chain and part of the value role; the key role waits), ~4 halo chunks a segment at 16/32 1x32768.  The
