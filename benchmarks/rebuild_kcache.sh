@@ -35,6 +35,9 @@ for dt in bfloat16 float16; do
 done
 FLASHQLA_TILELANG_EX2=approx pre --modes fwd --dtypes bfloat16 --beta-dtypes bfloat16 --flags h0=0,l2norm=0,grad=0 \
     --kernels fwd_intra_tb,fwd_recurrent_ws
+# the X-and-beta training forward (FLASHQLA_TILELANG_TRAIN_XBETA=1, off until its GPU test has run: xbetatests);
+# the other forward keys this records are the defaults' and already built above
+FLASHQLA_TILELANG_TRAIN_XBETA=1 pre --modes fwd --flags l2norm=0 --kernels fwd_intra_tb,fwd_recurrent_ws
 python - <<'PY'
 # the traced whole backward (benchmarks/trace_bwd_fused.py), built the way ops.bwd_whole_kernel builds it
 from flashqla.backends.tilelang._compile import get_kernel
