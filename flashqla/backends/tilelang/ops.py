@@ -920,21 +920,25 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
             kf, gf, bf, meta.cu_seqlens, meta.chunk_indices, Tb_out,
             X_out if X_out is not None else dummy((1, 1, CHUNK, CHUNK), dt, dev), G, ratio, *persist_args)
 
+    def training_stage1():
+        # the fused training forward's stage 1: (w, X, scores) for its walk, X for the whole-V backward.  w is Tb
+        # and scores a placeholder, or (train_xbeta) w is X itself and beta chunk-major [NC, Hv, 64] fp32 takes
+        # the scores' place (no Tb)
+        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        if train_xbeta():
+            beta_chunks = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
+            stage1_tb_forms(beta_chunks, X, x_beta=True)
+            return X, X, beta_chunks
+        Tb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
+        stage1_tb_forms(Tb, X)
+        return Tb, X, dummy((1, 1, CHUNK, CHUNK), dt, dev)
+
     scores = dummy((1, 1, CHUNK, CHUNK), dt, dev)     # the recurrence's last parameter, unless pscores
     pscores = False
     x_beta = fused and save and train_xbeta()
     if fused and save:
-        # the fused training forward: Tb for the recurrence, X for the whole-V backward; no scores.  x_beta
-        # (train_xbeta): the walk reads X as its w and beta chunk-major in the scores' place; no Tb
         u = vf
-        X = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        if x_beta:
-            w = X
-            scores = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev)
-            stage1_tb_forms(scores, X, x_beta=True)
-        else:
-            w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-            stage1_tb_forms(w, X)
+        w, X, scores = training_stage1()
     elif fused:
         # w is Tb [NC, Hv, 64, 64] and u is v itself (see build_fwd_ws(fused=True))
         w = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
@@ -1001,14 +1005,12 @@ def forward(q, k, v, g, beta, scale: float, h0, varlen, output_final_state: bool
     if dev.type == "meta" and save and variant == "fused" and train_fused() and bwd_whole_ok(K, V, l2norm):
         # (precompile's key enumeration: the fused training forward's kernels, which the call path decides on the
         # device from the backward's plan)
-        xb = train_xbeta()
-        Tb = torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev)
-        bc = torch.empty(NC, Hv, CHUNK, dtype=torch.float32, device=dev) if xb else scores
-        stage1_tb_forms(bc if xb else Tb, torch.empty(NC, Hv, CHUNK, CHUNK, dtype=dt, device=dev), x_beta=xb)
+        train_w, _, train_scores = training_stage1()
         for b in _meta_bvs(NS, Hv, V, dev):
             for halo in (False, True):
-                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo, xb)(
-                    qf, kf, Tb, vf, *fwd_args[4:], _trace_arg(dev), bc, *no_halo)
+                fwd_ws_kernel(dt, K, V, l2norm, has_h0, output_final_state, True, b, True, False, halo,
+                              train_xbeta())(qf, kf, train_w, vf, *fwd_args[4:], _trace_arg(dev), train_scores,
+                                             *no_halo)
 
     bwd_split = None if bwd_halo is None else (bvariant, bplan.bv, *bwd_halo)
     return FwdResult(o.reshape(B, T, Hv, V), ht if output_final_state else None, w, u, G,
