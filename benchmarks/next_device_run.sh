@@ -93,8 +93,8 @@
 #   bash benchmarks/next_device_run.sh fewwaves   FLASHQLA_TILELANG_FEW_WAVES=1 (session 24, off): forward A/B on the rows whose
 #                                                 walks fill the SMs in two uneven waves (16/48 4x8192, 8/24 4x8192)
 #   bash benchmarks/next_device_run.sh s37        session 37: TRAIN_XBETA=0 / 1 fwd+bwd graph A/B (S37_ROWS, S37_VARIANTS; the
-#                                                 cluster zeroing it also took was removed in session 38), then its GPU tests
-#   bash benchmarks/next_device_run.sh xbetatests the TRAIN_XBETA GPU tests alone (XB_K)
+#                                                 cluster zeroing it also took was removed in session 38), then xbetatests
+#   bash benchmarks/next_device_run.sh xbetatests the TRAIN_XBETA GPU tests alone (XB_K, XB_TEST_S)
 #   bash benchmarks/next_device_run.sh dsmem      cycles per 4 KB DSMEM hand-off between a cluster's two CTAs (#8 lever 3)
 #   bash benchmarks/next_device_run.sh astore     WS option astore (session 24, off; measured no faster in session 36): the fwd+bwd
 #                                                 graph A/B (AS_ROWS), then its GPU tests (AS_K)
@@ -595,17 +595,15 @@ case "$STEP" in
         "--variants=${PZ_VARIANTS:--;FLASHQLA_TILELANG_GVA_ZERO=kernel}" ;;
   s37)
     # session 37's training forward on X and beta (FLASHQLA_TILELANG_TRAIN_XBETA) in a fwd+bwd graph A/B (S37_ROWS; the
-    # cluster pair zeroing it also took was removed in session 38: +0.22 ms), then its GPU tests (S37_K; session 30's
+    # cluster pair zeroing it also took was removed in session 38: +0.22 ms), then its GPU tests (xbetatests; session 30's
     # global-flag zeroing is S37_VARIANTS=...;FLASHQLA_TILELANG_GVA_ZERO=kernel)
     TAIL=40 run_step "session 37 graph A/B fwdbwd" ${S37_SWEEP_S:-300} python benchmarks/sweep_variants.py \
         --backend tilelang --mode fwdbwd --graph --out $OUT/sweep_s37_graph_fwdbwd.json \
         --rows ${S37_ROWS:-16/32:1x32768,16/32:2x16384} \
-        "--variants=${S37_VARIANTS:-FLASHQLA_TILELANG_TRAIN_XBETA=0;FLASHQLA_TILELANG_TRAIN_XBETA=1}"
-    TAIL=30 run_step "session 37 GPU tests" ${S37_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py \
-        -k "${S37_K:-xbeta and bfloat16}" ;;
+        "--variants=${S37_VARIANTS:-FLASHQLA_TILELANG_TRAIN_XBETA=0;FLASHQLA_TILELANG_TRAIN_XBETA=1}" ;&
   xbetatests)
-    # session 38: the GPU tests of FLASHQLA_TILELANG_TRAIN_XBETA=1 alone (bf16 and f16, unsplit and over 2-chunk
-    # segments), before it becomes the default; session 37's s37 call ran out of time in its test step
+    # the GPU tests of FLASHQLA_TILELANG_TRAIN_XBETA=1 (bf16 and f16, unsplit and over 2-chunk segments; XB_K
+    # selects), before it becomes the default: s37's, or alone (session 37's s37 call ran out of time in them)
     TAIL=30 run_step "x_beta GPU tests" ${XB_TEST_S:-200} $PYT tests/test_tilelang_bwd_whole.py -k "${XB_K:-xbeta}" ;;
   xbetaon)
     # after xbetatests: the steps after this one run with FLASHQLA_TILELANG_TRAIN_XBETA=1 where those tests passed
